@@ -1,0 +1,1 @@
+"""The coordinator actor, its scheduler, and worker start-up on a placement group."""

@@ -1,0 +1,295 @@
+"""The coordinator: a named async Ray actor that owns the scheduler and drives the workers.
+
+Clients call `generate` (or `generate_stream`) concurrently; one step loop batches all
+requests, sends each StepPlan to every worker and applies rank 0's sampled tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raygraph.cluster.requests import (
+    BadRequest,
+    Detokenizer,
+    encode_prompt,
+    load_tokenizer,
+    parse_params,
+    split_prompts,
+)
+from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
+from raygraph.config import ModelConfig, ServeConfig
+from raygraph.memory.pages import BlockPool
+from raygraph.protocol import GenerateResult, StreamDelta, WorkerInfo
+from raygraph.worker.worker import Worker
+
+log = logging.getLogger("raygraph.coordinator")
+
+# Passed to every worker: NVLink multicast must stay off on shared hosts.
+FORWARDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                 "RAYGRAPH_CPU_THREADS", "PYTHONPATH")
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or failed a step; the requests in flight were failed with this."""
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: Detokenizer
+    deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
+    error: str | None = None
+
+
+class Coordinator:
+    def __init__(self, cfg: ServeConfig) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        cfg.parallel.check_model(self.model_cfg)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.workers: list[Any] = []
+        self.pg = None
+        self.infos: list[WorkerInfo] = []
+        self.scheduler: Scheduler | None = None
+        self.requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.healthy = False
+        self.unhealthy_reason: str | None = None
+        self.steps = 0
+        self.tokens_generated = 0
+
+    # ---- start-up -------------------------------------------------------------------
+    async def start(self) -> dict:
+        """Place and start the workers, load the model, size the KV cache, start the loop."""
+        t0 = time.perf_counter()
+        await self._start_workers()
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        self.healthy = True
+        log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
+        return self.describe()
+
+    async def _start_workers(self) -> None:
+        cfg = self.cfg
+        world = cfg.parallel.world_size
+        gpu = cfg.device == "cuda"
+        bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
+        self.pg = placement_group(bundles, strategy="STRICT_PACK")
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeout=60)
+        except asyncio.TimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"could not place {world} workers ({bundles[0]} each) within 60 s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            ) from None
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        actor = ray.remote(Worker)
+        self.workers = [
+            actor.options(
+                num_cpus=1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
+            ).remote(cfg, i)
+            for i in range(world)
+        ]
+        addr = await self.workers[0].address.remote()
+        log.info("loading %s on %d %s worker(s) (tp=%d)", cfg.model, world, cfg.device,
+                 cfg.parallel.tp)
+        self.infos = await asyncio.gather(*(w.load.remote(addr) for w in self.workers))
+        num_blocks = min(i.num_kv_blocks for i in self.infos)
+        await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
+        bs = cfg.cache.block_size
+        limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
+        self.max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
+        self.scheduler = Scheduler(
+            BlockPool(num_blocks, bs), cfg.scheduler.max_num_seqs,
+            cfg.scheduler.max_num_batched_tokens, self.max_model_len,
+            self.model_cfg.eos_token_ids,
+        )
+
+    def describe(self) -> dict:
+        return {
+            "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
+            "tp": self.cfg.parallel.tp, "healthy": self.healthy,
+            "num_kv_blocks": self.scheduler.pool.num_blocks if self.scheduler else 0,
+            "max_model_len": getattr(self, "max_model_len", 0),
+            "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
+        }
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
+            "tokens_generated": self.tokens_generated,
+            "running": len(s.running) if s else 0, "waiting": len(s.waiting) if s else 0,
+            "kv_utilization": s.pool.utilization if s else 0.0,
+        }
+
+    # ---- client API -------------------------------------------------------------------
+    async def generate(self, prompts: Any, params: Any = None) -> list[GenerateResult]:
+        """Generate for one prompt or a list (text or token ids); results in input order.
+
+        Bad input raises BadRequest before anything is scheduled; other requests go on.
+        """
+        reqs = self._submit(prompts, params)
+        return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
+
+    async def generate_stream(self, prompt: Any, params: Any = None) -> AsyncIterator[StreamDelta]:
+        """Yield each step's new tokens for one prompt; the last delta has finish_reason.
+
+        Call as `coordinator.generate_stream.options(num_returns="streaming").remote(...)`.
+        """
+        (req,) = self._submit(prompt, params, single=True)
+        while True:
+            delta = await req.deltas.get()
+            yield delta
+            if delta.finish_reason is not None:
+                if req.error:
+                    raise WorkerFailure(req.error)
+                return
+
+    def _submit(self, prompts: Any, params: Any, single: bool = False) -> list[_Request]:
+        if not self.healthy or self.scheduler is None:
+            raise WorkerFailure(f"coordinator is not serving: {self.unhealthy_reason or 'not started'}")
+        sp = parse_params(params)
+        items = [prompts] if single else split_prompts(prompts)
+        m = self.model_cfg
+        encoded = [encode_prompt(p, self.tokenizer, m.vocab_size, m.bos_token_id) for p in items]
+        for ids in encoded:
+            if len(ids) >= self.max_model_len:
+                raise BadRequest(
+                    f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                    "(prompt plus at least one generated token)"
+                )
+        reqs = []
+        for ids in encoded:
+            seq = Sequence(next(self._ids), ids, sp)
+            req = _Request(seq, Detokenizer(self.tokenizer, sp.stop))
+            self.scheduler.add(seq)
+            self.requests[seq.seq_id] = req
+            reqs.append(req)
+        self._wake.set()
+        return reqs
+
+    async def _collect(self, req: _Request) -> GenerateResult:
+        while True:
+            delta = await req.deltas.get()
+            if delta.finish_reason is not None:
+                break
+        if req.error:
+            raise WorkerFailure(req.error)
+        seq = req.seq
+        return GenerateResult(
+            seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids),
+            req.detok.text if self.tokenizer else None, seq.finish_reason,
+        )
+
+    # ---- the step loop ----------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        while True:
+            out = self.scheduler.schedule() if self.healthy else None
+            if out is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                results = await asyncio.wait_for(
+                    asyncio.gather(*(w.execute.remote(out.plan) for w in self.workers)),
+                    timeout=self.cfg.step_timeout_s,
+                )
+            except Exception as e:  # actor death, a raised step, a hang past the timeout
+                await self._on_failure(out, e)
+                continue
+            self.steps += 1
+            for seq, _ in self.scheduler.update(out, results[0].token_ids):
+                self._emit(seq)
+
+    def _emit(self, seq: Sequence) -> None:
+        req = self.requests[seq.seq_id]
+        self.tokens_generated += 1
+        text, stopped = req.detok.update(seq.output_token_ids)
+        if stopped:
+            self.scheduler.finish(seq, "stop")
+        reason = seq.finish_reason
+        req.deltas.put_nowait(StreamDelta(
+            seq.seq_id, [seq.output_token_ids[-1]], text if self.tokenizer else None, reason,
+        ))
+        if reason is not None:
+            del self.requests[seq.seq_id]
+
+    async def _on_failure(self, out: SchedulerOutput, e: BaseException) -> None:
+        """Fail every request in flight, then restart the worker group."""
+        msg = f"step {out.plan.step_id} failed on a worker: {type(e).__name__}: {e}"
+        log.error(msg)
+        self.healthy = False
+        self.unhealthy_reason = msg
+        for req in self.requests.values():
+            req.error = msg
+            req.seq.finish_reason = "error"
+            req.deltas.put_nowait(StreamDelta(req.seq.seq_id, [], None, "error"))
+        self.requests.clear()
+        await self._stop_workers()
+        try:
+            await self._start_workers()
+            self.healthy = True
+            self.unhealthy_reason = None
+            log.info("worker group restarted after failure")
+        except Exception as restart_error:
+            self.unhealthy_reason = f"{msg}; restart failed: {restart_error}"
+            log.error(self.unhealthy_reason)
+
+    async def _stop_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        await self._stop_workers()
+        self.healthy = False
+        self.unhealthy_reason = "shut down"
+
+    def ping(self) -> bool:
+        return True
+
+
+def start_coordinator(cfg: ServeConfig, detached: bool = False) -> Any:
+    """Create the named coordinator actor on the connected Ray cluster and wait until it serves."""
+    cfg = cfg.resolved(ray.cluster_resources().get("GPU", 0))
+    opts: dict[str, Any] = {"name": cfg.coordinator_name, "namespace": cfg.namespace, "num_cpus": 0}
+    if detached:
+        opts["lifetime"] = "detached"
+    handle = ray.remote(Coordinator).options(**opts).remote(cfg)
+    ray.get(handle.start.remote())
+    return handle
+
+
+def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygraph") -> Any:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise RuntimeError(
+            f"no coordinator named {name!r} in namespace {namespace!r}: start one with "
+            "`raygraph serve`"
+        ) from None
+
+
+__all__ = ["BadRequest", "Coordinator", "WorkerFailure", "get_coordinator", "start_coordinator"]

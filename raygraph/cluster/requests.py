@@ -1,0 +1,92 @@
+"""Client input checking and incremental detokenization, kept apart from the step loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from tokenizers import Tokenizer
+
+from raygraph.protocol import SamplingParams
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as given; nothing was scheduled."""
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer | None:
+    path = Path(model_dir) / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
+
+
+def parse_params(params: Any) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = msgspec.structs.asdict(params)  # re-validate: Structs skip checks on init
+    try:
+        return msgspec.convert(params, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid sampling params: {e}") from None
+
+
+def split_prompts(prompts: Any) -> list[str | list[int]]:
+    """One prompt (text or token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and all(type(t) is int for t in prompts)
+    ):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts:
+        return list(prompts)
+    raise BadRequest(
+        f"prompts must be a string, a list of token ids, or a non-empty list of those; "
+        f"got {type(prompts).__name__}"
+    )
+
+
+def encode_prompt(
+    prompt: Any, tokenizer: Tokenizer | None, vocab_size: int, bos: int | None
+) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BadRequest("this model has no tokenizer.json: send token ids, not text")
+        if not prompt:
+            raise BadRequest("empty prompt")
+        ids = tokenizer.encode(prompt).ids
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+    if not isinstance(prompt, list | tuple) or not all(type(t) is int for t in prompt):
+        raise BadRequest(f"a prompt must be a string or a list of ints, got {type(prompt).__name__}")
+    if not prompt:
+        raise BadRequest("empty prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return list(prompt)
+
+
+class Detokenizer:
+    """Text of one request's output so far, with stop-string detection."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Feed the whole output so far; returns (new text, whether a stop string ended it)."""
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for more bytes
+            return "", False
+        hit = False
+        for s in self.stop:
+            at = text.find(s, max(0, len(self.text) - len(s)))
+            if at >= 0:
+                text, hit = text[:at], True
+        delta = text[len(self.text) :]
+        self.text = text
+        return delta, hit

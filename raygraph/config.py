@@ -1,0 +1,181 @@
+"""One frozen config per concern, built once and passed down whole.
+
+ModelConfig is read from the checkpoint's config.json; the rest come from the CLI or a
+TOML file and are validated in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
+
+# HF architecture name -> our model family. Qwen2 differs from Llama only in qkv bias.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work, with the reason in the message."""
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str = "float32"
+
+    @staticmethod
+    def from_pretrained(path: str) -> ModelConfig:
+        """Read an HF config.json; unknown architectures and missing files are clear errors."""
+        cfg_file = Path(path) / "config.json"
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model path {path!r} is not a directory")
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"model path {path!r} has no config.json")
+        hf = json.loads(cfg_file.read_text())
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs} in {cfg_file}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope_scaling = hf.get("rope_scaling") or {}
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported yet")
+        rope_theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return ModelConfig(
+            path=str(path),
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(rope_theta or 10000.0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            checkpoint_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        )
+
+
+class ParallelConfig(msgspec.Struct, frozen=True):
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp != 1 or self.ep != 1:
+            raise ConfigError("dp > 1 and ep > 1 are not supported yet (attention-DP + MoE-EP)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Shapes that cannot be split evenly over the TP group are refused up front."""
+        if model.num_heads % self.tp or model.num_kv_heads % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} must divide num_heads={model.num_heads} and "
+                f"num_kv_heads={model.num_kv_heads}"
+            )
+        if model.intermediate_size % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} must divide intermediate_size={model.intermediate_size}"
+            )
+
+
+class CacheConfig(msgspec.Struct, frozen=True):
+    """KV cache sizing: an explicit block count, a byte budget, or a GPU memory fraction."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class GraphConfig(msgspec.Struct, frozen=True):
+    mode: Literal["eager"] = "eager"
+
+
+class ServeConfig(msgspec.Struct, frozen=True):
+    model: str = DEFAULT_MODEL
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    parallel: ParallelConfig = ParallelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    graph: GraphConfig = GraphConfig()
+    coordinator_name: str = "raygraph-coordinator"
+    namespace: str = "raygraph"
+    step_timeout_s: float = 300.0
+
+    def resolved(self, num_gpus: float) -> ServeConfig:
+        """Pin 'auto' device and dtype given the GPUs the cluster offers."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if num_gpus >= self.parallel.world_size else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        return msgspec.structs.replace(self, device=device, dtype=dtype)
+
+
+def load_toml(path: str | os.PathLike[str]) -> ServeConfig:
+    """A ServeConfig from a TOML file (same field names as the Structs)."""
+    return msgspec.toml.decode(Path(path).read_bytes(), type=ServeConfig)

@@ -1,0 +1,1 @@
+"""Step execution: batching inputs, bucketing, capture and replay (eager is the reference)."""

@@ -1,0 +1,1 @@
+"""Memory: KV page pool (pure Python bookkeeping), VMM pool, offload engine."""

@@ -1,0 +1,1 @@
+"""Plain-torch transformer definitions. Nothing here knows about graphs or Ray."""

@@ -1,0 +1,54 @@
+"""The per-step context the model reads: one typed object, set by a non-nesting manager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query may attend to.
+
+    Token t belongs to sequence `token_seq[t]` at query row `token_row[t]`; it sits at
+    absolute position `positions[t]` and sees keys 0..positions[t] of its sequence.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64; NOTE: padding slots are -1, slot 0 is real
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: kv length after this step
+    positions: torch.Tensor  # [T] int64
+    token_seq: torch.Tensor  # [T] int64
+    token_row: torch.Tensor  # [T] int64
+    max_q_len: int
+    max_kv_len: int
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """The single channel for per-step metadata; refuses nesting and always clears."""
+    global _CONTEXT
+    if _CONTEXT is not None:
+        raise RuntimeError("forward_context is already set; nesting is a bug")
+    _CONTEXT = ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("model called outside forward_context()")
+    return _CONTEXT

@@ -1,0 +1,140 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral without sliding window), tensor-parallel.
+
+Module and parameter names mirror HF transformers so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raygraph.config import ModelConfig
+from raygraph.model import ops
+from raygraph.model.parallel import (
+    ColumnParallelLinear,
+    Comm,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads = cfg.num_heads // comm.world_size
+        self.num_kv_heads = cfg.num_kv_heads // comm.world_size
+        self.head_dim = d
+        self.scale = d**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, comm, bias=bias)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, comm, bias=bias)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, comm, bias=bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm)
+        self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta)
+        # Bound by the worker once the paged cache exists: [num_blocks, block_size, Hkv, D].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(h, i, comm)
+        self.up_proj = ColumnParallelLinear(h, i, comm)
+        self.down_proj = RowParallelLinear(i, h, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, comm)
+        self.mlp = MLP(cfg, comm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, comm)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of tokens."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits [N, vocab] on every rank."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]

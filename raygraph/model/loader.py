@@ -1,0 +1,88 @@
+"""HF checkpoint loading: config.json + *.safetensors (single file or sharded index),
+each rank reading only its own slice of every tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from raygraph.config import ModelConfig
+from raygraph.model.llama import LlamaForCausalLM
+from raygraph.model.parallel import Comm, load_shard
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config, with the tensor named."""
+
+
+def checkpoint_files(path: str) -> list[Path]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [root / n for n in names]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint files listed in the index are missing: {missing}")
+    return files
+
+
+def build_model(cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Construct the model on `device` and load this rank's shard of the checkpoint."""
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, comm)
+    model.to(dtype=dtype)
+    for module in model.modules():  # rotary tables stay fp32
+        if hasattr(module, "cos"):
+            module.float()
+    load_weights(model, cfg.path, comm)
+    return model.eval()
+
+
+def _full_shape(model: nn.Module, name: str, param: nn.Parameter, world: int) -> tuple[int | None, tuple[int, ...]]:
+    """The shard dim of a parameter and the shape its full checkpoint tensor must have."""
+    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    dim = getattr(owner, "shard_dim", None)
+    if dim is None or (name.endswith(".bias") and dim == 1):
+        return None, tuple(param.shape)
+    shape = list(param.shape)
+    shape[dim] = getattr(owner, "vocab", shape[dim] * world)
+    return dim, tuple(shape)
+
+
+def load_weights(model: nn.Module, path: str, comm: Comm) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once
+    loaded: set[str] = set()
+    files = checkpoint_files(path)
+    for file in tqdm(files, desc="loading weights", disable=comm.rank != 0 or len(files) < 2):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue  # tied: the embedding already holds it
+                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r}")
+                full = f.get_tensor(name)
+                dim, expect = _full_shape(model, name, params[name], comm.world_size)
+                if tuple(full.shape) != expect:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name!r} has shape {tuple(full.shape)}, "
+                        f"the config implies {expect}"
+                    )
+                load_shard(params[name], full, dim, comm)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint {path!r} lacks tensors: {missing[:8]}")

@@ -1,0 +1,111 @@
+"""Tensor-parallel layers and the one communication layer every collective goes through."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Comm:
+    """A process group handle. World size 1 makes every collective a no-op."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        # gloo and NCCL both take the output as the inputs stacked along dim 0
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return torch.cat(out.chunk(self.world_size, dim=0), dim=dim)
+
+
+def _divide(n: int, world: int, what: str) -> int:
+    if n % world:
+        raise ValueError(f"{what}={n} is not divisible by the TP size {world}")
+    return n // world
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows; each rank returns its slice of y."""
+
+    def __init__(self, in_f: int, out_f: int, comm: Comm, bias: bool = False) -> None:
+        super().__init__()
+        self.comm = comm
+        local = _divide(out_f, comm.world_size, "output features")
+        self.weight = nn.Parameter(torch.empty(local, in_f), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
+        self.shard_dim = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, in_f: int, out_f: int, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+        local = _divide(in_f, comm.world_size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_f, local), requires_grad=False)
+        self.shard_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows split over ranks (vocab padded to a multiple of the TP size)."""
+
+    def __init__(self, vocab: int, dim: int, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.vocab = vocab
+        self.per_rank = -(-vocab // comm.world_size)
+        self.start = comm.rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, dim), requires_grad=False)
+        self.shard_dim = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.comm.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The vocab-parallel output projection; logits are all-gathered to every rank."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.comm.all_gather(logits, dim=-1)[..., : self.vocab]
+
+
+def load_shard(param: nn.Parameter, full: torch.Tensor, shard_dim: int | None, comm: Comm) -> None:
+    """Copy this rank's slice of a full checkpoint tensor into `param` (zero-padded at the end)."""
+    if shard_dim is None:
+        local = full
+    else:
+        size = param.shape[shard_dim]
+        start = comm.rank * size
+        local = full.narrow(shard_dim, start, max(0, min(size, full.shape[shard_dim] - start)))
+    if local.shape == param.shape:
+        param.data.copy_(local)
+        return
+    param.data.zero_()
+    param.data[tuple(slice(0, s) for s in local.shape)].copy_(local)

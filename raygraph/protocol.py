@@ -1,0 +1,93 @@
+"""Everything that crosses an actor boundary: msgspec Structs only."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters."""
+
+    max_tokens: Annotated[int, Meta(ge=1)] = 64
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+
+
+class GenerateResult(msgspec.Struct, frozen=True):
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason
+    error: str | None = None
+
+
+class StreamDelta(msgspec.Struct, frozen=True):
+    """One step's new output for a streamed request; the last one carries finish_reason."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason | None = None
+
+
+class BucketKey(msgspec.Struct, frozen=True, order=True):
+    phase: Literal["decode", "prefill"]
+    num_tokens: int
+    num_comm_tokens: int = 0
+
+
+class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
+    """The tokens of one sequence to compute this step.
+
+    `start_pos` is the number of tokens already in the KV cache; when `sample` is set, the
+    last token's logits are sampled with the request's parameters, at output index
+    `num_generated` (the seed stream position, so preemption replays the same draws).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    num_generated: int = 0
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    step_id: int
+    seqs: list[SeqChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    """Sampled tokens, one per SeqChunk with sample=True, in plan order."""
+
+    step_id: int
+    token_ids: list[int]
+    forward_s: float = 0.0
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    rank: int
+    device: str
+    num_kv_blocks: int
+    weight_bytes: int
+    kv_bytes_per_block: int
+    load_s: float

@@ -1,0 +1,1 @@
+"""The per-GPU worker: device, process group, model shard, KV cache, executor."""

@@ -1,0 +1,49 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+A seeded request draws from a generator keyed by (seed, output index), so the same
+request gives the same tokens whatever it is batched with and after preemption.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raygraph.protocol import SeqChunk
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    drop = rank >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # drop a token when the mass before it already reaches top_p (the top token always stays)
+    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator) -> list[int]:
+    # logits: [S, vocab] float32, one row per chunk (all chunks here sample)
+    out = logits.argmax(dim=-1)
+    rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
+    if rows:
+        dev = logits.device
+        sel = torch.tensor(rows, device=dev)
+        temp = torch.tensor([chunks[i].temperature for i in rows], device=dev)
+        top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
+        top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
+        scaled = _filter_top_k_top_p(logits[sel] / temp.unsqueeze(1), top_k, top_p)
+        probs = scaled.softmax(-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            seed = chunks[i].seed
+            gen = generator
+            if seed is not None:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(hash((seed, chunks[i].num_generated)) & 0x7FFF_FFFF_FFFF_FFFF)
+            noise[j].exponential_(generator=gen)
+        out[sel] = (probs / noise).argmax(dim=-1)  # exponential race == multinomial draw
+    return out.tolist()

@@ -1,0 +1,150 @@
+"""One worker per GPU (or per CPU slot): owns its device, its model shard, its KV cache and
+its executor, and runs the StepPlans the coordinator sends. A plain class; the
+coordinator wraps it with ray.remote."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from raygraph.config import ModelConfig, ServeConfig
+from raygraph.graph.executor import make_executor
+from raygraph.graph.inputs import prepare_batch
+from raygraph.model.loader import build_model
+from raygraph.model.parallel import Comm
+from raygraph.protocol import SeqChunk, StepPlan, StepResult, WorkerInfo
+from raygraph.worker.sampler import sample
+
+log = logging.getLogger("raygraph.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port, for the process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+    except Exception:
+        ip = "127.0.0.1"
+    return ip, port
+
+
+class Worker:
+    def __init__(self, cfg: ServeConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = cfg.parallel.world_size
+        if cfg.device == "cuda":
+            self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(int(os.environ.get("RAYGRAPH_CPU_THREADS", "1")))
+        self.dtype = DTYPES[cfg.dtype]
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(cfg.seed)
+        self.model_cfg: ModelConfig | None = None
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def load(self, dist_addr: tuple[str, int]) -> WorkerInfo:
+        """Join the process group, load this rank's shard and measure what the KV cache may take."""
+        t0 = time.perf_counter()
+        comm = Comm()
+        if self.world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=f"tcp://{dist_addr[0]}:{dist_addr[1]}",
+                rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(seconds=self.cfg.step_timeout_s),
+            )
+            comm = Comm(dist.group.WORLD)
+        self.model_cfg = ModelConfig.from_pretrained(self.cfg.model)
+        self.cfg.parallel.check_model(self.model_cfg)
+        self.model = build_model(self.model_cfg, comm, self.dtype, self.device)
+        self.executor = make_executor(self.cfg.graph, self.model)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_block = self.kv_bytes_per_block()
+        num_blocks = self.cfg.cache.num_blocks or max(1, self._kv_budget(weight_bytes) // per_block)
+        load_s = time.perf_counter() - t0
+        log.info("rank %d: loaded %.1f MiB of weights in %.2fs on %s; room for %d KV blocks",
+                 self.rank, weight_bytes / 2**20, load_s, self.device, num_blocks)
+        return WorkerInfo(self.rank, str(self.device), num_blocks, weight_bytes, per_block, load_s)
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.model_cfg
+        kv_heads = m.num_kv_heads // self.cfg.parallel.tp
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.cfg.cache.block_size * kv_heads * m.head_dim * elem
+
+    def _kv_budget(self, weight_bytes: int) -> int:
+        cache = self.cfg.cache
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes
+        if self.device.type == "cpu":
+            return cache.cpu_kv_cache_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        activation = self._profile_activation_bytes()
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation
+        if budget <= 0:
+            raise MemoryError(
+                f"rank {self.rank}: no GPU memory left for the KV cache "
+                f"(total {total >> 20} MiB, in use {(total - free) >> 20} MiB, "
+                f"activations {activation >> 20} MiB, utilization {cache.gpu_memory_utilization})"
+            )
+        return budget
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of one forward at the step token budget, over a throwaway cache."""
+        n = self.cfg.scheduler.max_num_batched_tokens
+        bs = self.cfg.cache.block_size
+        blocks = -(-n // bs)
+        self._bind_kv_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        chunk = SeqChunk(0, [0] * n, 0, list(range(blocks)), True)
+        self.executor.logits(prepare_batch(StepPlan(-1, [chunk]), bs, self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self._bind_kv_cache(0)
+        torch.cuda.empty_cache()
+        return peak
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        m = self.model_cfg
+        shape = (num_blocks, self.cfg.cache.block_size, m.num_kv_heads // self.cfg.parallel.tp,
+                 m.head_dim)
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        self._bind_kv_cache(num_blocks)
+        return num_blocks * self.kv_bytes_per_block()
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step; rank 0 samples and returns the tokens, other ranks return None."""
+        t0 = time.perf_counter()
+        batch = prepare_batch(plan, self.cfg.cache.block_size, self.device)
+        logits = self.executor.logits(batch)
+        if self.rank != 0:
+            return None
+        chunks = [s for s in plan.seqs if s.sample]
+        tokens = sample(logits, chunks, self.generator) if chunks else []
+        return StepResult(plan.step_id, tokens, time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
