@@ -62,11 +62,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 f"unsupported architecture {archs} in {cfg_file}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        rope_scaling = hf.get("rope_scaling") or {}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        # transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported yet")
-        rope_theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
+            raise ConfigError(f"rope type {rope_type!r} is not supported yet")
+        rope_theta = hf.get("rope_theta") or rope.get("rope_theta")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

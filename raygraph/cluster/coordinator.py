@@ -71,6 +71,7 @@ class Coordinator:
         self.unhealthy_reason: str | None = None
         self.steps = 0
         self.tokens_generated = 0
+        self.preemptions = 0
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -134,7 +135,7 @@ class Coordinator:
         s = self.scheduler
         return {
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
-            "tokens_generated": self.tokens_generated,
+            "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
             "running": len(s.running) if s else 0, "waiting": len(s.waiting) if s else 0,
             "kv_utilization": s.pool.utilization if s else 0.0,
         }
@@ -215,6 +216,7 @@ class Coordinator:
                 await self._on_failure(out, e)
                 continue
             self.steps += 1
+            self.preemptions += len(out.preempted)
             for seq, _ in self.scheduler.update(out, results[0].token_ids):
                 self._emit(seq)
 
@@ -269,6 +271,10 @@ class Coordinator:
 
     def ping(self) -> bool:
         return True
+
+    def worker_handles(self) -> list[Any]:
+        """The worker actors, for fault-injection tests and debugging."""
+        return list(self.workers)
 
 
 def start_coordinator(cfg: ServeConfig, detached: bool = False) -> Any:

@@ -33,6 +33,8 @@ def parse_params(params: Any) -> SamplingParams:
 
 def split_prompts(prompts: Any) -> list[str | list[int]]:
     """One prompt (text or token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, list | tuple) and len(prompts) == 0:
+        raise BadRequest("empty prompt")
     if isinstance(prompts, str) or (
         isinstance(prompts, list) and prompts and all(type(t) is int for t in prompts)
     ):

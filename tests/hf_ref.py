@@ -1,0 +1,23 @@
+"""Reference greedy decoding with HF transformers (full recompute each step: no cache API)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            for _ in range(max_tokens):
+                nxt = model(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
