@@ -1,0 +1,39 @@
+"""Random-weight HF checkpoints of named shapes, for benchmarks (weights need not be trained
+to time a step)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    # the ~1B Llama config the graph and memory benchmarks use: 1.10 B params, 2.21 GB in bf16
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
+    "llama-tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=4096),
+}
+
+
+def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16") -> Path:
+    import transformers
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **PRESETS[preset])
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
+    a = p.parse_args()
+    print(make_random_checkpoint(a.out, a.preset))
