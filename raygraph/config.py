@@ -150,7 +150,22 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 
 
 class GraphConfig(msgspec.Struct, frozen=True):
-    mode: Literal["eager"] = "eager"
+    """`graph`: bucketed full (decode) and piecewise (prefill) graphs, eager above the
+    largest bucket; `eager`: the reference path only. backend `eager` runs the graph
+    executor's logic without capture (what CPUs always do)."""
+
+    mode: Literal["graph", "eager"] = "graph"
+    backend: Literal["auto", "eager"] = "auto"
+    decode_sizes: list[int] | None = None  # None: the default schedule up to max_decode
+    prefill_sizes: list[int] | None = None
+    max_decode: int = 256
+    max_prefill: int = 2048
+    capture_at_start: bool = True
+
+    def __post_init__(self) -> None:
+        for sizes in (self.decode_sizes, self.prefill_sizes):
+            if sizes is not None and (not sizes or min(sizes) < 1):
+                raise ConfigError(f"capture sizes must be positive integers, got {sizes}")
 
 
 class ServeConfig(msgspec.Struct, frozen=True):

@@ -72,6 +72,7 @@ class Coordinator:
         self.steps = 0
         self.tokens_generated = 0
         self.preemptions = 0
+        self.capture_log: list[dict] = []
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -113,6 +114,12 @@ class Coordinator:
         self.infos = await asyncio.gather(*(w.load.remote(addr) for w in self.workers))
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
+        if cfg.graph.mode == "graph" and cfg.graph.capture_at_start:
+            t0 = time.perf_counter()
+            logs = await asyncio.gather(*(w.capture.remote() for w in self.workers))
+            self.capture_log = logs[0]
+            log.info("capture schedule: %d buckets in %.2fs", len(logs[0]),
+                     time.perf_counter() - t0)
         bs = cfg.cache.block_size
         limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
         self.max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)

@@ -1,4 +1,5 @@
-"""Turn a StepPlan into the flat token batch and attention metadata the model reads."""
+"""StepPlan -> model inputs: host-side lists, then either fresh tensors (eager) or the
+persistent, max-shape buffers that captured graphs read (graph mode)."""
 
 from __future__ import annotations
 
@@ -11,55 +12,142 @@ from raygraph.protocol import StepPlan
 
 
 @dataclass
+class HostInputs:
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    token_seq: list[int]
+    token_row: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    sample_idx: list[int]
+    max_q_len: int
+    decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
+    h = HostInputs([], [], [], [], [], [], [], [], 0, True)
+    for b, s in enumerate(plan.seqs):
+        n = len(s.token_ids)
+        end = s.start_pos + n
+        if len(s.block_table) * block_size < end:
+            raise ValueError(f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
+        h.ids += s.token_ids
+        h.positions += range(s.start_pos, end)
+        h.slots += (s.block_table[p // block_size] * block_size + p % block_size
+                    for p in range(s.start_pos, end))
+        h.token_seq += [b] * n
+        h.token_row += range(n)
+        h.seq_lens.append(end)
+        h.tables.append(s.block_table)
+        if s.sample:
+            h.sample_idx.append(len(h.ids) - 1)
+        h.max_q_len = max(h.max_q_len, n)
+        h.decode = h.decode and n == 1
+    return h
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     ctx: ForwardContext
     sample_idx: torch.Tensor  # [S]: rows of the hidden states whose logits are sampled
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
+
+def _padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
+    return [t + [0] * (width - len(t)) for t in tables]
 
 
 def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batch:
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    token_seq: list[int] = []
-    token_row: list[int] = []
-    seq_lens: list[int] = []
-    sample_idx: list[int] = []
-    max_blocks = max(len(s.block_table) for s in plan.seqs)
-    tables = []
-    for b, s in enumerate(plan.seqs):
-        n = len(s.token_ids)
-        end = s.start_pos + n
-        if len(s.block_table) * block_size < end:
-            raise ValueError(f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
-        ids += s.token_ids
-        pos += range(s.start_pos, end)
-        slots += (s.block_table[p // block_size] * block_size + p % block_size
-                  for p in range(s.start_pos, end))
-        token_seq += [b] * n
-        token_row += range(n)
-        seq_lens.append(end)
-        tables.append(s.block_table + [0] * (max_blocks - len(s.block_table)))
-        if s.sample:
-            sample_idx.append(len(ids) - 1)
+    """Fresh tensors of exactly the batch's size (the eager path)."""
+    h = host_inputs(plan, block_size)
 
     def t(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-    positions = t(pos)
+    positions = t(h.positions)
+    width = max(len(x) for x in h.tables)
     md = AttentionMetadata(
-        slot_mapping=t(slots),
-        block_tables=t(tables, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        positions=positions,
-        token_seq=t(token_seq),
-        token_row=t(token_row),
-        max_q_len=max(len(s.token_ids) for s in plan.seqs),
-        max_kv_len=max(seq_lens),
+        slot_mapping=t(h.slots), block_tables=t(_padded_tables(h.tables, width), torch.int32),
+        seq_lens=t(h.seq_lens, torch.int32), positions=positions, token_seq=t(h.token_seq),
+        token_row=t(h.token_row), max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
+        decode=h.decode,
     )
-    return Batch(t(ids), positions, ForwardContext(attn=md), t(sample_idx))
+    return Batch(t(h.ids), positions, ForwardContext(attn=md), t(h.sample_idx))
+
+
+class InputBuffers:
+    """One set of persistent device buffers at the max shape, shared by every bucket.
+
+    Each step writes the real prefix and safe padding, then hands out slice views of the
+    bucket's size. NOTE: padding slots are -1 (slot 0 is a real KV slot); padding sequences
+    have kv length 0 and an all-zero block table row.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.device = device
+        self.input_ids = z(max_tokens)
+        self.positions = z(max_tokens)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.token_seq = z(max_tokens)
+        self.token_row = z(max_tokens)
+        self.block_tables = z(max_seqs, max_blocks, dtype=torch.int32)
+        self.seq_lens = z(max_seqs, dtype=torch.int32)
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values()
+                   if isinstance(t, torch.Tensor))
+
+    def fill(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
+        """Write h into the buffers; pad tokens up to num_tokens and seqs up to num_seqs."""
+        n, b = h.num_tokens, h.num_seqs
+        if n > num_tokens or b > num_seqs or num_seqs > self.max_seqs:
+            raise ValueError(f"batch of {n} tokens / {b} seqs does not fit bucket "
+                             f"({num_tokens}, {num_seqs})")
+        width = max(len(t) for t in h.tables)
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence needs {width} blocks; buffers hold {self.max_blocks}")
+
+        def put(buf: torch.Tensor, values: list, pad: int, end: int) -> None:
+            buf[: len(values)].copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
+            buf[len(values) : end].fill_(pad)
+
+        put(self.input_ids, h.ids, 0, num_tokens)
+        put(self.positions, h.positions, 0, num_tokens)
+        put(self.slot_mapping, h.slots, -1, num_tokens)
+        put(self.token_seq, h.token_seq, 0, num_tokens)
+        # each padding token is its own padding sequence (decode), never a real one's row
+        self.token_seq[n:num_tokens].copy_(torch.arange(n, num_tokens), non_blocking=True)
+        put(self.token_row, h.token_row, 0, num_tokens)
+        put(self.seq_lens, h.seq_lens, 0, num_seqs)
+        tables = torch.tensor(_padded_tables(h.tables, width), dtype=torch.int32)
+        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
+        self.block_tables[:b, width:].zero_()
+        self.block_tables[b:num_seqs].zero_()
+
+    def metadata(self, num_tokens: int, num_seqs: int, max_q_len: int, max_kv_len: int,
+                 decode: bool) -> AttentionMetadata:
+        """Views of the bucket's size (their addresses never change)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs],
+            seq_lens=self.seq_lens[:num_seqs],
+            positions=self.positions[:num_tokens],
+            token_seq=self.token_seq[:num_tokens],
+            token_row=self.token_row[:num_tokens],
+            max_q_len=max_q_len, max_kv_len=max_kv_len, decode=decode,
+        )

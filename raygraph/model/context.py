@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,11 +25,19 @@ class AttentionMetadata:
     token_row: torch.Tensor  # [T] int64
     max_q_len: int
     max_kv_len: int
+    decode: bool = False  # every sequence has exactly one query token
+
+
+# (q, k, v, k_cache, v_cache, scale) -> attention output; set by a piecewise executor
+SplitHook = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
+    split: SplitHook | None = None
 
 
 _CONTEXT: ForwardContext | None = None

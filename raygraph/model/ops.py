@@ -16,12 +16,16 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write new K/V rows at their slots; slots < 0 (padding) are dropped."""
-    # k: [T, Hkv, D]; k_cache: [num_blocks, block_size, Hkv, D]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    """Write new K/V rows at their slots, without a host sync (capturable).
+
+    NOTE: padding slots are -1 and land in the cache's last slot, a scratch slot the
+    scheduler never hands out (the worker allocates one block more than it reports).
+    """
+    # k: [T, Hkv, D]; k_cache: [num_blocks + 1, block_size, Hkv, D]
+    scratch = k_cache.shape[0] * k_cache.shape[1] - 1
+    slots = torch.where(slot_mapping >= 0, slot_mapping, scratch)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def paged_attention_ref(
@@ -54,7 +58,24 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Store this step's K/V into the paged cache, then attend. Reads the forward context."""
-    md = get_forward_context().attn
+    """Store this step's K/V into the paged cache, then attend. Reads the forward context.
+
+    This is the one place a piecewise executor splits: when the context carries a `split`
+    hook, the hook runs attention (eagerly, between captured pieces) instead.
+    """
+    ctx = get_forward_context()
+    if ctx.split is not None:
+        return ctx.split(q, k, v, k_cache, v_cache, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, scale: float, md: AttentionMetadata,
+) -> torch.Tensor:
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    if md.decode and q.is_cuda:
+        from raygraph.model.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
     return paged_attention_ref(q, k_cache, v_cache, md, scale)

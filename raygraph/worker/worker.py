@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.executor import make_executor
-from raygraph.graph.inputs import prepare_batch
+from raygraph.graph.executor import EagerExecutor, GraphExecutor, make_executor
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
 from raygraph.protocol import SeqChunk, StepPlan, StepResult, WorkerInfo
@@ -74,7 +73,6 @@ class Worker:
         self.model_cfg = ModelConfig.from_pretrained(self.cfg.model)
         self.cfg.parallel.check_model(self.model_cfg)
         self.model = build_model(self.model_cfg, comm, self.dtype, self.device)
-        self.executor = make_executor(self.cfg.graph, self.model)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
         num_blocks = self.cfg.cache.num_blocks or max(1, self._kv_budget(weight_bytes) // per_block)
@@ -115,7 +113,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         chunk = SeqChunk(0, [0] * n, 0, list(range(blocks)), True)
-        self.executor.logits(prepare_batch(StepPlan(-1, [chunk]), bs, self.device))
+        EagerExecutor(self.model, bs).logits(StepPlan(-1, [chunk]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self._bind_kv_cache(0)
@@ -123,22 +121,33 @@ class Worker:
         return peak
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` usable blocks plus one scratch block for padding writes."""
         m = self.model_cfg
-        shape = (num_blocks, self.cfg.cache.block_size, m.num_kv_heads // self.cfg.parallel.tp,
+        shape = (num_blocks + 1, self.cfg.cache.block_size, m.num_kv_heads // self.cfg.parallel.tp,
                  m.head_dim)
         for layer in self.model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
+        """Bind the KV cache and build the executor over it (graphs capture its addresses)."""
         self._bind_kv_cache(num_blocks)
+        s, m = self.cfg.scheduler, self.model_cfg
+        max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+        self.executor = make_executor(self.cfg.graph, self.model, self.cfg.cache.block_size,
+                                      s.max_num_seqs, s.max_num_batched_tokens, max_len)
         return num_blocks * self.kv_bytes_per_block()
+
+    def capture(self) -> list[dict]:
+        """Capture the executor's whole schedule (a no-op for the eager executor)."""
+        if isinstance(self.executor, GraphExecutor):
+            return self.executor.capture_all()
+        return []
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step; rank 0 samples and returns the tokens, other ranks return None."""
         t0 = time.perf_counter()
-        batch = prepare_batch(plan, self.cfg.cache.block_size, self.device)
-        logits = self.executor.logits(batch)
+        logits = self.executor.logits(plan)
         if self.rank != 0:
             return None
         chunks = [s for s in plan.seqs if s.sample]

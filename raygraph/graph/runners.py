@@ -1,0 +1,162 @@
+"""What one bucket runs: a full graph (decode) or a piecewise graph (prefill).
+
+Each comes in two backends with the same inputs and outputs: CUDA (captured graphs,
+replayed) and eager (the same steps run live, on CPU or for debugging), so bucketing,
+buffers, padding and the piecewise instruction sequence are exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raygraph.model.context import AttentionMetadata, ForwardContext
+from raygraph.model.ops import paged_attention
+
+Forward = Callable[[ForwardContext], torch.Tensor]
+
+
+@contextmanager
+def capture_mode(device: torch.device):
+    """GC frozen and a side stream: the conditions every capture runs under."""
+    gc.collect()
+    gc.freeze()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        gc.unfreeze()
+
+
+class FullGraph:
+    """Decode: the whole step, attention included, as one graph over the input buffers."""
+
+    def __init__(self, forward: Forward, md: AttentionMetadata, cuda: bool, pool: Any) -> None:
+        self.forward = forward
+        self.md = md
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if cuda:
+            device = md.slot_mapping.device
+            self.run(md)  # warm-up: allocator, Triton autotune and NCCL state settle eagerly
+            with capture_mode(device):
+                self.graph = torch.cuda.CUDAGraph()
+                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                self.out = self.forward(ForwardContext(attn=md))
+                self.graph.capture_end()
+
+    def run(self, md: AttentionMetadata) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self.forward(ForwardContext(attn=md))
+
+
+@dataclass
+class _Attn:
+    """One captured split point: the static q/k/v the piece before it leaves behind."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+
+
+def run_attention(a: _Attn, md: AttentionMetadata, num_real: int, out: torch.Tensor) -> torch.Tensor:
+    """Eager attention between pieces with this step's metadata; writes the shared output."""
+    # store K/V for the whole bucket (padding slots go to scratch), attend for real tokens
+    n = a.q.shape[0]
+    real = AttentionMetadata(**{**vars(md), "slot_mapping": md.slot_mapping[:n]})
+    o = paged_attention(a.q[:num_real], a.k, a.v, a.k_cache, a.v_cache, a.scale,
+                        _prefix(real, num_real))
+    out[:num_real].copy_(o)
+    out[num_real:n].zero_()
+    return out[:n]
+
+
+def _prefix(md: AttentionMetadata, num_real: int) -> AttentionMetadata:
+    """Metadata whose per-token fields cover only the real tokens (slot mapping stays whole:
+    store_kv writes every row it is given)."""
+    return AttentionMetadata(
+        slot_mapping=md.slot_mapping, block_tables=md.block_tables, seq_lens=md.seq_lens,
+        positions=md.positions[:num_real], token_seq=md.token_seq[:num_real],
+        token_row=md.token_row[:num_real], max_q_len=md.max_q_len, max_kv_len=md.max_kv_len,
+        decode=False,
+    )
+
+
+class PiecewiseGraph:
+    """Prefill: graphs between attention calls, attention run eagerly in between.
+
+    Capture ends the current graph at each attention call (the split hook), records the
+    static q/k/v, and begins the next graph; replay runs graph, attention, graph, ...
+    `trace` records that instruction sequence on every run, for tests and logs.
+    """
+
+    def __init__(self, forward: Forward, md: AttentionMetadata, attn_out: torch.Tensor,
+                 cuda: bool, pool: Any) -> None:
+        self.forward = forward
+        self.md = md
+        self.attn_out = attn_out
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.attns: list[_Attn] = []
+        self.out: torch.Tensor | None = None
+        self.trace: list[str] = []
+        if cuda:
+            self._capture(pool)
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.graphs)
+
+    def _capture(self, pool: Any) -> None:
+        md = self.md
+        num_tokens = md.slot_mapping.shape[0]
+        self.run(md, num_tokens)  # warm-up, eagerly
+        graph = torch.cuda.CUDAGraph()
+
+        def split(q, k, v, k_cache, v_cache, scale) -> torch.Tensor:
+            nonlocal graph
+            graph.capture_end()
+            self.graphs.append(graph)
+            self.attns.append(_Attn(q, k, v, k_cache, v_cache, scale))
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            return self.attn_out[:num_tokens]
+
+        with capture_mode(md.slot_mapping.device):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            self.out = self.forward(ForwardContext(attn=md, split=split))
+            graph.capture_end()
+            self.graphs.append(graph)
+
+    def run(self, md: AttentionMetadata, num_real: int) -> torch.Tensor:
+        self.trace = []
+        if not self.graphs:  # eager backend: the same split points, run live
+            def split(q, k, v, k_cache, v_cache, scale) -> torch.Tensor:
+                self.trace += ["piece", "attention"]
+                return run_attention(_Attn(q, k, v, k_cache, v_cache, scale), md, num_real,
+                                     self.attn_out)
+
+            out = self.forward(ForwardContext(attn=md, split=split))
+            self.trace.append("piece")
+            return out
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            self.trace.append("piece")
+            if i < len(self.attns):
+                run_attention(self.attns[i], md, num_real, self.attn_out)
+                self.trace.append("attention")
+        return self.out
+
