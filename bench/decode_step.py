@@ -1,0 +1,149 @@
+"""Decode step latency: raygraph eager vs raygraph graphs vs HF transformers static-cache
+generate, on one GPU, in one run, against the HBM floor measured in the same run.
+
+    python -m bench.decode_step [--preset llama-1b] [--batches 1 8 32 128] [--contexts 128 1024]
+
+Prints one JSON line per (batch, context) and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.checkpoints import make_random_checkpoint
+from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.protocol import SeqChunk, StepPlan
+from raygraph.worker.worker import Worker
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (the HBM roofline)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 10 * nbytes / (time.perf_counter() - t0)
+
+
+def decode_plan(batch: int, context: int, block_size: int, step: int) -> StepPlan:
+    blocks = -(-(context + 1) // block_size)
+    seqs = [SeqChunk(i, [7], context, list(range(i * blocks, (i + 1) * blocks)), True)
+            for i in range(batch)]
+    return StepPlan(step, seqs)
+
+
+def time_worker(worker: Worker, batch: int, context: int, bs: int, iters: int) -> float:
+    for i in range(5):
+        worker.execute(decode_plan(batch, context, bs, i))
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        worker.execute(decode_plan(batch, context, bs, i))  # ends in a host read of the tokens
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int) -> Worker:
+    blocks = max_batch * -(-(max_ctx + 1) // bs)
+    cfg = ServeConfig(
+        model=model, device="cuda", dtype="bfloat16",
+        cache=CacheConfig(block_size=bs, num_blocks=blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
+                                  max_model_len=max_ctx + 64),
+        graph=GraphConfig(mode=mode, prefill_sizes=[512]),
+    )
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(blocks)
+    return w
+
+
+def hf_static_step(model_dir: str, batch: int, context: int, short: int, long: int) -> float:
+    """Per decode step of HF generate with a static cache: (t_long - t_short) / (long - short)."""
+    import transformers
+
+    model = hf_static_step.cache.get(model_dir)
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16).cuda().eval()
+        hf_static_step.cache[model_dir] = model
+    ids = torch.randint(3, 1000, (batch, context), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(long)
+    run(short)  # compile / warm-up for both lengths
+    ts = [run(short) for _ in range(2)], [run(long) for _ in range(2)]
+    return (min(ts[1]) - min(ts[0])) / (long - short)
+
+
+hf_static_step.cache = {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--hf-contexts", type=int, nargs="*", default=[128],
+                   help="contexts at which HF static generate is timed (each compiles anew)")
+    a = p.parse_args()
+    bs = 16
+    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    bw = copy_bandwidth()
+    max_b, max_c = max(a.batches), max(a.contexts)
+    rows = []
+    workers = {}
+    for mode in ("eager", "graph"):
+        t0 = time.perf_counter()
+        workers[mode] = make_worker(model, mode, max_b, max_c, bs)
+        cap = workers[mode].capture()
+        if mode == "graph":
+            print(json.dumps({"capture_s": round(time.perf_counter() - t0, 2),
+                              "buckets": len(cap),
+                              "capture_sum_s": round(sum(c["seconds"] for c in cap), 2)}))
+    w = workers["graph"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in w.model.parameters())
+    kv_token_bytes = w.kv_bytes_per_block() // bs
+    for c in a.contexts:
+        for b in a.batches:
+            row = {"batch": b, "context": c}
+            for mode, wk in workers.items():
+                row[f"{mode}_ms"] = round(1e3 * time_worker(wk, b, c, bs, a.iters), 3)
+            if c in a.hf_contexts:
+                try:
+                    row["hf_static_ms"] = round(1e3 * hf_static_step(model, b, c, 16, 48), 3)
+                except Exception as e:  # report, don't hide: the row says why
+                    row["hf_static_error"] = f"{type(e).__name__}: {e}"[:200]
+            floor = (weight_bytes + b * (c + 1) * kv_token_bytes) / (bw / 2)
+            row["floor_ms"] = round(1e3 * floor, 3)
+            row["graph_speedup_vs_eager"] = round(row["eager_ms"] / row["graph_ms"], 2)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"\nHBM copy bandwidth (read+write): {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
+    print("| batch | context | eager ms | graph ms | HF static ms | floor ms | graph/eager |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context']} | {r['eager_ms']} | {r['graph_ms']} | "
+              f"{r.get('hf_static_ms', 'n/a')} | {r['floor_ms']} | {r['graph_speedup_vs_eager']}x |")
+
+
+if __name__ == "__main__":
+    main()
