@@ -88,29 +88,34 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batc
 class InputBuffers:
     """One set of persistent device buffers at the max shape, shared by every bucket.
 
-    Each step writes the real prefix and safe padding, then hands out slice views of the
-    bucket's size. NOTE: padding slots are -1 (slot 0 is a real KV slot); padding sequences
-    have kv length 0 and an all-zero block table row.
+    Each step writes the real prefix and safe padding into pinned host mirrors, then three
+    async copies move them over; graphs read slice views of the bucket's size. NOTE: padding
+    slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and an
+    all-zero block table row. The host mirrors are rewritten only after the previous step's
+    tokens were read back (a sync), so no copy is still in flight.
     """
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
-        def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
+    ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row")
 
-        self.device = device
-        self.input_ids = z(max_tokens)
-        self.positions = z(max_tokens)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
-        self.token_seq = z(max_tokens)
-        self.token_row = z(max_tokens)
-        self.block_tables = z(max_seqs, max_blocks, dtype=torch.int32)
-        self.seq_lens = z(max_seqs, dtype=torch.int32)
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        pin = device.type == "cuda"
+
+        def pair(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return host, torch.zeros(shape, dtype=dtype, device=device)
+
+        self.host_tokens, self.tokens = pair(len(self.ROWS), max_tokens, dtype=torch.long)
+        self.host_tables, self.block_tables = pair(max_seqs, max_blocks, dtype=torch.int32)
+        self.host_lens, self.seq_lens = pair(max_seqs, dtype=torch.int32)
+        self.tokens[2].fill_(-1)
+        for i, name in enumerate(self.ROWS):
+            setattr(self, name, self.tokens[i])
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values()
-                   if isinstance(t, torch.Tensor))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.tokens, self.block_tables, self.seq_lens))
 
     def fill(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
         """Write h into the buffers; pad tokens up to num_tokens and seqs up to num_seqs."""
@@ -121,23 +126,20 @@ class InputBuffers:
         width = max(len(t) for t in h.tables)
         if width > self.max_blocks:
             raise ValueError(f"a sequence needs {width} blocks; buffers hold {self.max_blocks}")
-
-        def put(buf: torch.Tensor, values: list, pad: int, end: int) -> None:
-            buf[: len(values)].copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
-            buf[len(values) : end].fill_(pad)
-
-        put(self.input_ids, h.ids, 0, num_tokens)
-        put(self.positions, h.positions, 0, num_tokens)
-        put(self.slot_mapping, h.slots, -1, num_tokens)
-        put(self.token_seq, h.token_seq, 0, num_tokens)
+        tok = self.host_tokens
+        tok[:, :n] = torch.tensor([h.ids, h.positions, h.slots, h.token_seq, h.token_row])
+        tok[:, n:num_tokens] = 0
+        tok[2, n:num_tokens] = -1  # padding slots
         # each padding token is its own padding sequence (decode), never a real one's row
-        self.token_seq[n:num_tokens].copy_(torch.arange(n, num_tokens), non_blocking=True)
-        put(self.token_row, h.token_row, 0, num_tokens)
-        put(self.seq_lens, h.seq_lens, 0, num_seqs)
-        tables = torch.tensor(_padded_tables(h.tables, width), dtype=torch.int32)
-        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
-        self.block_tables[:b, width:].zero_()
-        self.block_tables[b:num_seqs].zero_()
+        tok[3, n:num_tokens] = torch.arange(n, num_tokens)
+        self.host_tables[:num_seqs] = 0
+        self.host_tables[:b, :width] = torch.tensor(_padded_tables(h.tables, width),
+                                                    dtype=torch.int32)
+        self.host_lens[:b] = torch.tensor(h.seq_lens, dtype=torch.int32)
+        self.host_lens[b:num_seqs] = 0
+        self.tokens[:, :num_tokens].copy_(tok[:, :num_tokens], non_blocking=True)
+        self.block_tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(self.host_lens[:num_seqs], non_blocking=True)
 
     def metadata(self, num_tokens: int, num_seqs: int, max_q_len: int, max_kv_len: int,
                  decode: bool) -> AttentionMetadata:

@@ -1,8 +1,9 @@
-"""Triton paged decode attention (GPU only; imported lazily).
+"""Triton paged decode attention (GPU only; imported lazily), split over the KV length.
 
-One program per (sequence, KV head) walks that sequence's blocks up to `seq_lens[b]`, read
-from device memory, so the launch shape depends only on the batch bucket: one captured
-graph serves every batch that fits it. Rows with seq_len 0 (padding) produce zeros.
+Programs are (sequence, KV head, split); each split walks its share of the sequence's
+tokens up to `seq_lens[b]`, read from device memory, so the launch shape depends only on
+the batch bucket and the block-table width: one captured graph serves every batch that
+fits it. A second kernel merges the splits. Rows with seq_len 0 (padding) produce zeros.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
-    s = tl.arange(0, BS)
+    t = tl.arange(0, TILE)
     gmask = g < GROUP
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
@@ -31,13 +37,15 @@ def _paged_decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for i in range(0, tl.cdiv(seq_len, BS)):
-        blk = tl.load(tables_ptr + b * stride_bt + i).to(tl.int64)
-        kmask = i * BS + s < seq_len
-        off = blk * stride_kb + s[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)  # [BS, D]
+    for pos0 in range(start, end, TILE):
+        pos = pos0 + t
+        kmask = pos < end
+        blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0).to(tl.int64)
+        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_kh \
+            + d[None, :]
+        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)  # [TILE, D]
         v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, TILE]
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -45,9 +53,35 @@ def _paged_decode_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    # partials: ml [B, Hq, SPLITS, 2], acc [B, Hq, SPLITS, D]
+    row = (b * NUM_HEADS + heads) * SPLITS + split
+    tl.store(ml_ptr + row * 2, m, mask=gmask)
+    tl.store(ml_ptr + row * 2 + 1, l_sum, mask=gmask)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
+                         D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    row = (b * NUM_HEADS + h) * SPLITS + s
+    m = tl.load(ml_ptr + row * 2)
+    l_sum = tl.load(ml_ptr + row * 2 + 1)
+    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :])
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(l_sum > 0, tl.exp(m - m_max), 0.0)
+    total = tl.sum(l_sum * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits(max_tokens: int, tile: int = 64) -> int:
+    """Splits per sequence, from the block-table width (static per graph bucket)."""
+    return max(1, min(16, triton.next_power_of_2(-(-max_tokens // (4 * tile)))))
 
 
 def paged_decode_attention(
@@ -56,14 +90,22 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    splits = num_splits(block_tables.shape[1] * block_size)
+    ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
+                      device=q.device)
     out = torch.empty_like(q)
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, ml, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(1, triton.next_power_of_2(group)), D=head_dim,
-        BS=k_cache.shape[1], num_warps=4,
+        BS=block_size, TILE=64, SPLITS=splits, NUM_HEADS=num_heads, num_warps=4,
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        ml, acc, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
+        NUM_HEADS=num_heads, num_warps=1,
     )
     return out
