@@ -46,6 +46,11 @@ def paged_attention_ref(
     qpos = torch.zeros(num_seqs, md.max_q_len, dtype=torch.long, device=q.device)
     qpos[md.token_seq, md.token_row] = md.positions
     keys = torch.arange(md.max_kv_len, device=q.device)
+    # zero what a sequence does not own (its last block's tail, padded table entries):
+    # a masked score is still NaN when the stale K/V behind it is inf or NaN
+    owned = (keys.view(1, -1) < md.seq_lens.view(-1, 1)).view(num_seqs, -1, 1, 1)
+    k = torch.where(owned, k, 0)
+    v = torch.where(owned, v, 0)
     mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, Q, L]
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -1,0 +1,165 @@
+"""Paged attention reference + store_kv + prepare_batch against dense causal attention.
+
+GQA (4 query heads over 2 KV heads), block size 4 and shuffled, non-contiguous block tables,
+so every block boundary and table lookup matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from raygraph.graph.inputs import prepare_batch
+from raygraph.model.ops import paged_attention_ref, store_kv
+from raygraph.protocol import SeqChunk, StepPlan
+
+HQ, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 40
+SCALE = D**-0.5
+GARBAGE = 1e3  # finite junk in every slot no sequence owns; must never leak into an output
+
+
+@dataclass
+class Seq:
+    q: torch.Tensor  # [L, HQ, D]: the query of every position
+    k: torch.Tensor  # [L, HKV, D]
+    v: torch.Tensor
+    table: list[int]
+
+
+def make_seqs(lengths: list[int], seed: int = 0) -> list[Seq]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(NUM_BLOCKS - 1, generator=g).tolist()  # the last slot is scratch
+    seqs = []
+    for n in lengths:
+        nb = -(-n // BS)
+        table, blocks = blocks[:nb], blocks[nb:]
+        seqs.append(Seq(*(torch.randn(n, h, D, generator=g, dtype=torch.float64)
+                          for h in (HQ, HKV, HKV)), table))
+    return seqs
+
+
+def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (NUM_BLOCKS, BS, HKV, D)
+    return (torch.full(shape, GARBAGE, dtype=torch.float64),
+            torch.full(shape, -GARBAGE, dtype=torch.float64))
+
+
+def dense_causal(s: Seq, start: int, end: int) -> torch.Tensor:
+    """softmax(q k^T) v over keys 0..p for each query position p in [start, end)."""
+    k = s.k.repeat_interleave(HQ // HKV, dim=1)  # query head h reads KV head h // 2
+    v = s.v.repeat_interleave(HQ // HKV, dim=1)
+    out = []
+    for p in range(start, end):
+        w = torch.einsum("hd,lhd->hl", s.q[p], k[: p + 1]) * SCALE
+        out.append(torch.einsum("hl,lhd->hd", w.softmax(-1), v[: p + 1]))
+    return torch.stack(out)
+
+
+def write_prefix(s: Seq, n: int, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    """Tokens computed by earlier steps, written slot by slot (independent of prepare_batch)."""
+    for p in range(n):
+        kc[s.table[p // BS], p % BS] = s.k[p]
+        vc[s.table[p // BS], p % BS] = s.v[p]
+
+
+def run_step(seqs: list[Seq], spans: list[tuple[int, int]]) -> None:
+    """One batched step: seq i computes positions spans[i]; compare with dense attention."""
+    kc, vc = empty_cache()
+    chunks = []
+    for i, (s, (start, end)) in enumerate(zip(seqs, spans, strict=True)):
+        write_prefix(s, start, kc, vc)
+        chunks.append(SeqChunk(seq_id=i, token_ids=[0] * (end - start), start_pos=start,
+                               block_table=s.table, sample=True))
+    md = prepare_batch(StepPlan(1, chunks), BS, torch.device("cpu")).ctx.attn
+    cat = lambda x: torch.cat([getattr(s, x)[a:b] for s, (a, b) in zip(seqs, spans, strict=True)])  # noqa: E731
+    store_kv(cat("k"), cat("v"), kc, vc, md.slot_mapping)
+    out = paged_attention_ref(cat("q"), kc, vc, md, SCALE)
+    expect = torch.cat([dense_causal(s, a, b) for s, (a, b) in zip(seqs, spans, strict=True)])
+    assert out.shape == expect.shape
+    torch.testing.assert_close(out, expect, rtol=1e-9, atol=1e-9)
+
+
+def test_prefill_of_several_lengths() -> None:
+    lengths = [1, 4, 5, 11, 16]
+    run_step(make_seqs(lengths), [(0, n) for n in lengths])
+
+
+def test_chunked_prefill() -> None:
+    run_step(make_seqs([19]), [(6, 19)])  # 6 cached (mid-block), a 13-token chunk
+    run_step(make_seqs([16], seed=1), [(8, 12)])  # chunk on a block boundary, more to come
+
+
+def test_decode() -> None:
+    lengths = [1, 4, 5, 9, 23]
+    run_step(make_seqs(lengths, seed=2), [(n - 1, n) for n in lengths])
+
+
+def test_mixed_batch() -> None:
+    seqs = make_seqs([7, 13, 3, 21, 12], seed=3)
+    run_step(seqs, [(6, 7), (0, 13), (2, 3), (5, 18), (8, 12)])
+
+
+def test_store_kv_padding_never_touches_a_real_slot() -> None:
+    # NOTE: the cache's last slot (23 here) is the scratch slot padding rows may land in
+    kc = torch.full((6, BS, HKV, D), float("nan"))
+    vc = kc.clone()
+    k = torch.randn(5, HKV, D)
+    v = torch.randn(5, HKV, D)
+    slots = torch.tensor([0, -1, 22, 9, -1])  # 0 and 22: the first and last real slots
+    store_kv(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, HKV, D), vc.view(-1, HKV, D)
+    for t, slot in ((0, 0), (2, 22), (3, 9)):
+        assert torch.equal(flat_k[slot], k[t]) and torch.equal(flat_v[slot], v[t])
+    untouched = [i for i in range(23) if i not in (0, 9, 22)]
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+def test_prepare_batch_layout() -> None:
+    plan = StepPlan(3, [
+        SeqChunk(seq_id=7, token_ids=[11, 12, 13], start_pos=2, block_table=[5, 1], sample=True),
+        SeqChunk(seq_id=8, token_ids=[21], start_pos=9, block_table=[3, 0, 6], sample=True),
+        SeqChunk(seq_id=9, token_ids=[31, 32], start_pos=0, block_table=[2], sample=False),
+    ])
+    b = prepare_batch(plan, 4, torch.device("cpu"))
+    md = b.ctx.attn
+    assert b.input_ids.tolist() == [11, 12, 13, 21, 31, 32]
+    assert b.positions.tolist() == md.positions.tolist() == [2, 3, 4, 9, 0, 1]
+    # position p of a seq lives at block_table[p // 4] * 4 + p % 4
+    assert md.slot_mapping.tolist() == [22, 23, 4, 25, 8, 9]
+    assert md.token_seq.tolist() == [0, 0, 0, 1, 2, 2]
+    assert md.token_row.tolist() == [0, 1, 2, 0, 0, 1]
+    assert md.seq_lens.tolist() == [5, 10, 2]
+    assert md.block_tables.tolist() == [[5, 1, 0], [3, 0, 6], [2, 0, 0]]
+    assert (md.max_q_len, md.max_kv_len) == (3, 10)
+    assert b.sample_idx.tolist() == [2, 3]  # the last token of each sampling chunk
+    assert md.slot_mapping.dtype == torch.long and md.block_tables.dtype == torch.int32
+    assert not md.decode  # the flag that routes a batch to the decode kernel
+    decode = StepPlan(4, [SeqChunk(seq_id=i, token_ids=[1], start_pos=5 + i, block_table=[i, 7],
+                                   sample=True) for i in range(3)])
+    md = prepare_batch(decode, 4, torch.device("cpu")).ctx.attn
+    assert md.decode and md.slot_mapping.tolist() == [29, 30, 31]
+    assert (md.max_q_len, md.max_kv_len, md.seq_lens.tolist()) == (1, 8, [6, 7, 8])
+
+
+def test_prepare_batch_refuses_a_short_block_table() -> None:
+    plan = StepPlan(1, [SeqChunk(seq_id=1, token_ids=[1, 2], start_pos=3, block_table=[4],
+                                 sample=True)])
+    with pytest.raises(ValueError, match="seq 1"):
+        prepare_batch(plan, 4, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_stale_non_finite_slots_do_not_leak(poison: float) -> None:
+    seqs = make_seqs([3, 9], seed=4)  # seq 0 reads up to max_kv_len=9 through padded tables
+    kc, vc = (torch.full((NUM_BLOCKS, BS, HKV, D), poison, dtype=torch.float64)
+              for _ in range(2))
+    chunks = [SeqChunk(seq_id=i, token_ids=[0] * len(s.q), start_pos=0, block_table=s.table,
+                       sample=True) for i, s in enumerate(seqs)]
+    md = prepare_batch(StepPlan(1, chunks), BS, torch.device("cpu")).ctx.attn
+    store_kv(torch.cat([s.k for s in seqs]), torch.cat([s.v for s in seqs]), kc, vc,
+             md.slot_mapping)
+    out = paged_attention_ref(torch.cat([s.q for s in seqs]), kc, vc, md, SCALE)
+    expect = torch.cat([dense_causal(s, 0, len(s.q)) for s in seqs])
+    torch.testing.assert_close(out, expect, rtol=1e-9, atol=1e-9)

@@ -1,0 +1,248 @@
+"""Scheduler + BlockPool: chunked prefill, budgets, blocks, preemption, stop conditions.
+
+A fake "model" returns token(seq_id, output index), so a sequence's outputs do not depend on
+how it was batched or preempted, and a fake KV cache checks what each step may read.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
+from raygraph.memory.pages import BlockPool, OutOfBlocks
+from raygraph.protocol import SamplingParams
+
+EOS = 2
+
+
+def token(seq_id: int, index: int) -> int:
+    return 100 + (seq_id * 7 + index * 3) % 50  # never EOS
+
+
+def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+         max_batched: int = 64, max_model_len: int = 256) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, max_batched,
+                     max_model_len, eos_token_ids=(EOS,))
+
+
+def seq(seq_id: int, prompt_len: int, **params: object) -> Sequence:
+    prompt = [10 + (seq_id + i) % 80 for i in range(prompt_len)]
+    return Sequence(seq_id, prompt, SamplingParams(**params))
+
+
+def step(s: Scheduler, tokens: dict[int, list[int]] | None = None) -> SchedulerOutput:
+    """One step with the fake model; `tokens` overrides outputs per seq_id by index."""
+    out = s.schedule()
+    assert out is not None
+    forced = {k: dict(enumerate(v)) for k, v in (tokens or {}).items()}
+    sampled = [forced.get(c.seq_id, {}).get(c.num_generated, token(c.seq_id, c.num_generated))
+               for c in out.plan.seqs if c.sample]
+    s.update(out, sampled)
+    return out
+
+
+def test_block_pool() -> None:
+    pool = BlockPool(4, block_size=16)
+    assert pool.blocks_for(0) == 0 and pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_free == 1 and pool.utilization == 0.75
+    with pytest.raises(OutOfBlocks):
+        pool.allocate(2)
+    assert pool.num_free == 1  # a failed allocation takes nothing
+    pool.free(a[:1])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(a[:1])
+    b = pool.allocate(2)
+    assert not set(b) & set(a[1:])
+    pool.free(a[1:] + b)
+    assert pool.num_free == 4
+    with pytest.raises(ValueError):
+        BlockPool(0, 16)
+
+
+def test_chunked_prefill_respects_budget() -> None:
+    s = make(max_batched=8, block_size=4)
+    a = seq(0, 20)
+    s.add(a)
+    expect = [(0, 8, False, 2), (8, 8, False, 4), (16, 4, True, 5)]
+    tables = []
+    for start, n, sample, nblocks in expect:
+        out = step(s)
+        (c,) = out.plan.seqs
+        assert (c.start_pos, len(c.token_ids), c.sample, len(c.block_table)) == (
+            start, n, sample, nblocks)
+        assert c.token_ids == a.prompt_token_ids[start : start + n]
+        tables.append(c.block_table)
+    assert a.output_token_ids == [token(0, 0)]
+    (c,) = step(s).plan.seqs  # decode: position 20 crosses into a 6th block
+    assert (c.start_pos, c.token_ids, c.sample, c.num_generated) == (20, [token(0, 0)], True, 1)
+    tables.append(c.block_table)
+    for short, long in zip(tables, tables[1:], strict=False):
+        assert long[: len(short)] == short  # tables only grow at the end
+    assert len(tables[-1]) == 6 and len(set(tables[-1])) == 6
+    assert s.pool.num_free == 64 - 6
+
+
+def test_running_first_then_waiting_gets_the_rest_of_the_budget() -> None:
+    s = make(max_batched=8)
+    s.add(seq(0, 3)), s.add(seq(1, 4))
+    step(s)
+    s.add(seq(2, 30))
+    out = step(s)
+    assert [(c.seq_id, c.start_pos, len(c.token_ids), c.sample) for c in out.plan.seqs] == [
+        (0, 3, 1, True), (1, 4, 1, True), (2, 0, 6, False)]
+    s.add(seq(3, 2))  # budget fully spent by running seqs: 3 waits
+    out = step(s)
+    assert [(c.seq_id, len(c.token_ids)) for c in out.plan.seqs] == [(0, 1), (1, 1), (2, 6)]
+    assert [q.seq_id for q in s.waiting] == [3]
+
+
+def test_max_num_seqs_caps_admission() -> None:
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(seq(i, 3, max_tokens=2 if i == 0 else 5))
+    assert [c.seq_id for c in step(s).plan.seqs] == [0, 1]
+    assert [c.seq_id for c in step(s).plan.seqs] == [0, 1]  # 0 finishes (2 tokens)
+    assert [q.seq_id for q in s.running] == [1] and [q.seq_id for q in s.waiting] == [2, 3]
+    assert [c.seq_id for c in step(s).plan.seqs] == [1, 2]
+    assert len(s.running) == 2 and [q.seq_id for q in s.waiting] == [3]
+
+
+def test_preempts_most_recent_and_recomputes() -> None:
+    s = make(num_blocks=4, block_size=4, max_num_seqs=3)
+    a, b, c, d = (seq(i, 4, max_tokens=3) for i in range(4))
+    for q in (a, b, c, d):
+        s.add(q)
+    out = step(s)  # d waits: max_num_seqs
+    assert [len(ch.block_table) for ch in out.plan.seqs] == [1, 1, 1] and s.pool.num_free == 1
+    out = step(s)  # a takes the last free block; b needs one too: c (newest) is preempted
+    assert [ch.seq_id for ch in out.plan.seqs] == [0, 1] and out.preempted == [c]
+    assert c.block_table == [] and c.num_computed == 0 and c.num_preemptions == 1
+    assert list(s.waiting) == [c, d] and s.running == [a, b] and s.pool.num_free == 0
+    assert c.output_token_ids == [token(2, 0)]
+    step(s)  # a and b finish (3 tokens); c waits until then
+    assert a.finish_reason == b.finish_reason == "length" and s.pool.num_free == 4
+    ch, dh = step(s).plan.seqs  # c first: it went back to the front of the queue
+    assert (ch.seq_id, ch.start_pos, ch.sample, ch.num_generated) == (2, 0, True, 1)
+    assert ch.token_ids == c.prompt_token_ids + [token(2, 0)] and len(ch.block_table) == 2
+    assert (dh.seq_id, dh.start_pos, dh.num_generated) == (3, 0, 0)
+    while s.has_work():
+        step(s)
+    assert c.output_token_ids == [token(2, i) for i in range(3)]
+    assert c.finish_reason == "length" and s.pool.num_free == 4
+
+
+def test_preemption_victim_is_newest_even_if_the_newest_needs_nothing() -> None:
+    s = make(num_blocks=3, block_size=4)
+    a, b = seq(0, 7, max_tokens=6), seq(1, 3, max_tokens=6)
+    s.add(a), s.add(b)
+    step(s)  # a: 2 blocks, b: 1 block
+    step(s)  # a at 8 tokens, b at 4: no new blocks yet
+    out = step(s)  # a needs a 3rd block: b is popped and freed, a takes one of its blocks
+    assert [ch.seq_id for ch in out.plan.seqs] == [0] and out.preempted == [b]
+    assert b.num_computed == 0 and list(s.waiting) == [b] and len(a.block_table) == 3
+
+
+def test_newest_seq_preempts_itself() -> None:
+    s = make(num_blocks=3, block_size=4)
+    a, b = seq(0, 2, max_tokens=6), seq(1, 8, max_tokens=6)
+    s.add(a), s.add(b)
+    step(s)  # a: 1 block, b: 2 blocks, pool empty
+    out = step(s)  # b needs a 3rd block for position 8: nothing older may be taken
+    assert [ch.seq_id for ch in out.plan.seqs] == [0] and out.preempted == [b]
+    assert s.running == [a] and s.pool.num_free == 2 and b.output_token_ids == [token(1, 0)]
+
+
+@pytest.mark.parametrize(
+    ("params", "forced", "reason", "n_out"),
+    [
+        ({"max_tokens": 10}, [5, EOS, 6], "stop", 2),
+        ({"max_tokens": 4, "ignore_eos": True}, [5, EOS, 6], "length", 4),
+        ({"max_tokens": 10, "stop_token_ids": [77]}, [5, 6, 77, 8], "stop", 3),
+        ({"max_tokens": 10, "ignore_eos": True, "stop_token_ids": [77]}, [EOS, 77], "stop", 2),
+        ({"max_tokens": 3}, [], "length", 3),
+        ({"max_tokens": 100}, [], "length", 16 - 5),  # max_model_len
+    ],
+)
+def test_stop_conditions(params: dict, forced: list[int], reason: str, n_out: int) -> None:
+    s = make(max_model_len=16)
+    a = seq(0, 5, **params)
+    s.add(a)
+    while s.has_work():
+        step(s, {0: forced})
+    assert a.finish_reason == reason and len(a.output_token_ids) == n_out
+    assert a.num_tokens <= 16 and s.pool.num_free == 64
+
+
+def test_prompt_must_leave_room_for_one_token() -> None:
+    s = make(max_model_len=16)
+    with pytest.raises(ValueError, match="16"):
+        s.add(seq(0, 16))
+    s.add(seq(1, 15))
+    step(s)
+    assert s.running == [] and s.pool.num_free == 64  # finished by max_model_len
+
+
+def test_abort_frees_blocks() -> None:
+    s = make(num_blocks=16, max_batched=4)
+    a, b = seq(0, 10), seq(1, 3)
+    s.add(a)
+    step(s)
+    s.add(b)
+    assert s.abort(1) is b and b.finish_reason == "abort"
+    assert s.pool.num_free == 15
+    assert s.abort(0) is a and a.block_table == [] and s.pool.num_free == 16
+    assert s.abort(0) is None and not s.has_work()
+
+
+def simulate(s: Scheduler, seqs: list[Sequence]) -> int:
+    """Run to completion while checking every read of a fake KV cache; returns preemptions."""
+    bs = s.pool.block_size
+    cache: dict[int, tuple[int, int, int]] = {}  # slot -> (seq_id, position, token)
+    preemptions = 0
+    for q in seqs:
+        s.add(q)
+    for _ in range(5000):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        assert out is not None, "work left but nothing scheduled"
+        preemptions += len(out.preempted)
+        assert len(out.plan.seqs) <= s.max_num_seqs
+        assert out.plan.num_tokens <= s.max_num_batched_tokens
+        assert len({c.seq_id for c in out.plan.seqs}) == len(out.plan.seqs)
+        used = [b for q in s.running for b in q.block_table]
+        assert len(used) == len(set(used)) == s.pool.num_blocks - s.pool.num_free
+        sampled = []
+        for q, c in zip(out.seqs, out.plan.seqs, strict=True):
+            assert c.start_pos == q.num_computed
+            assert c.token_ids == q.token_ids[c.start_pos : c.start_pos + len(c.token_ids)]
+            for p, t in enumerate(c.token_ids, c.start_pos):
+                cache[c.block_table[p // bs] * bs + p % bs] = (c.seq_id, p, t)
+            end = c.start_pos + len(c.token_ids)
+            for p in range(end):  # attention reads every earlier position through the table
+                slot = c.block_table[p // bs] * bs + p % bs
+                assert cache.get(slot) == (c.seq_id, p, q.token_ids[p])
+            if c.sample:
+                sampled.append(token(c.seq_id, c.num_generated))
+        s.update(out, sampled)
+    assert not s.has_work()
+    return preemptions
+
+
+@pytest.mark.parametrize(("num_blocks", "max_num_seqs", "max_batched", "seed"),
+                         [(10, 6, 16, 0), (8, 4, 8, 1), (12, 16, 5, 2), (400, 8, 64, 3)])
+def test_simulation_every_seq_finishes(num_blocks: int, max_num_seqs: int, max_batched: int,
+                                       seed: int) -> None:
+    rng = random.Random(seed)
+    s = make(num_blocks, 4, max_num_seqs, max_batched, max_model_len=min(40, num_blocks * 4))
+    seqs = [seq(i, rng.randint(1, 15), max_tokens=rng.randint(1, 20)) for i in range(24)]
+    preemptions = simulate(s, seqs)
+    assert (preemptions > 0) == (num_blocks < 100)  # tiny pools exercise recompute
+    for q in seqs:  # same tokens however the seq was batched, chunked or preempted
+        n = min(q.params.max_tokens, s.max_model_len - len(q.prompt_token_ids))
+        assert q.finish_reason == "length" and q.block_table == []
+        assert q.output_token_ids == [token(q.seq_id, i) for i in range(n)]
+    assert s.pool.num_free == s.pool.num_blocks
