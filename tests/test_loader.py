@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from raygraph.config import ConfigError, ModelConfig
 from raygraph.model.llama import LlamaForCausalLM
-from raygraph.model.loader import CheckpointError, build_model, load_weights
+from raygraph.model.loader import STACKED, CheckpointError, build_model, load_weights
 from raygraph.model.parallel import (
     ColumnParallelLinear,
     Comm,
@@ -63,8 +63,24 @@ def copy(tiny: tuple[Path, dict], tmp_path: Path) -> Path:
     return Path(shutil.copytree(tiny[0], tmp_path / "ckpt"))
 
 
+def hf_view(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our state dict under HF names: merged q|k|v and gate|up split back into their parts."""
+    out = {}
+    for name, t in model.state_dict().items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = getattr(owner, "local_sizes", None)
+        if sizes is None:
+            out[name] = t
+            continue
+        merged = name.split(".")[-2]
+        hf_names = sorted((part, hf) for hf, (m, part) in STACKED.items() if m == merged)
+        for (_, hf), piece in zip(hf_names, t.split(sizes), strict=True):
+            out[name.replace(merged, hf)] = piece
+    return out
+
+
 def assert_same_weights(model: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
-    ours = model.state_dict()
+    ours = hf_view(model)
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
     assert set(ours) == set(hf)
     for name, t in hf.items():
@@ -203,7 +219,7 @@ def test_column_row_vocab_shards() -> None:
 def test_tp2_model_loads_its_slices(tmp_path: Path, rank: int) -> None:
     hf = save_tiny(tmp_path, vocab=127)
     model = load_into_fresh_model(tmp_path, FakeComm(rank, 2))
-    ours = model.state_dict()
+    ours = hf_view(model)
     r = slice(rank * 16, (rank + 1) * 16)  # q: 4 heads * 8 -> 16 rows per rank
     kv = slice(rank * 8, (rank + 1) * 8)  # k/v: 2 heads * 8 -> 8 rows per rank
     mlp = slice(rank * 32, (rank + 1) * 32)

@@ -12,8 +12,8 @@ from torch import nn
 from raygraph.config import ModelConfig
 from raygraph.model import ops
 from raygraph.model.parallel import (
-    ColumnParallelLinear,
     Comm,
+    MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -27,14 +27,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding over a precomputed cos/sin table."""
+    """Neox-style rotary embedding over a precomputed fp32 cos/sin table."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
         super().__init__()
@@ -43,13 +40,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rotary(q, k, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -60,22 +54,22 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads // comm.world_size
         self.head_dim = d
         self.scale = d**-0.5
-        bias = cfg.attention_bias
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, comm, bias=bias)
-        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, comm, bias=bias)
-        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, comm, bias=bias)
+        kv = cfg.num_kv_heads * d
+        self.qkv_proj = MergedColumnParallelLinear(h, [cfg.num_heads * d, kv, kv], comm,
+                                                   bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm)
         self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta)
-        # Bound by the worker once the paged cache exists: [num_blocks, block_size, Hkv, D].
+        # Bound by the worker once the paged cache exists: [num_blocks + 1, block_size, Hkv, D].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
         o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
@@ -84,12 +78,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = ColumnParallelLinear(h, i, comm)
-        self.up_proj = ColumnParallelLinear(h, i, comm)
+        self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], comm)
         self.down_proj = RowParallelLinear(i, h, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -50,9 +50,28 @@ def build_model(cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.
     return model.eval()
 
 
-def _full_shape(model: nn.Module, name: str, param: nn.Parameter, world: int) -> tuple[int | None, tuple[int, ...]]:
+# HF projections that raygraph stacks into one GEMM: name -> (merged name, part)
+STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Checkpoint tensor name -> (parameter name, part of a merged parameter or None)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in STACKED:
+        merged, part = STACKED[parts[-2]]
+        return ".".join([*parts[:-2], merged, parts[-1]]), part
+    return name, None
+
+
+def _full_shape(model: nn.Module, name: str, param: nn.Parameter, world: int,
+                part: int | None) -> tuple[int | None, tuple[int, ...]]:
     """The shard dim of a parameter and the shape its full checkpoint tensor must have."""
     owner = model.get_submodule(name.rsplit(".", 1)[0])
+    if part is not None:
+        return 0, owner.part_shape(part, param)
     dim = getattr(owner, "shard_dim", None)
     if dim is None or (name.endswith(".bias") and dim == 1):
         return None, tuple(param.shape)
@@ -61,28 +80,44 @@ def _full_shape(model: nn.Module, name: str, param: nn.Parameter, world: int) ->
     return dim, tuple(shape)
 
 
+def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, int | None]]:
+    out: set[tuple[str, int | None]] = set()
+    for name in params:
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = getattr(owner, "local_sizes", None)
+        out |= {(name, i) for i in range(len(sizes))} if sizes else {(name, None)}
+    return out
+
+
 def load_weights(model: nn.Module, path: str, comm: Comm) -> None:
     params = dict(model.named_parameters())  # tied weights appear once
-    loaded: set[str] = set()
+    loaded: set[tuple[str, int | None]] = set()
     files = checkpoint_files(path)
     for file in tqdm(files, desc="loading weights", disable=comm.rank != 0 or len(files) < 2):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
+            for ckpt_name in f.keys():
+                if ckpt_name.endswith(IGNORED_SUFFIXES):
                     continue
+                name, part = _target(ckpt_name)
                 if name not in params:
                     if name == "lm_head.weight" and model.config.tie_word_embeddings:
                         continue  # tied: the embedding already holds it
-                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r}")
-                full = f.get_tensor(name)
-                dim, expect = _full_shape(model, name, params[name], comm.world_size)
+                    raise CheckpointError(f"{file.name}: unexpected tensor {ckpt_name!r}")
+                full = f.get_tensor(ckpt_name)
+                dim, expect = _full_shape(model, name, params[name], comm.world_size, part)
                 if tuple(full.shape) != expect:
                     raise CheckpointError(
-                        f"{file.name}: tensor {name!r} has shape {tuple(full.shape)}, "
+                        f"{file.name}: tensor {ckpt_name!r} has shape {tuple(full.shape)}, "
                         f"the config implies {expect}"
                     )
-                load_shard(params[name], full, dim, comm)
-                loaded.add(name)
-    missing = sorted(set(params) - loaded)
+                if part is None:
+                    load_shard(params[name], full, dim, comm)
+                else:
+                    model.get_submodule(name.rsplit(".", 1)[0]).load_part(params[name], full, part)
+                loaded.add((name, part))
+    missing = sorted(_expected(model, params) - loaded, key=str)
     if missing:
-        raise CheckpointError(f"checkpoint {path!r} lacks tensors: {missing[:8]}")
+        unstack = {v: k for k, v in STACKED.items()}  # (merged, part) -> HF name
+        names = [n if p is None else n.replace(n.split(".")[-2], unstack[n.split(".")[-2], p])
+                 for n, p in missing[:8]]
+        raise CheckpointError(f"checkpoint {path!r} lacks tensors: {names}")

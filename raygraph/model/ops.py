@@ -12,6 +12,38 @@ import torch.nn.functional as F
 from raygraph.model.context import AttentionMetadata, get_forward_context
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight."""
+    if x.is_cuda:
+        from raygraph.model.triton_ops import rms_norm as fused
+
+        return fused(x, weight, eps)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D]; tables [max_pos, D/2]."""
+    if q.is_cuda:
+        from raygraph.model.triton_ops import rotary_
+
+        rotary_(q, k, cos_table, sin_table, positions)
+        return q, k
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,

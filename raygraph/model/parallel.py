@@ -52,6 +52,27 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections as one GEMM (q|k|v, gate|up). Each part is split
+    over the ranks on its own; a rank's slices are stacked in part order."""
+
+    def __init__(self, in_f: int, out_sizes: list[int], comm: Comm, bias: bool = False) -> None:
+        super().__init__(in_f, sum(out_sizes), comm, bias)
+        self.local_sizes = [_divide(o, comm.world_size, "output features") for o in out_sizes]
+
+    def part_shape(self, part: int, param: nn.Parameter) -> tuple[int, ...]:
+        """The full checkpoint shape of one part."""
+        return (self.local_sizes[part] * self.comm.world_size, *param.shape[1:])
+
+    def load_part(self, param: nn.Parameter, full: torch.Tensor, part: int) -> None:
+        size = self.local_sizes[part]
+        start = sum(self.local_sizes[:part])
+        param.data[start : start + size].copy_(full.narrow(0, self.comm.rank * size, size))
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return list(y.split(self.local_sizes, dim=-1))
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced."""
 

@@ -109,3 +109,26 @@ def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt):
             sched.update(out, w.execute(out.plan).token_ids)
         outs.append([s.output_token_ids for s in seqs])
     assert outs[0] == outs[1]
+
+
+def test_fused_rms_norm_and_rotary_match_torch_reference():
+    from raygraph.model import ops
+
+    torch.manual_seed(3)
+    x = torch.randn(37, 2048, dtype=torch.bfloat16)
+    w = torch.randn(2048, dtype=torch.bfloat16)
+    torch.testing.assert_close(ops.rms_norm(x.cuda(), w.cuda(), 1e-5).cpu(),
+                               ops.rms_norm(x, w, 1e-5), atol=2e-2, rtol=2e-2)
+    qkv = torch.randn(37, (8 + 2 + 2) * 64, dtype=torch.bfloat16)
+    pos = torch.randint(0, 500, (37,))
+    freqs = torch.outer(torch.arange(512.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    cos, sin = freqs.cos(), freqs.sin()
+
+    def split(t):
+        q, k, _ = t.split([512, 128, 128], dim=-1)  # strided views, as the model passes them
+        return q.view(37, 8, 64), k.view(37, 2, 64)
+
+    ref_q, ref_k = ops.rotary(*split(qkv.clone()), cos, sin, pos)
+    gq, gk = ops.rotary(*split(qkv.cuda()), cos.cuda(), sin.cuda(), pos.cuda())
+    torch.testing.assert_close(gq.cpu(), ref_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gk.cpu(), ref_k, atol=2e-2, rtol=2e-2)

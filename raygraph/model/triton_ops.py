@@ -1,0 +1,66 @@
+"""Fused Triton kernels for the per-token ops that otherwise cost many small launches
+(GPU only; imported lazily by model/ops.py, which keeps the torch references)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    # as HF: cast to the activation dtype, then scale by the weight
+    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), n, eps,
+                                    BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_c, HQ: tl.constexpr, HK: tl.constexpr,
+                   HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_c + d)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_c + d)[None, :]
+    hq = tl.arange(0, HQ_PAD)[:, None]
+    qoff = q_ptr + t * stride_qt + hq * stride_qh + d[None, :]
+    qm = hq < HQ
+    q1 = tl.load(qoff, mask=qm).to(tl.float32)
+    q2 = tl.load(qoff + HALF, mask=qm).to(tl.float32)
+    tl.store(qoff, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+    tl.store(qoff + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+    hk = tl.arange(0, HK_PAD)[:, None]
+    koff = k_ptr + t * stride_kt + hk * stride_kh + d[None, :]
+    km = hk < HK
+    k1 = tl.load(koff, mask=km).to(tl.float32)
+    k2 = tl.load(koff + HALF, mask=km).to(tl.float32)
+    tl.store(koff, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=km)
+    tl.store(koff + HALF, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=km)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            positions: torch.Tensor) -> None:
+    """Neox rotary applied in place to q [T, Hq, D] and k [T, Hk, D] (strided views are fine)."""
+    num_tokens, hq, d = q.shape
+    hk = k.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), HQ=hq, HK=hk, HQ_PAD=triton.next_power_of_2(hq),
+        HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, num_warps=1,
+    )
