@@ -20,9 +20,9 @@ import re
 import sys
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -127,8 +127,10 @@ def sample(model: LlamaForCausalLM, tok: Tokenizer, seed: int) -> dict[str, dict
     for prompt in PROMPTS:
         ids = torch.tensor([[BOS_ID] + tok.encode(prompt).ids])
         texts = {}
-        for name, kwargs in (("greedy", {"do_sample": False}),
-                             ("t0.7", {"do_sample": True, "temperature": 0.7, "top_k": 0})):
+        for name, kwargs in (
+            ("greedy", {"do_sample": False}),
+            ("t0.7", {"do_sample": True, "temperature": 0.7, "top_k": 0}),
+        ):
             torch.manual_seed(seed)
             with torch.no_grad():
                 gen = model.generate(ids, max_new_tokens=60, pad_token_id=PAD_ID, **kwargs)
@@ -141,24 +143,24 @@ def write_readme(out_dir: Path, info: dict[str, object], greedy: str) -> None:
     """Write the asset's README.md (what it is, data + license, command, loss, a sample)."""
     text = f"""# raygraph default model
 
-A tiny Llama-architecture causal LM ({info['params']:,} parameters, GQA with
+A tiny Llama-architecture causal LM ({info["params"]:,} parameters, GQA with
 4 query / 2 key-value heads, 4 layers, hidden 256, vocab 4096, bfloat16 weights)
 used as raygraph's built-in model for tests, demos and benchmarks. It is a toy:
 it produces Python-documentation-flavoured text, nothing more.
 
-- Data: the `pydoc_data.topics` text shipped with CPython {info['python']}
+- Data: the `pydoc_data.topics` text shipped with CPython {info["python"]}
   (the `help()` topics), sorted by key, whitespace-normalised, documents
   separated by `<|eos|>`. License: Python Software Foundation License.
 - Tokenizer: byte-level BPE (`tokenizers`), specials `<|bos|>`=0, `<|eos|>`=1,
   `<|pad|>`=2; no post-processor (the runtime adds BOS itself).
-- Training: {info['steps']} AdamW steps x {info['batch_size']} windows of
-  {info['seq_len']} tokens, peak lr {info['lr']}, warmup + cosine, fp32 on CPU
-  ({info['threads']} threads, {info['train_seconds']:.0f} s).
-- Final training loss (mean of last 10% of steps): {info['final_loss']:.3f}
+- Training: {info["steps"]} AdamW steps x {info["batch_size"]} windows of
+  {info["seq_len"]} tokens, peak lr {info["lr"]}, warmup + cosine, fp32 on CPU
+  ({info["threads"]} threads, {info["train_seconds"]:.0f} s).
+- Final training loss (mean of last 10% of steps): {info["final_loss"]:.3f}
 
 Made with:
 
-    {info['command']}
+    {info["command"]}
 
 Greedy sample (BOS + "{PROMPTS[0]}"):
 
@@ -205,8 +207,9 @@ def main() -> None:
     model.config.dtype = torch.bfloat16
     model.to(torch.bfloat16).save_pretrained(args.out_dir, safe_serialization=True)
     tok.save(str(args.out_dir / "tokenizer.json"))
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                     max_new_tokens=64).save_pretrained(args.out_dir)
+    GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=64
+    ).save_pretrained(args.out_dir)
 
     reloaded = LlamaForCausalLM.from_pretrained(args.out_dir, dtype=torch.float32)
     samples = sample(reloaded, Tokenizer.from_file(str(args.out_dir / "tokenizer.json")), args.seed)
@@ -215,9 +218,15 @@ def main() -> None:
             print(f"--- {prompt!r} [{name}]\n{text}\n")
 
     info = {
-        "params": n_params, "python": sys.version.split()[0], "steps": args.steps,
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-        "threads": args.threads, "train_seconds": train_seconds, "final_loss": final_loss,
+        "params": n_params,
+        "python": sys.version.split()[0],
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "threads": args.threads,
+        "train_seconds": train_seconds,
+        "final_loss": final_loss,
         "command": "python scripts/train_default_model.py " + " ".join(sys.argv[1:]),
     }
     write_readme(args.out_dir, info, samples[PROMPTS[0]]["greedy"])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,14 +28,16 @@ def run(*cmd: str, env: dict, timeout: float = 240) -> subprocess.CompletedProce
 
 
 @pytest.fixture
-def ray_head(tmp_path):
+def ray_head():
     port, dash = free_port(), free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    temp_dir = tempfile.mkdtemp(prefix="rg", dir="/tmp")  # Ray's socket paths must stay short
+    # a private head on loopback: no token auth (Ray 2.60 turns it on when ~/.ray has a token)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     bindir = Path(sys.executable).parent
     head = subprocess.Popen(
         [str(bindir / "ray"), "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
          "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3", "--block",
-         f"--temp-dir={tmp_path}"],
+         f"--temp-dir={temp_dir}"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -42,6 +46,7 @@ def ray_head(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_job_submit_then_client_by_address(ray_head):
