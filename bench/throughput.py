@@ -15,7 +15,13 @@ import ray
 
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.coordinator import start_coordinator
-from raygraph.config import DEFAULT_MODEL, ParallelConfig, SchedulerConfig, ServeConfig
+from raygraph.config import (
+    DEFAULT_MODEL,
+    GraphConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
 from raygraph.protocol import SamplingParams
 
 
@@ -29,6 +35,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--mode", choices=["graph", "eager"], default="graph")
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL
     if a.preset:
@@ -39,6 +46,7 @@ def main() -> None:
         model=model, parallel=ParallelConfig(tp=a.tp),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                   max_num_batched_tokens=a.max_num_batched_tokens),
+        graph=GraphConfig(mode=a.mode),
     )
     coord = start_coordinator(cfg)
     info = ray.get(coord.describe.remote())
@@ -54,6 +62,8 @@ def main() -> None:
     stats = ray.get(coord.stats.remote())
     print(json.dumps({
         "model": model, "device": info["device"], "dtype": info["dtype"], "tp": a.tp,
+        "mode": a.mode, "buckets": info["buckets_captured"], "graphs": info["graphs_captured"],
+        "capture_s": info["capture_s"], "graph_pool_mib": info["graph_pool_bytes"] >> 20,
         "num_prompts": a.num_prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
         "seconds": round(dt, 3), "output_tokens_per_s": round(out_tokens / dt, 1),
         "total_tokens_per_s": round((out_tokens + a.num_prompts * a.prompt_len) / dt, 1),

@@ -69,10 +69,14 @@ class Coordinator:
         self._loop_task: asyncio.Task | None = None
         self.healthy = False
         self.unhealthy_reason: str | None = None
+        self.recovering = False
+        self._serving = asyncio.Event()  # set while healthy; requests wait on it in recovery
+        self.restarts = 0
         self.steps = 0
         self.tokens_generated = 0
         self.preemptions = 0
         self.capture_log: list[dict] = []
+        self.capture_s = 0.0
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -82,6 +86,7 @@ class Coordinator:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
+        self._serving.set()
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
         return self.describe()
 
@@ -118,8 +123,10 @@ class Coordinator:
             t0 = time.perf_counter()
             logs = await asyncio.gather(*(w.capture.remote() for w in self.workers))
             self.capture_log = logs[0]
-            log.info("capture schedule: %d buckets in %.2fs", len(logs[0]),
-                     time.perf_counter() - t0)
+            self.capture_s = time.perf_counter() - t0
+            log.info("capture schedule: %d buckets in %.2fs, %d graphs, %.1f MiB of graph pool",
+                     len(logs[0]), self.capture_s, sum(e["pieces"] for e in logs[0]),
+                     sum(e["pool_bytes"] for e in logs[0]) / 2**20)
         bs = cfg.cache.block_size
         limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
         self.max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
@@ -136,12 +143,17 @@ class Coordinator:
             "num_kv_blocks": self.scheduler.pool.num_blocks if self.scheduler else 0,
             "max_model_len": getattr(self, "max_model_len", 0),
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
+            "graph_mode": self.cfg.graph.mode, "buckets_captured": len(self.capture_log),
+            "graphs_captured": sum(e["pieces"] for e in self.capture_log),
+            "capture_s": round(self.capture_s, 2),
+            "graph_pool_bytes": sum(e["pool_bytes"] for e in self.capture_log),
         }
 
     def stats(self) -> dict:
         s = self.scheduler
         return {
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
+            "restarts": self.restarts,
             "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
             "running": len(s.running) if s else 0, "waiting": len(s.waiting) if s else 0,
             "kv_utilization": s.pool.utilization if s else 0.0,
@@ -153,6 +165,7 @@ class Coordinator:
 
         Bad input raises BadRequest before anything is scheduled; other requests go on.
         """
+        await self._wait_serving()
         reqs = self._submit(prompts, params)
         return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
 
@@ -161,6 +174,7 @@ class Coordinator:
 
         Call as `coordinator.generate_stream.options(num_returns="streaming").remote(...)`.
         """
+        await self._wait_serving()
         (req,) = self._submit(prompt, params, single=True)
         while True:
             delta = await req.deltas.get()
@@ -169,6 +183,14 @@ class Coordinator:
                 if req.error:
                     raise WorkerFailure(req.error)
                 return
+
+    async def _wait_serving(self) -> None:
+        """While the worker group restarts, new requests wait for it instead of failing."""
+        if self.recovering:
+            try:
+                await asyncio.wait_for(self._serving.wait(), timeout=self.cfg.step_timeout_s)
+            except asyncio.TimeoutError:
+                pass  # _submit reports why
 
     def _submit(self, prompts: Any, params: Any, single: bool = False) -> list[_Request]:
         if not self.healthy or self.scheduler is None:
@@ -245,6 +267,8 @@ class Coordinator:
         msg = f"step {out.plan.step_id} failed on a worker: {type(e).__name__}: {e}"
         log.error(msg)
         self.healthy = False
+        self.recovering = True
+        self._serving.clear()
         self.unhealthy_reason = msg
         for req in self.requests.values():
             req.error = msg
@@ -256,10 +280,14 @@ class Coordinator:
             await self._start_workers()
             self.healthy = True
             self.unhealthy_reason = None
+            self.restarts += 1
+            self._serving.set()
             log.info("worker group restarted after failure")
         except Exception as restart_error:
             self.unhealthy_reason = f"{msg}; restart failed: {restart_error}"
             log.error(self.unhealthy_reason)
+        finally:
+            self.recovering = False
 
     async def _stop_workers(self) -> None:
         for w in self.workers:
