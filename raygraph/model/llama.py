@@ -6,7 +6,6 @@ Module and parameter names mirror HF transformers so checkpoints load by name.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from raygraph.config import ModelConfig
@@ -82,8 +81,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, h, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -24,6 +24,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: x = [gate | up] on the last dim -> silu(gate) * up."""
+    if x.is_cuda:
+        from raygraph.model.triton_ops import silu_and_mul as fused
+
+        return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary(
     q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
     positions: torch.Tensor,
@@ -50,10 +60,15 @@ def store_kv(
 ) -> None:
     """Write new K/V rows at their slots, without a host sync (capturable).
 
-    NOTE: padding slots are -1 and land in the cache's last slot, a scratch slot the
-    scheduler never hands out (the worker allocates one block more than it reports).
+    NOTE: padding slots are -1. The GPU kernel skips them; the torch path redirects them to
+    the cache's last slot, a scratch slot the scheduler never hands out (the worker
+    allocates one block more than it reports).
     """
     # k: [T, Hkv, D]; k_cache: [num_blocks + 1, block_size, Hkv, D]
+    if k.is_cuda:
+        from raygraph.model.triton_ops import store_kv as fused
+
+        return fused(k, v, k_cache, v_cache, slot_mapping)
     scratch = k_cache.shape[0] * k_cache.shape[1] - 1
     slots = torch.where(slot_mapping >= 0, slot_mapping, scratch)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)

@@ -64,3 +64,47 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         cos.stride(0), HQ=hq, HK=hk, HQ_PAD=triton.next_power_of_2(hq),
         HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, num_warps=1,
     )
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask)
+    # as torch: silu in the activation dtype, then the product
+    act = (gate * tl.sigmoid(gate)).to(up.dtype)
+    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    num_tokens, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_k, stride_v,
+                     N: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:  # NOTE: padding slots are -1 and write nothing
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        tl.store(kc_ptr + slot * N + cols, tl.load(k_ptr + t * stride_k + cols, mask=mask),
+                 mask=mask)
+        tl.store(vc_ptr + slot * N + cols, tl.load(v_ptr + t * stride_v + cols, mask=mask),
+                 mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # k: [T, Hkv, D] (heads contiguous within a token); caches contiguous
+    n = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
+                                    v.stride(0), N=n, BLOCK=triton.next_power_of_2(n),
+                                    num_warps=1)
