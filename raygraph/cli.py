@@ -33,6 +33,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--eager", action="store_true",
+                   help="run every step eagerly (no graphs): the reference path, for debugging")
 
 
 def serve_config(a: argparse.Namespace) -> ServeConfig:
@@ -48,6 +50,7 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         device=pick(a.device, cfg.device),
         dtype=pick(a.dtype, cfg.dtype),
         parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp)),
+        graph=msgspec.structs.replace(cfg.graph, mode="eager") if a.eager else cfg.graph,
         cache=CacheConfig(
             block_size=pick(a.block_size, c.block_size), num_blocks=pick(a.num_kv_blocks, c.num_blocks),
             kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=c.gpu_memory_utilization,

@@ -121,7 +121,7 @@ class GraphExecutor(Executor):
         before = torch.cuda.memory_reserved(self.device) if self.cuda else 0
         if key.phase == "decode":
             runner = FullGraph(self._forward(key, True), md, self.cuda, self.pool)
-            pieces = 1
+            pieces = 1 if self.cuda else 0
         else:
             runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out, self.cuda,
                                     self.pool)
