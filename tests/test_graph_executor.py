@@ -1,0 +1,156 @@
+"""The graph executor's logic on CPU (eager backend): bucketing, persistent buffers and
+padding, the piecewise instruction sequence, and equality with the eager executor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.graph.buckets import bucket, capture_schedule, capture_sizes, default_capture_sizes
+from raygraph.graph.executor import EagerExecutor, GraphExecutor
+from raygraph.graph.inputs import InputBuffers, host_inputs
+from raygraph.protocol import BucketKey, SeqChunk, StepPlan
+from raygraph.worker.worker import Worker
+
+BS = 4
+NUM_BLOCKS = 64
+
+
+def test_default_schedule_follows_sglang_steps_and_is_capped():
+    sizes = default_capture_sizes(4096)
+    assert sizes[:4] == [1, 2, 4, 8] and 32 in sizes and 36 not in sizes and 48 in sizes
+    assert 272 not in sizes and 288 in sizes and 576 in sizes and 1280 in sizes
+    assert sizes[-1] == 4096 and sizes == sorted(set(sizes))
+    assert default_capture_sizes(100)[-1] == 100  # the cap is a bucket
+    assert capture_sizes([8, 2, 2, 5], 64) == [2, 5, 8]
+    with pytest.raises(ValueError):
+        capture_sizes([0, 4], 64)
+
+
+def test_bucket_rounds_up_and_falls_back_above_the_largest():
+    sizes = [1, 2, 4, 8, 16]
+    assert [bucket(n, sizes) for n in (1, 3, 4, 5, 16)] == [1, 4, 4, 8, 16]
+    assert bucket(17, sizes) is None
+    keys = capture_schedule([1, 4, 2], [16, 8])
+    assert keys == [BucketKey("decode", 4), BucketKey("decode", 2), BucketKey("decode", 1),
+                    BucketKey("prefill", 16), BucketKey("prefill", 8)]
+
+
+def plan_of(seqs: list[tuple[int, int]], rng: random.Random, vocab: int = 256) -> StepPlan:
+    """(context already cached, new tokens) per sequence, on disjoint shuffled blocks."""
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    chunks = []
+    for i, (ctx, n) in enumerate(seqs):
+        nb = -(-(ctx + n) // BS)
+        table, free = free[:nb], free[nb:]
+        chunks.append(SeqChunk(i, [rng.randrange(3, vocab) for _ in range(n)], ctx, table, True))
+    return StepPlan(1, chunks)
+
+
+def test_buffers_pad_with_minus_one_slots_and_empty_sequences():
+    bufs = InputBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"))
+    plan = plan_of([(5, 1), (0, 1), (9, 1)], random.Random(0))
+    h = host_inputs(plan, BS)
+    bufs.fill(h, num_tokens=8, num_seqs=8)
+    assert bufs.slot_mapping[:3].tolist() == h.slots and (bufs.slot_mapping[3:8] == -1).all()
+    assert bufs.seq_lens[:3].tolist() == [6, 1, 10] and (bufs.seq_lens[3:8] == 0).all()
+    assert (bufs.block_tables[3:8] == 0).all() and (bufs.input_ids[3:8] == 0).all()
+    assert bufs.token_seq[:8].tolist() == list(range(8))  # padding tokens: their own rows
+    # a smaller batch later leaves nothing stale behind in its bucket
+    bufs.fill(host_inputs(plan_of([(2, 1)], random.Random(1)), BS), num_tokens=4, num_seqs=4)
+    assert (bufs.slot_mapping[1:4] == -1).all() and (bufs.seq_lens[1:4] == 0).all()
+    assert (bufs.block_tables[1:4] == 0).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        bufs.fill(h, num_tokens=2, num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama):
+    def make(mode: str) -> Worker:
+        cfg = ServeConfig(
+            model=str(tiny_llama), device="cpu", cache=CacheConfig(block_size=BS),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                      max_model_len=200),
+            graph=GraphConfig(mode=mode),
+        )
+        w = Worker(cfg, 0)
+        w.load(("127.0.0.1", 0))
+        w.allocate_kv_cache(NUM_BLOCKS)
+        return w
+
+    return make("graph"), make("eager")
+
+
+def randomise_caches(ws: tuple[Worker, ...], seed: int) -> None:
+    for w in ws:
+        torch.manual_seed(seed)
+        for layer in w.model.attention_layers():
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_graph_executor_equals_eager(workers, trial):
+    g, e = workers
+    rng = random.Random(trial)
+    decode = [(rng.randrange(0, 40), 1) for _ in range(rng.randrange(1, 8))]
+    prefill = [(rng.randrange(0, 30), rng.randrange(2, 9)) for _ in range(rng.randrange(1, 4))]
+    for seqs, phase in ((decode, "decode"), (prefill, "prefill")):
+        plan = plan_of(seqs, rng)
+        randomise_caches((g, e), trial)
+        got = g.executor.logits(plan)
+        ref = e.executor.logits(plan)
+        assert g.executor.last_key.phase == phase
+        assert g.executor.last_key.num_tokens >= plan.num_tokens
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_above_the_largest_bucket_runs_eagerly(workers):
+    g, e = workers
+    plan = plan_of([(0, 20), (0, 20)], random.Random(9))  # 40 tokens > 32
+    randomise_caches((g, e), 9)
+    got = g.executor.logits(plan)
+    assert g.executor.last_key is None
+    randomise_caches((g, e), 9)
+    torch.testing.assert_close(got, e.executor.logits(plan))
+
+
+def test_piecewise_instruction_sequence(workers):
+    g, _ = workers
+    plan = plan_of([(3, 5), (0, 6)], random.Random(3))
+    g.executor.logits(plan)
+    key = g.executor.last_key
+    runner = g.executor.graphs[key]
+    layers = len(g.model.attention_layers())
+    assert runner.trace == ["piece", "attention"] * layers + ["piece"]
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_padding_never_writes_a_real_kv_slot(workers, phase):
+    g, _ = workers
+    ex: GraphExecutor = g.executor
+    rng = random.Random(11)
+    seqs = [(7, 1), (2, 1), (12, 1)] if phase == "decode" else [(4, 3), (0, 2)]
+    plan = plan_of(seqs, rng)
+    h = host_inputs(plan, BS)
+    assert ex.key_for(h).num_tokens > h.num_tokens  # the bucket really pads
+    sentinel = 1234.5
+    for layer in g.model.attention_layers():
+        layer.k_cache.fill_(sentinel)
+        layer.v_cache.fill_(sentinel)
+    ex.logits(plan)
+    real = set(h.slots)
+    for layer in g.model.attention_layers():
+        for cache in (layer.k_cache, layer.v_cache):
+            flat = cache.view(-1, cache.shape[2] * cache.shape[3])
+            changed = {i for i in range(NUM_BLOCKS * BS) if (flat[i] != sentinel).any()}
+            assert changed == real  # padding went to the scratch block, past NUM_BLOCKS
+
+
+def test_eager_executor_is_the_reference_type(workers):
+    assert isinstance(workers[1].executor, EagerExecutor)
+    assert isinstance(workers[0].executor, GraphExecutor)
