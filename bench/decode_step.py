@@ -59,7 +59,8 @@ def time_replay(worker: Worker, batch: int, iters: int = 50) -> float:
     from raygraph.graph.buckets import bucket
     from raygraph.protocol import BucketKey
 
-    runner = worker.executor.graphs[BucketKey("decode", bucket(batch, worker.executor.decode_sizes))]
+    ex = worker.executor
+    runner = ex.graphs[BucketKey("decode", bucket(batch, ex.decode_sizes))]
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
@@ -155,7 +156,8 @@ def main() -> None:
             row["graph_speedup_vs_eager"] = round(row["eager_ms"] / row["graph_ms"], 2)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"\nHBM copy bandwidth (read+write): {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
+    print(f"\nHBM copy bandwidth (read+write): {bw / 1e9:.0f} GB/s; "
+          f"weights {weight_bytes / 1e9:.2f} GB")
     print("| batch | context | eager ms | graph ms | replay only ms | HF static ms | floor ms "
           "| graph/eager |")
     print("|---|---|---|---|---|---|---|---|")

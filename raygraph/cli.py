@@ -52,7 +52,8 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp)),
         graph=msgspec.structs.replace(cfg.graph, mode="eager") if a.eager else cfg.graph,
         cache=CacheConfig(
-            block_size=pick(a.block_size, c.block_size), num_blocks=pick(a.num_kv_blocks, c.num_blocks),
+            block_size=pick(a.block_size, c.block_size),
+            num_blocks=pick(a.num_kv_blocks, c.num_blocks),
             kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=c.gpu_memory_utilization,
             cpu_kv_cache_bytes=c.cpu_kv_cache_bytes,
         ),

@@ -194,7 +194,8 @@ class Coordinator:
 
     def _submit(self, prompts: Any, params: Any, single: bool = False) -> list[_Request]:
         if not self.healthy or self.scheduler is None:
-            raise WorkerFailure(f"coordinator is not serving: {self.unhealthy_reason or 'not started'}")
+            reason = self.unhealthy_reason or "not started"
+            raise WorkerFailure(f"coordinator is not serving: {reason}")
         sp = parse_params(params)
         items = [prompts] if single else split_prompts(prompts)
         m = self.model_cfg

@@ -60,7 +60,8 @@ def encode_prompt(
             ids = [bos, *ids]
         return ids
     if not isinstance(prompt, list | tuple) or not all(type(t) is int for t in prompt):
-        raise BadRequest(f"a prompt must be a string or a list of ints, got {type(prompt).__name__}")
+        kind = type(prompt).__name__
+        raise BadRequest(f"a prompt must be a string or a list of ints, got {kind}")
     if not prompt:
         raise BadRequest("empty prompt")
     bad = [t for t in prompt if not 0 <= t < vocab_size]

@@ -39,7 +39,8 @@ def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
         n = len(s.token_ids)
         end = s.start_pos + n
         if len(s.block_table) * block_size < end:
-            raise ValueError(f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
+            raise ValueError(
+                f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
         h.ids += s.token_ids
         h.positions += range(s.start_pos, end)
         h.slots += (s.block_table[p // block_size] * block_size + p % block_size

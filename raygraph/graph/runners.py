@@ -73,7 +73,9 @@ class _Attn:
     scale: float
 
 
-def run_attention(a: _Attn, md: AttentionMetadata, num_real: int, out: torch.Tensor) -> torch.Tensor:
+def run_attention(
+    a: _Attn, md: AttentionMetadata, num_real: int, out: torch.Tensor
+) -> torch.Tensor:
     """Eager attention between pieces with this step's metadata; writes the shared output."""
     # store K/V for the whole bucket (padding slots go to scratch), attend for real tokens
     n = a.q.shape[0]

@@ -38,7 +38,9 @@ def checkpoint_files(path: str) -> list[Path]:
     return files
 
 
-def build_model(cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(
+    cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     """Construct the model on `device` and load this rank's shard of the checkpoint."""
     with torch.device(device):
         model = LlamaForCausalLM(cfg, comm)

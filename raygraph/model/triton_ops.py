@@ -30,6 +30,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _rope_heads(ptr, stride_h, cos, sin, H: tl.constexpr, H_PAD: tl.constexpr,
+                HALF: tl.constexpr):
+    h = tl.arange(0, H_PAD)[:, None]
+    off = ptr + h * stride_h + tl.arange(0, HALF)[None, :]
+    m = h < H
+    x1 = tl.load(off, mask=m).to(tl.float32)
+    x2 = tl.load(off + HALF, mask=m).to(tl.float32)
+    tl.store(off, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=m)
+    tl.store(off + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_c, HQ: tl.constexpr, HK: tl.constexpr,
                    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr):
@@ -38,20 +50,8 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_c + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_c + d)[None, :]
-    hq = tl.arange(0, HQ_PAD)[:, None]
-    qoff = q_ptr + t * stride_qt + hq * stride_qh + d[None, :]
-    qm = hq < HQ
-    q1 = tl.load(qoff, mask=qm).to(tl.float32)
-    q2 = tl.load(qoff + HALF, mask=qm).to(tl.float32)
-    tl.store(qoff, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qm)
-    tl.store(qoff + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qm)
-    hk = tl.arange(0, HK_PAD)[:, None]
-    koff = k_ptr + t * stride_kt + hk * stride_kh + d[None, :]
-    km = hk < HK
-    k1 = tl.load(koff, mask=km).to(tl.float32)
-    k2 = tl.load(koff + HALF, mask=km).to(tl.float32)
-    tl.store(koff, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=km)
-    tl.store(koff + HALF, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=km)
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, HQ, HQ_PAD, HALF)
+    _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, HK, HK_PAD, HALF)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -11,7 +11,9 @@ import torch
 from raygraph.protocol import SeqChunk
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus with -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
