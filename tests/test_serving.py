@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -107,12 +108,19 @@ def test_dead_worker_fails_requests_in_flight_then_recovers(ray_session, coord):
 
     (worker,) = ray_session.get(coord.worker_handles.remote())
     ray_session.kill(worker)
-    # the next step meets the dead worker: every request in it fails with a clear error
+    deadline = time.time() + 60  # ray.kill is asynchronous: wait until the worker is gone
+    while True:
+        try:
+            ray_session.get(worker.address.remote(), timeout=10)
+        except ray_session.exceptions.RayActorError:
+            break
+        assert time.time() < deadline, "the killed worker still answers"
+        time.sleep(0.1)
+    # the next step meets the dead worker: the requests in it fail with a clear error
     params = SamplingParams(max_tokens=50, ignore_eos=True)
-    inflight = [coord.generate.remote([40 + i, 41], params) for i in range(4)]
-    for ref in inflight:
-        with pytest.raises(WorkerFailure, match="failed on a worker"):
-            ray_session.get(ref, timeout=60)
+    inflight = coord.generate.remote([[40 + i, 41] for i in range(4)], params)
+    with pytest.raises(WorkerFailure, match="failed on a worker"):
+        ray_session.get(inflight, timeout=60)
     # requests that arrive while the worker group restarts wait for it, then are served
     (r,) = ray_session.get(coord.generate.remote([7, 8, 9], SamplingParams(max_tokens=5)),
                            timeout=120)
