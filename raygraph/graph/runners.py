@@ -77,11 +77,10 @@ def run_attention(
     a: _Attn, md: AttentionMetadata, num_real: int, out: torch.Tensor
 ) -> torch.Tensor:
     """Eager attention between pieces with this step's metadata; writes the shared output."""
-    # store K/V for the whole bucket (padding slots go to scratch), attend for real tokens
+    # store K/V for the whole bucket (padding slots are -1), attend for the real tokens
     n = a.q.shape[0]
-    real = AttentionMetadata(**{**vars(md), "slot_mapping": md.slot_mapping[:n]})
     o = paged_attention(a.q[:num_real], a.k, a.v, a.k_cache, a.v_cache, a.scale,
-                        _prefix(real, num_real))
+                        _prefix(md, num_real))
     out[:num_real].copy_(o)
     out[num_real:n].zero_()
     return out[:n]
