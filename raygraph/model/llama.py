@@ -25,8 +25,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -92,9 +97,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it): the residual add
+        happens inside the next norm, as in HF (x = residual + sublayer(norm(residual)))."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,10 +119,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -24,6 +24,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add fused into the next norm."""
+    if x.is_cuda:
+        from raygraph.model.triton_ops import add_rms_norm as fused
+
+        return fused(x, residual, weight, eps)
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x = [gate | up] on the last dim -> silu(gate) * up."""
     if x.is_cuda:

@@ -21,6 +21,34 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    total = x + r  # in the activation dtype, as torch adds
+    tl.store(sum_ptr + row * n + cols, total, mask=mask)
+    t = total.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
+    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    total = torch.empty_like(x)
+    _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, total, x.stride(0),
+                                        residual.stride(0), n, eps,
+                                        BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out, total
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.shape[-1]

@@ -119,6 +119,11 @@ def test_fused_rms_norm_and_rotary_match_torch_reference():
     w = torch.randn(2048, dtype=torch.bfloat16)
     torch.testing.assert_close(ops.rms_norm(x.cuda(), w.cuda(), 1e-5).cpu(),
                                ops.rms_norm(x, w, 1e-5), atol=2e-2, rtol=2e-2)
+    r = torch.randn_like(x)
+    got_norm, got_sum = ops.add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-5)
+    ref_norm, ref_sum = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(got_sum.cpu(), ref_sum)
+    torch.testing.assert_close(got_norm.cpu(), ref_norm, atol=2e-2, rtol=2e-2)
     qkv = torch.randn(37, (8 + 2 + 2) * 64, dtype=torch.bfloat16)
     pos = torch.randint(0, 500, (37,))
     freqs = torch.outer(torch.arange(512.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))

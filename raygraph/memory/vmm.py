@@ -1,0 +1,311 @@
+"""VMM pool: one virtual address range per capture, all mapped onto one set of physical chunks.
+
+Graphs of one executor never replay concurrently, so their memory may alias: each capture
+bump-allocates in its own range and physical memory is max(shape), not sum(shape). The
+backend seam lets the same bookkeeping run over a memfd on a CPU-only Linux machine
+(real double mapping) and over the CUDA driver's VMM calls on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from abc import ABC, abstractmethod
+from typing import Any
+
+import msgspec
+import torch
+
+ALIGN = 512  # bytes; every address alloc() returns is a multiple of this
+
+
+class VmmError(RuntimeError):
+    pass
+
+
+class VmmStats(msgspec.Struct, frozen=True):
+    physical_bytes: int
+    virtual_bytes: int
+    spaces: int
+    chunks: int
+    chunk_size: int
+    space_peak_bytes: list[int]  # per space, in creation order
+
+
+class VmmBackend(ABC):
+    """Physical chunks, virtual reservations and the mappings between them."""
+
+    @abstractmethod
+    def granularity(self) -> int: ...
+
+    @abstractmethod
+    def create_chunk(self, size: int) -> Any: ...
+
+    @abstractmethod
+    def release_chunk(self, handle: Any, size: int) -> None: ...
+
+    @abstractmethod
+    def reserve(self, size: int) -> int: ...
+
+    @abstractmethod
+    def free_range(self, addr: int, size: int) -> None: ...
+
+    @abstractmethod
+    def map(self, addr: int, size: int, handle: Any) -> None: ...
+
+    @abstractmethod
+    def unmap(self, addr: int, size: int) -> None: ...
+
+    @abstractmethod
+    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over [addr, addr + nbytes); valid only while that memory is mapped."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FIXED = 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class MemfdBackend(VmmBackend):
+    """Linux CPU backend: a chunk is a slice of one memfd; ranges are PROT_NONE reservations.
+
+    map() places a MAP_SHARED view of the chunk at an exact address inside a reservation
+    (MAP_FIXED), so every range mapping a chunk sees the same bytes.
+    """
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.mmap.restype = ctypes.c_void_p
+        self._libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.fd = os.memfd_create("raygraph-vmm")
+        self._live: dict[int, int] = {}  # chunk offset in the memfd -> size
+
+    def granularity(self) -> int:
+        return mmap.PAGESIZE
+
+    def file_bytes(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def _mmap(self, addr: int | None, size: int, prot: int, flags: int, fd: int,
+              offset: int) -> int:
+        out = self._libc.mmap(addr, size, prot, flags, fd, offset)
+        if out is None or out == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise VmmError(f"mmap(size={size}, offset={offset}) failed: {os.strerror(err)}")
+        if addr is not None and out != addr:
+            raise VmmError(f"mmap placed {size} bytes at {out:#x}, asked for {addr:#x}")
+        return out
+
+    def create_chunk(self, size: int) -> int:
+        offset = self.file_bytes()
+        os.ftruncate(self.fd, offset + size)
+        self._live[offset] = size
+        return offset
+
+    def release_chunk(self, handle: int, size: int) -> None:
+        if self._live.pop(handle, None) != size:
+            raise VmmError(f"releasing unknown memfd chunk at offset {handle} ({size} bytes)")
+        # NOTE: the file shrinks to the end of the last live chunk; holes stay until then
+        os.ftruncate(self.fd, max((o + s for o, s in self._live.items()), default=0))
+
+    def reserve(self, size: int) -> int:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        return self._mmap(None, size, _PROT_NONE, flags, -1, 0)
+
+    def free_range(self, addr: int, size: int) -> None:
+        if self._libc.munmap(addr, size) != 0:
+            raise VmmError(f"munmap({addr:#x}, {size}) failed: {os.strerror(ctypes.get_errno())}")
+
+    def map(self, addr: int, size: int, handle: int) -> None:
+        self._mmap(addr, size, _PROT_RW, mmap.MAP_SHARED | _MAP_FIXED, self.fd, handle)
+
+    def unmap(self, addr: int, size: int) -> None:
+        # back to an inaccessible reservation, so the range stays ours until free_range
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+        self._mmap(addr, size, _PROT_NONE, flags, -1, 0)
+
+    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _CudaArray:
+    """Exposes [addr, addr + nbytes) as a uint8 device array for torch.as_tensor."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3,
+            "strides": None,
+        }
+
+
+class CudaBackend(VmmBackend):
+    """CUDA driver VMM through cuda-python: cuMemCreate / cuMemAddressReserve / cuMemMap."""
+
+    def __init__(self, device: int = 0) -> None:
+        if not torch.cuda.is_available():
+            raise VmmError("CudaBackend needs a CUDA GPU; torch sees none (use MemfdBackend)")
+        from cuda.bindings import driver  # lazy: GPU-only import
+
+        self._d = driver
+        self.device = device
+        torch.cuda.init()
+        torch.zeros(1, device=f"cuda:{device}")  # make torch's primary context current
+        self._check("cuInit", driver.cuInit(0))
+        self._prop = driver.CUmemAllocationProp()
+        self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._prop.location.id = device
+        self._access = driver.CUmemAccessDesc()
+        self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._access.location.id = device
+        self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        flag = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self._gran = int(self._check("cuMemGetAllocationGranularity",
+                                     driver.cuMemGetAllocationGranularity(self._prop, flag)))
+
+    def _check(self, name: str, result: tuple) -> Any:
+        err = result[0]
+        if err != self._d.CUresult.CUDA_SUCCESS:
+            raise VmmError(f"{name} failed: {err!r}")
+        return result[1] if len(result) == 2 else None
+
+    def _ptr(self, addr: int) -> Any:
+        return self._d.CUdeviceptr(addr)
+
+    def granularity(self) -> int:
+        return self._gran
+
+    def create_chunk(self, size: int) -> Any:
+        return self._check("cuMemCreate", self._d.cuMemCreate(size, self._prop, 0))
+
+    def release_chunk(self, handle: Any, size: int) -> None:
+        self._check("cuMemRelease", self._d.cuMemRelease(handle))
+
+    def reserve(self, size: int) -> int:
+        ptr = self._check("cuMemAddressReserve",
+                          self._d.cuMemAddressReserve(size, self._gran, self._ptr(0), 0))
+        return int(ptr)
+
+    def free_range(self, addr: int, size: int) -> None:
+        self._check("cuMemAddressFree", self._d.cuMemAddressFree(self._ptr(addr), size))
+
+    def map(self, addr: int, size: int, handle: Any) -> None:
+        self._check("cuMemMap", self._d.cuMemMap(self._ptr(addr), size, 0, handle, 0))
+        self._check("cuMemSetAccess",
+                    self._d.cuMemSetAccess(self._ptr(addr), size, [self._access], 1))
+
+    def unmap(self, addr: int, size: int) -> None:
+        self._check("cuMemUnmap", self._d.cuMemUnmap(self._ptr(addr), size))
+
+    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
+        return torch.as_tensor(_CudaArray(addr, nbytes), device=f"cuda:{self.device}")
+
+
+class _Space:
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.mapped = 0  # chunks mapped at the start of this range
+        self.peak = 0  # bump pointer: bytes used, aligned
+
+
+class VmmPool:
+    """Bump allocator over per-capture virtual ranges that share physical chunks.
+
+    free() only checks the address: a graph pool never hands memory back mid-capture;
+    the next new_space() starts over at offset 0 on the same physical chunks.
+    """
+
+    def __init__(self, backend: VmmBackend, chunk_size: int, range_size: int) -> None:
+        gran = backend.granularity()
+        if chunk_size <= 0 or chunk_size % gran:
+            raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of {gran}")
+        if range_size <= 0 or range_size % chunk_size:
+            raise ValueError(f"range_size {range_size} must be a positive multiple of "
+                             f"chunk_size {chunk_size}")
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.range_size = range_size
+        self._chunks: list[Any] = []
+        self._spaces: list[_Space] = []
+        self._live: dict[int, int] = {}  # address -> size, for free()
+        self._released = False
+
+    def _check_open(self) -> None:
+        if self._released:
+            raise VmmError("VmmPool used after release()")
+
+    def new_space(self) -> int:
+        """Reserve a fresh virtual range for the next capture; returns its base address."""
+        self._check_open()
+        self._spaces.append(_Space(self.backend.reserve(self.range_size)))
+        return self._spaces[-1].base
+
+    def alloc(self, size: int) -> int:
+        self._check_open()
+        if size <= 0:
+            raise VmmError(f"alloc size must be positive, got {size}")
+        if not self._spaces:
+            raise VmmError("alloc before new_space()")
+        space = self._spaces[-1]
+        offset = -(-space.peak // ALIGN) * ALIGN
+        end = offset + size
+        if end > self.range_size:
+            raise VmmError(f"alloc of {size} bytes at offset {offset} exceeds the reserved "
+                           f"range of {self.range_size} bytes ({space.peak} in use)")
+        need = -(-end // self.chunk_size)
+        while space.mapped < need:
+            i = space.mapped
+            if i == len(self._chunks):
+                self._chunks.append(self.backend.create_chunk(self.chunk_size))
+            self.backend.map(space.base + i * self.chunk_size, self.chunk_size, self._chunks[i])
+            space.mapped += 1
+        space.peak = -(-end // ALIGN) * ALIGN
+        addr = space.base + offset
+        self._live[addr] = size
+        return addr
+
+    def free(self, addr: int) -> None:
+        self._check_open()
+        if self._live.pop(addr, None) is None:
+            raise VmmError(f"free of {addr:#x}, which this pool did not allocate (or freed)")
+
+    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
+        self._check_open()
+        return self.backend.tensor(addr, nbytes)
+
+    def stats(self) -> VmmStats:
+        self._check_open()
+        return VmmStats(
+            physical_bytes=len(self._chunks) * self.chunk_size,
+            virtual_bytes=len(self._spaces) * self.range_size,
+            spaces=len(self._spaces),
+            chunks=len(self._chunks),
+            chunk_size=self.chunk_size,
+            space_peak_bytes=[s.peak for s in self._spaces],
+        )
+
+    def release(self) -> None:
+        """Unmap every range, free the reservations and release the physical chunks."""
+        self._check_open()
+        self._released = True
+        for space in self._spaces:
+            for i in range(space.mapped):  # one unmap per cuMemMap'd chunk
+                self.backend.unmap(space.base + i * self.chunk_size, self.chunk_size)
+            self.backend.free_range(space.base, self.range_size)
+        for handle in reversed(self._chunks):
+            self.backend.release_chunk(handle, self.chunk_size)
+        self._spaces.clear()
+        self._chunks.clear()
+        self._live.clear()
