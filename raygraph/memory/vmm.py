@@ -81,8 +81,14 @@ class MemfdBackend(VmmBackend):
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.mmap.restype = ctypes.c_void_p
-        self._libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                    ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self._libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self.fd = os.memfd_create("raygraph-vmm")
         self._live: dict[int, int] = {}  # chunk offset in the memfd -> size
@@ -93,8 +99,9 @@ class MemfdBackend(VmmBackend):
     def file_bytes(self) -> int:
         return os.fstat(self.fd).st_size
 
-    def _mmap(self, addr: int | None, size: int, prot: int, flags: int, fd: int,
-              offset: int) -> int:
+    def _mmap(
+        self, addr: int | None, size: int, prot: int, flags: int, fd: int, offset: int
+    ) -> int:
         out = self._libc.mmap(addr, size, prot, flags, fd, offset)
         if out is None or out == _MAP_FAILED:
             err = ctypes.get_errno()
@@ -145,7 +152,10 @@ class _CudaArray:
 
     def __init__(self, addr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
             "strides": None,
         }
 
@@ -172,8 +182,12 @@ class CudaBackend(VmmBackend):
         self._access.location.id = device
         self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         flag = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        self._gran = int(self._check("cuMemGetAllocationGranularity",
-                                     driver.cuMemGetAllocationGranularity(self._prop, flag)))
+        self._gran = int(
+            self._check(
+                "cuMemGetAllocationGranularity",
+                driver.cuMemGetAllocationGranularity(self._prop, flag),
+            )
+        )
 
     def _check(self, name: str, result: tuple) -> Any:
         err = result[0]
@@ -194,8 +208,9 @@ class CudaBackend(VmmBackend):
         self._check("cuMemRelease", self._d.cuMemRelease(handle))
 
     def reserve(self, size: int) -> int:
-        ptr = self._check("cuMemAddressReserve",
-                          self._d.cuMemAddressReserve(size, self._gran, self._ptr(0), 0))
+        ptr = self._check(
+            "cuMemAddressReserve", self._d.cuMemAddressReserve(size, self._gran, self._ptr(0), 0)
+        )
         return int(ptr)
 
     def free_range(self, addr: int, size: int) -> None:
@@ -203,8 +218,9 @@ class CudaBackend(VmmBackend):
 
     def map(self, addr: int, size: int, handle: Any) -> None:
         self._check("cuMemMap", self._d.cuMemMap(self._ptr(addr), size, 0, handle, 0))
-        self._check("cuMemSetAccess",
-                    self._d.cuMemSetAccess(self._ptr(addr), size, [self._access], 1))
+        self._check(
+            "cuMemSetAccess", self._d.cuMemSetAccess(self._ptr(addr), size, [self._access], 1)
+        )
 
     def unmap(self, addr: int, size: int) -> None:
         self._check("cuMemUnmap", self._d.cuMemUnmap(self._ptr(addr), size))
@@ -232,8 +248,9 @@ class VmmPool:
         if chunk_size <= 0 or chunk_size % gran:
             raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of {gran}")
         if range_size <= 0 or range_size % chunk_size:
-            raise ValueError(f"range_size {range_size} must be a positive multiple of "
-                             f"chunk_size {chunk_size}")
+            raise ValueError(
+                f"range_size {range_size} must be a positive multiple of chunk_size {chunk_size}"
+            )
         self.backend = backend
         self.chunk_size = chunk_size
         self.range_size = range_size
@@ -259,11 +276,13 @@ class VmmPool:
         if not self._spaces:
             raise VmmError("alloc before new_space()")
         space = self._spaces[-1]
-        offset = -(-space.peak // ALIGN) * ALIGN
+        offset = space.peak  # always a multiple of ALIGN
         end = offset + size
         if end > self.range_size:
-            raise VmmError(f"alloc of {size} bytes at offset {offset} exceeds the reserved "
-                           f"range of {self.range_size} bytes ({space.peak} in use)")
+            raise VmmError(
+                f"alloc of {size} bytes at offset {offset} exceeds the reserved "
+                f"range of {self.range_size} bytes ({space.peak} in use)"
+            )
         need = -(-end // self.chunk_size)
         while space.mapped < need:
             i = space.mapped
