@@ -30,6 +30,14 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """token_ids[start:start + n] without building the whole list (hot path: decode)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        head = self.prompt_token_ids[start : start + n]
+        return head + self.output_token_ids[: max(0, start + n - p)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -131,7 +139,7 @@ class Scheduler:
         start = seq.num_computed
         p = seq.params
         return SeqChunk(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start : start + n], start_pos=start,
+            seq_id=seq.seq_id, token_ids=seq.token_slice(start, n), start_pos=start,
             block_table=list(seq.block_table), sample=start + n == seq.num_tokens,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
             num_generated=len(seq.output_token_ids),
