@@ -161,3 +161,25 @@ def test_default_model_text_prompt_and_stop_string(ray_session):
     finally:
         ray_session.get(handle.shutdown.remote())
         ray_session.kill(handle)
+
+
+def test_incremental_detokenizer_equals_full_decode():
+    """Deltas fed token by token add up to the full decode, multi-byte characters included."""
+    from raygraph.cluster.requests import Detokenizer, load_tokenizer
+    from raygraph.config import DEFAULT_MODEL
+
+    tok = load_tokenizer(DEFAULT_MODEL)
+    rng = random.Random(5)
+    texts = ["Ünïcödé → “quotes” and ✓ marks: naïve café", "The import statement\n\tx = 1"]
+    seqs = [tok.encode(t).ids for t in texts]
+    seqs += [[rng.randrange(3, 4096) for _ in range(60)] for _ in range(5)]
+    for ids in seqs:
+        d = Detokenizer(tok, [])
+        pieces = [d.update(ids[: i + 1])[0] for i in range(len(ids))]
+        full = tok.decode(ids, skip_special_tokens=True)
+        if not full.endswith("\ufffd"):
+            assert "".join(pieces) == full == d.text
+    assert "".join(Detokenizer(tok, []).update(seqs[0])[0]) == texts[0]
+    d = Detokenizer(tok, ["café"])
+    outs = [d.update(seqs[0][: i + 1]) for i in range(len(seqs[0]))]
+    assert any(hit for _, hit in outs) and d.text == texts[0][: texts[0].index("café")]

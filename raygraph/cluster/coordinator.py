@@ -75,6 +75,7 @@ class Coordinator:
         self.steps = 0
         self.tokens_generated = 0
         self.preemptions = 0
+        self.forward_s = 0.0  # rank 0's time inside Worker.execute, summed over steps
         self.capture_log: list[dict] = []
         self.capture_s = 0.0
 
@@ -129,10 +130,10 @@ class Coordinator:
                      sum(e["pool_bytes"] for e in logs[0]) / 2**20)
         bs = cfg.cache.block_size
         limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
-        self.max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
+        max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
         self.scheduler = Scheduler(
             BlockPool(num_blocks, bs), cfg.scheduler.max_num_seqs,
-            cfg.scheduler.max_num_batched_tokens, self.max_model_len,
+            cfg.scheduler.max_num_batched_tokens, max_model_len,
             self.model_cfg.eos_token_ids,
         )
 
@@ -141,7 +142,7 @@ class Coordinator:
             "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
             "num_kv_blocks": self.scheduler.pool.num_blocks if self.scheduler else 0,
-            "max_model_len": getattr(self, "max_model_len", 0),
+            "max_model_len": self.scheduler.max_model_len if self.scheduler else 0,
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
             "graph_mode": self.cfg.graph.mode, "buckets_captured": len(self.capture_log),
             "graphs_captured": sum(e["pieces"] for e in self.capture_log),
@@ -155,6 +156,7 @@ class Coordinator:
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
             "restarts": self.restarts,
             "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
+            "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
             "running": len(s.running) if s else 0, "waiting": len(s.waiting) if s else 0,
             "kv_utilization": s.pool.utilization if s else 0.0,
         }
@@ -200,12 +202,11 @@ class Coordinator:
         items = [prompts] if single else split_prompts(prompts)
         m = self.model_cfg
         encoded = [encode_prompt(p, self.tokenizer, m.vocab_size, m.bos_token_id) for p in items]
-        for ids in encoded:
-            if len(ids) >= self.max_model_len:
-                raise BadRequest(
-                    f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                    "(prompt plus at least one generated token)"
-                )
+        for ids in encoded:  # all checked before any is queued
+            try:
+                self.scheduler.check_prompt(len(ids))
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
         reqs = []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp)
@@ -246,6 +247,7 @@ class Coordinator:
                 await self._on_failure(out, e)
                 continue
             self.steps += 1
+            self.forward_s += results[0].forward_s
             self.preemptions += len(out.preempted)
             for seq, _ in self.scheduler.update(out, results[0].token_ids):
                 self._emit(seq)

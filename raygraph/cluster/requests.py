@@ -71,25 +71,36 @@ def encode_prompt(
 
 
 class Detokenizer:
-    """Text of one request's output so far, with stop-string detection."""
+    """Text of one request's output so far, decoded incrementally, with stop strings.
+
+    Each step decodes only a short window of tokens (from `prefix` on) rather than the
+    whole output: the coordinator's loop does this for every running request every step.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.text = ""
+        self.prefix = 0  # window start: text before it is final
+        self.read = 0  # tokens already turned into self.text
 
     def update(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed the whole output so far; returns (new text, whether a stop string ended it)."""
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for more bytes
+        decode = self.tokenizer.decode
+        before = decode(token_ids[self.prefix : self.read], skip_special_tokens=True)
+        after = decode(token_ids[self.prefix :], skip_special_tokens=True)
+        # an unfinished UTF-8 sequence (or a token with no text): wait for more tokens
+        if after.endswith("\ufffd") or len(after) <= len(before):
             return "", False
+        self.prefix, self.read = self.read, len(token_ids)
+        old = self.text
+        text = old + after[len(before) :]
         hit = False
         for s in self.stop:
-            at = text.find(s, max(0, len(self.text) - len(s)))
+            at = text.find(s, max(0, len(old) - len(s)))
             if at >= 0:
                 text, hit = text[:at], True
-        delta = text[len(self.text) :]
         self.text = text
-        return delta, hit
+        return text[len(old) :], hit

@@ -64,12 +64,16 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._step = 0
 
-    def add(self, seq: Sequence) -> None:
-        if seq.num_tokens >= self.max_model_len:
+    def check_prompt(self, num_tokens: int) -> None:
+        """Refuse a prompt that leaves no room for one generated token."""
+        if num_tokens >= self.max_model_len:
             raise ValueError(
-                f"prompt has {seq.num_tokens} tokens; the context holds {self.max_model_len} "
+                f"prompt has {num_tokens} tokens; the context holds {self.max_model_len} "
                 "(prompt plus at least one generated token)"
             )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_prompt(seq.num_tokens)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from raygraph.config import GraphConfig
 from raygraph.graph.buckets import bucket, capture_schedule, capture_sizes
-from raygraph.graph.inputs import HostInputs, InputBuffers, host_inputs, prepare_batch
+from raygraph.graph.inputs import HostInputs, InputBuffers, batch_from, host_inputs
 from raygraph.graph.runners import FullGraph, PiecewiseGraph
 from raygraph.model.context import ForwardContext, forward_context
 from raygraph.model.llama import LlamaForCausalLM
@@ -37,9 +37,12 @@ class Executor(ABC):
 
 
 class EagerExecutor(Executor):
-    @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        batch = prepare_batch(plan, self.block_size, self.device)
+        return self.run(host_inputs(plan, self.block_size))
+
+    @torch.inference_mode()
+    def run(self, h: HostInputs) -> torch.Tensor:
+        batch = batch_from(h, self.device)
         with forward_context(batch.ctx):
             hidden = self.model(batch.input_ids, batch.positions)
         return self.model.compute_logits(hidden[batch.sample_idx]).float()
@@ -87,7 +90,7 @@ class GraphExecutor(Executor):
         key = self.key_for(h)
         self.last_key = key
         if key is None:
-            return self.eager.logits(plan)
+            return self.eager.run(h)
         num_seqs = key.num_tokens if key.phase == "decode" else h.num_seqs
         self.bufs.fill(h, key.num_tokens, num_seqs)
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.max_q_len, max(h.seq_lens),

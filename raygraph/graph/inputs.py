@@ -70,8 +70,10 @@ def _padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
 
 def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batch:
     """Fresh tensors of exactly the batch's size (the eager path)."""
-    h = host_inputs(plan, block_size)
+    return batch_from(host_inputs(plan, block_size), device)
 
+
+def batch_from(h: HostInputs, device: torch.device) -> Batch:
     def t(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
