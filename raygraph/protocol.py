@@ -47,6 +47,34 @@ class BucketKey(msgspec.Struct, frozen=True, order=True):
     num_comm_tokens: int = 0
 
 
+class Collective(msgspec.Struct, frozen=True, array_like=True):
+    """One collective a forward issued: what every rank of the group must issue alike."""
+
+    op: str
+    dtype: str
+    numel: int
+    group_size: int
+
+
+class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    address: int
+    shape: list[int]
+
+
+class CaptureRecord(msgspec.Struct, frozen=True):
+    """What one rank captured for one key; the coordinator compares these across ranks."""
+
+    key: BucketKey
+    rank: int
+    pieces: int  # graphs in this bucket (1 full graph, or the piecewise segments)
+    nodes: int | None  # CUDA graph nodes summed over pieces; None where not known (CPU)
+    collectives: list[Collective]
+    pool_bytes: int
+    buffers: list[BufferInfo]
+    seconds: float
+
+
 class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     """The tokens of one sequence to compute this step.
 

@@ -38,6 +38,9 @@ SplitHook = Callable[
 class ForwardContext:
     attn: AttentionMetadata
     split: SplitHook | None = None
+    # MoE expert parallelism: every rank of the EP group pads its tokens to this many before
+    # dispatch (the largest batch in the DP group, bucketed); 0 = no padding (no EP).
+    num_comm_tokens: int = 0
 
 
 _CONTEXT: ForwardContext | None = None

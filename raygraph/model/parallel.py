@@ -2,33 +2,90 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from raygraph.protocol import Collective
+
 
 class Comm:
-    """A process group handle. World size 1 makes every collective a no-op."""
+    """A process group handle. World size 1 makes every collective a no-op.
+
+    Every collective goes through here, so a capture can record the ordered list of what
+    it issued (`recording`): ranks whose lists differ would deadlock or corrupt at replay.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.trace: list[Collective] | None = None  # set by recording()
+
+    def _note(self, op: str, x: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append(Collective(op, str(x.dtype).removeprefix("torch."), x.numel(),
+                                         self.world_size))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
+            self._note("all_reduce", x)
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        self._note("all_gather", x)
         # gloo and NCCL both take the output as the inputs stacked along dim 0
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
                           device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        if dim % x.dim() == 0:
+            return out
         return torch.cat(out.chunk(self.world_size, dim=0), dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, then rank r keeps rows [r*n, (r+1)*n) of dim 0 (n = rows / world)."""
+        if self.world_size == 1:
+            return x
+        self._note("reduce_scatter", x)
+        out = torch.empty((x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        if x.device.type == "cpu":  # gloo has no reduce_scatter_tensor
+            dist.all_reduce(x, group=self.group)
+            return x.chunk(self.world_size, dim=0)[self.rank].clone()
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+
+@contextmanager
+def recording(comms: list[Comm]) -> Iterator[list[Collective]]:
+    """Record every collective issued through `comms`, in issue order, into one list."""
+    trace: list[Collective] = []
+    for c in comms:
+        if c.trace is not None:
+            raise RuntimeError("collectives are already being recorded; nesting is a bug")
+        c.trace = trace
+    try:
+        yield trace
+    finally:
+        for c in comms:
+            c.trace = None
+
+
+def comms_of(model: nn.Module) -> list[Comm]:
+    """The distinct Comm objects a model's layers hold (TP group, EP group, ...)."""
+    seen: dict[int, Comm] = {}
+    for m in model.modules():
+        c = getattr(m, "comm", None)
+        if isinstance(c, Comm):
+            seen.setdefault(id(c), c)
+    return list(seen.values())
 
 
 def _divide(n: int, world: int, what: str) -> int:
