@@ -42,7 +42,10 @@ class StreamDelta(msgspec.Struct, frozen=True):
 
 
 class BucketKey(msgspec.Struct, frozen=True, order=True):
-    phase: Literal["decode", "prefill"]
+    """A captured graph's identity. Phase "eager" names a step above the largest bucket,
+    which every rank runs eagerly (num_tokens is then the real, unpadded count)."""
+
+    phase: Literal["decode", "prefill", "eager"]
     num_tokens: int
     num_comm_tokens: int = 0
 
@@ -96,8 +99,14 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StepPlan(msgspec.Struct, frozen=True):
+    """One step for one worker. `key` is the bucket the coordinator chose; the worker checks
+    it equals the key it derives itself (None: derive it, for in-process use without a
+    coordinator). `num_comm_tokens` is the EP dispatch size (DP attention + MoE EP)."""
+
     step_id: int
     seqs: list[SeqChunk]
+    key: BucketKey | None = None
+    num_comm_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -114,7 +114,7 @@ def test_above_the_largest_bucket_runs_eagerly(workers):
     plan = plan_of([(0, 20), (0, 20)], random.Random(9))  # 40 tokens > 32
     randomise_caches((g, e), 9)
     got = g.executor.logits(plan)
-    assert g.executor.last_key is None
+    assert g.executor.last_key == BucketKey("eager", 40)
     randomise_caches((g, e), 9)
     torch.testing.assert_close(got, e.executor.logits(plan))
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
+from raygraph.config import GraphConfig
 from raygraph.protocol import BucketKey
 
 
@@ -39,3 +41,32 @@ def capture_schedule(decode_sizes: list[int], prefill_sizes: list[int]) -> list[
     keys = [BucketKey("decode", n) for n in sorted(decode_sizes, reverse=True)]
     keys += [BucketKey("prefill", n) for n in sorted(prefill_sizes, reverse=True)]
     return keys
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Which key a step runs under. Pure Python, so the coordinator and every worker derive
+    the same key from the same batch shape; a worker whose own key differs is a bug."""
+
+    decode_sizes: tuple[int, ...]
+    prefill_sizes: tuple[int, ...]
+    max_seqs: int  # prefill batches with more sequences than the buffers hold run eagerly
+
+    @staticmethod
+    def from_config(cfg: GraphConfig, max_num_seqs: int, max_num_batched_tokens: int) -> BucketPlan:
+        decode = capture_sizes(cfg.decode_sizes, min(max_num_seqs, cfg.max_decode))
+        prefill = capture_sizes(cfg.prefill_sizes, min(max_num_batched_tokens, cfg.max_prefill))
+        return BucketPlan(tuple(decode), tuple(prefill), max(decode[-1], max_num_seqs))
+
+    def key(self, num_tokens: int, num_seqs: int, decode: bool) -> BucketKey:
+        """The step's bucket; phase "eager" (num_tokens unpadded) above the largest one."""
+        if decode:
+            n = bucket(num_seqs, list(self.decode_sizes))
+            return BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)
+        n = bucket(num_tokens, list(self.prefill_sizes))
+        if n is None or num_seqs > self.max_seqs:
+            return BucketKey("eager", num_tokens)
+        return BucketKey("prefill", n)
+
+    def schedule(self) -> list[BucketKey]:
+        return capture_schedule(list(self.decode_sizes), list(self.prefill_sizes))

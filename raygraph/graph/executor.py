@@ -15,14 +15,20 @@ from abc import ABC, abstractmethod
 import torch
 
 from raygraph.config import GraphConfig
-from raygraph.graph.buckets import bucket, capture_schedule, capture_sizes
+from raygraph.graph.buckets import BucketPlan
 from raygraph.graph.inputs import HostInputs, InputBuffers, batch_from, host_inputs
 from raygraph.graph.runners import FullGraph, PiecewiseGraph
 from raygraph.model.context import ForwardContext, forward_context
 from raygraph.model.llama import LlamaForCausalLM
-from raygraph.protocol import BucketKey, StepPlan
+from raygraph.model.parallel import comms_of, recording
+from raygraph.protocol import BucketKey, BufferInfo, CaptureRecord, StepPlan
 
 log = logging.getLogger("raygraph.graph")
+
+
+class KeyMismatch(RuntimeError):
+    """A step whose bucket differs from the coordinator's choice, or was never captured in
+    lockstep: replaying it would desynchronise the ranks' collectives."""
 
 
 class Executor(ABC):
@@ -54,11 +60,9 @@ class GraphExecutor(Executor):
         super().__init__(model, block_size)
         self.cfg = cfg
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
-        self.decode_sizes = capture_sizes(cfg.decode_sizes, min(max_num_seqs, cfg.max_decode))
-        self.prefill_sizes = capture_sizes(cfg.prefill_sizes,
-                                           min(max_num_batched_tokens, cfg.max_prefill))
-        max_tokens = max(self.decode_sizes[-1], self.prefill_sizes[-1])
-        max_seqs = max(self.decode_sizes[-1], max_num_seqs)
+        self.buckets = BucketPlan.from_config(cfg, max_num_seqs, max_num_batched_tokens)
+        max_tokens = max(self.buckets.decode_sizes[-1], self.buckets.prefill_sizes[-1])
+        max_seqs = self.buckets.max_seqs
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
                                  self.device)
         attn = model.attention_layers()[0]
@@ -69,33 +73,34 @@ class GraphExecutor(Executor):
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.graphs: dict[BucketKey, FullGraph | PiecewiseGraph] = {}
         self.eager = EagerExecutor(model, block_size)
-        self.capture_log: list[dict] = []
+        self.capture_log: list[CaptureRecord] = []
         self.last_key: BucketKey | None = None
+        self.comms = comms_of(model)
 
-    def key_for(self, h: HostInputs) -> BucketKey | None:
-        if h.decode:
-            n = bucket(h.num_seqs, self.decode_sizes)
-            return None if n is None else BucketKey("decode", n)
-        n = bucket(h.num_tokens, self.prefill_sizes)
-        if n is None or h.num_seqs > self.bufs.max_seqs:
-            return None
-        return BucketKey("prefill", n)
+    def key_for(self, h: HostInputs) -> BucketKey:
+        return self.buckets.key(h.num_tokens, h.num_seqs, h.decode)
 
     def schedule(self) -> list[BucketKey]:
-        return capture_schedule(self.decode_sizes, self.prefill_sizes)
+        return self.buckets.schedule()
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
         h = host_inputs(plan, self.block_size)
         key = self.key_for(h)
         self.last_key = key
-        if key is None:
+        if plan.key is not None and plan.key != key:
+            raise KeyMismatch(f"step {plan.step_id}: the coordinator chose {plan.key} but this "
+                              f"rank's batch ({h.num_tokens} tokens, {h.num_seqs} seqs) "
+                              f"gives {key}")
+        if key.phase == "eager":
             return self.eager.run(h)
         num_seqs = key.num_tokens if key.phase == "decode" else h.num_seqs
         self.bufs.fill(h, key.num_tokens, num_seqs)
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.max_q_len, max(h.seq_lens),
                                 h.decode)
         if key not in self.graphs:
+            if plan.key is not None:  # coordinator-driven: captures happen in lockstep only
+                raise KeyMismatch(f"step {plan.step_id}: {key} was never captured on this rank")
             self.capture(key, md)
         runner = self.graphs[key]
         if isinstance(runner, FullGraph):
@@ -116,30 +121,47 @@ class GraphExecutor(Executor):
         return forward
 
     @torch.inference_mode()
-    def capture(self, key: BucketKey, md=None) -> dict:
-        """Capture one bucket (on a dummy batch when none is given); returns its log entry."""
-        if md is None:
+    def capture(self, key: BucketKey, md=None) -> CaptureRecord:
+        """Capture one bucket (on a dummy batch when none is given) and record what it did.
+
+        On the eager backend nothing is captured; the dummy batch runs once instead, so the
+        collectives it issues are still recorded and checked across ranks.
+        """
+        if key.phase == "eager":
+            raise ValueError(f"{key} runs eagerly and is never captured")
+        dummy = md is None
+        if dummy:
             md = self._dummy(key)
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device) if self.cuda else 0
-        if key.phase == "decode":
-            runner = FullGraph(self._forward(key, True), md, self.cuda, self.pool)
-            pieces = 1 if self.cuda else 0
-        else:
-            runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out, self.cuda,
-                                    self.pool)
-            pieces = runner.num_pieces
+        with recording(self.comms) as collectives:
+            if key.phase == "decode":
+                runner = FullGraph(self._forward(key, True), md, self.cuda, self.pool)
+                if not self.cuda and dummy:
+                    runner.run(md)
+            else:
+                runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out, self.cuda,
+                                        self.pool)
+                if not self.cuda and dummy:
+                    runner.run(md, key.num_tokens)
         self.graphs[key] = runner
-        entry = {
-            "key": (key.phase, key.num_tokens, key.num_comm_tokens), "pieces": pieces,
-            "seconds": round(time.perf_counter() - t0, 4),
-            "pool_bytes": (torch.cuda.memory_reserved(self.device) - before) if self.cuda else 0,
-        }
-        self.capture_log.append(entry)
-        if self.cuda:
-            log.info("captured %s: %d graph(s) in %.3fs, +%.1f MiB", key, pieces,
-                     entry["seconds"], entry["pool_bytes"] / 2**20)
-        return entry
+        record = CaptureRecord(
+            key=key, rank=self.comms[0].rank if self.comms else 0, pieces=runner.num_pieces,
+            nodes=runner.num_nodes, collectives=collectives,
+            pool_bytes=(torch.cuda.memory_reserved(self.device) - before) if self.cuda else 0,
+            buffers=self.buffer_infos(), seconds=round(time.perf_counter() - t0, 4),
+        )
+        self.capture_log.append(record)
+        log.info("captured %s: %d graph(s), %s nodes, %d collectives in %.3fs, +%.1f MiB", key,
+                 record.pieces, record.nodes, len(collectives), record.seconds,
+                 record.pool_bytes / 2**20)
+        return record
+
+    def buffer_infos(self) -> list[BufferInfo]:
+        """The persistent buffers every graph reads: one set, so the same on every key."""
+        named = {"tokens": self.bufs.tokens, "block_tables": self.bufs.block_tables,
+                 "seq_lens": self.bufs.seq_lens, "attn_out": self.attn_out}
+        return [BufferInfo(n, t.data_ptr(), list(t.shape)) for n, t in named.items()]
 
     def _dummy(self, key: BucketKey):
         """A batch that writes no real KV slot (all slots -1) for start-up capture."""
@@ -154,7 +176,7 @@ class GraphExecutor(Executor):
         self.bufs.fill(h, n, seqs)
         return self.bufs.metadata(n, seqs, h.max_q_len, max(h.seq_lens), h.decode)
 
-    def capture_all(self) -> list[dict]:
+    def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule, largest first; returns the capture log."""
         t0 = time.perf_counter()
         for key in self.schedule():

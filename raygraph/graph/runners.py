@@ -37,6 +37,27 @@ def capture_mode(device: torch.device):
         gc.unfreeze()
 
 
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A graph that keeps its cudaGraph_t after capture, so its nodes can be counted."""
+    return torch.cuda.CUDAGraph(keep_graph=True)
+
+
+def end_capture(graph: torch.cuda.CUDAGraph) -> int | None:
+    """End the capture, count the graph's nodes (None if the driver cannot tell), then
+    instantiate it so the first replay pays nothing."""
+    graph.capture_end()
+    nodes = None
+    try:
+        from cuda.bindings import driver
+
+        err, _, n = driver.cuGraphGetNodes(driver.CUgraph(graph.raw_cuda_graph()), 0)
+        nodes = int(n) if err == driver.CUresult.CUDA_SUCCESS else None
+    except Exception:  # an older cuda-python or torch: the count is informational only
+        nodes = None
+    graph.instantiate()
+    return nodes
+
+
 class FullGraph:
     """Decode: the whole step, attention included, as one graph over the input buffers."""
 
@@ -45,14 +66,19 @@ class FullGraph:
         self.md = md
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.num_nodes: int | None = None
         if cuda:
             device = md.slot_mapping.device
             self.run(md)  # warm-up: allocator, Triton autotune and NCCL state settle eagerly
             with capture_mode(device):
-                self.graph = torch.cuda.CUDAGraph()
+                self.graph = new_graph()
                 self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 self.out = self.forward(ForwardContext(attn=md))
-                self.graph.capture_end()
+                self.num_nodes = end_capture(self.graph)
+
+    @property
+    def num_pieces(self) -> int:
+        return 0 if self.graph is None else 1
 
     def run(self, md: AttentionMetadata) -> torch.Tensor:
         if self.graph is not None:
@@ -114,6 +140,7 @@ class PiecewiseGraph:
         self.attns: list[_Attn] = []
         self.out: torch.Tensor | None = None
         self.trace: list[str] = []
+        self.num_nodes: int | None = None
         if cuda:
             self._capture(pool)
 
@@ -125,22 +152,24 @@ class PiecewiseGraph:
         md = self.md
         num_tokens = md.slot_mapping.shape[0]
         self.run(md, num_tokens)  # warm-up, eagerly
-        graph = torch.cuda.CUDAGraph()
+        graph = new_graph()
+        nodes: list[int | None] = []
 
         def split(q, k, v, k_cache, v_cache, scale) -> torch.Tensor:
             nonlocal graph
-            graph.capture_end()
+            nodes.append(end_capture(graph))
             self.graphs.append(graph)
             self.attns.append(_Attn(q, k, v, k_cache, v_cache, scale))
-            graph = torch.cuda.CUDAGraph()
+            graph = new_graph()
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             return self.attn_out[:num_tokens]
 
         with capture_mode(md.slot_mapping.device):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             self.out = self.forward(ForwardContext(attn=md, split=split))
-            graph.capture_end()
+            nodes.append(end_capture(graph))
             self.graphs.append(graph)
+        self.num_nodes = None if None in nodes else sum(nodes)
 
     def run(self, md: AttentionMetadata, num_real: int) -> torch.Tensor:
         self.trace = []

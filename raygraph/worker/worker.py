@@ -10,14 +10,22 @@ import socket
 import time
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.executor import EagerExecutor, GraphExecutor, make_executor
+from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
-from raygraph.protocol import SeqChunk, StepPlan, StepResult, WorkerInfo
+from raygraph.protocol import (
+    BucketKey,
+    CaptureRecord,
+    SeqChunk,
+    StepPlan,
+    StepResult,
+    WorkerInfo,
+)
 from raygraph.worker.sampler import sample
 
 log = logging.getLogger("raygraph.worker")
@@ -55,6 +63,7 @@ class Worker:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.seed)
         self.model_cfg: ModelConfig | None = None
+        self._fault: tuple[str, str, BucketKey | None] | None = None
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -139,16 +148,54 @@ class Worker:
                                       s.max_num_seqs, s.max_num_batched_tokens, max_len)
         return num_blocks * self.kv_bytes_per_block()
 
-    def capture(self) -> list[dict]:
-        """Capture the executor's whole schedule (a no-op for the eager executor)."""
+    def capture_all(self) -> list[CaptureRecord]:
+        """Capture the whole schedule alone, for in-process use (benchmarks, one GPU).
+        Served workers capture key by key in lockstep (`prepare_capture`, `capture`)."""
         if isinstance(self.executor, GraphExecutor):
             return self.executor.capture_all()
         return []
 
+    def prepare_capture(self, key: BucketKey) -> None:
+        """The barrier before a lockstep capture: refuse a key outside this rank's own
+        schedule before any collective is issued, so a disagreement is an error, not a hang."""
+        self._maybe_fault("prepare", key)
+        schedule = self.executor.schedule() if isinstance(self.executor, GraphExecutor) else []
+        if key not in schedule:
+            raise KeyMismatch(f"rank {self.rank}: {key} is not in this rank's capture schedule "
+                              f"({len(schedule)} keys)")
+
+    def capture(self, key: BucketKey) -> CaptureRecord:
+        """Capture one key; every rank of the group is capturing the same key right now."""
+        self._maybe_fault("capture", key)
+        record = self.executor.capture(key)
+        return msgspec.structs.replace(record, rank=self.rank)
+
+    def inject_fault(self, kind: str, phase: str = "capture", key: BucketKey | None = None) -> None:
+        """Fault injection for tests and drills: at `phase` ("prepare" | "capture") of `key`
+        (any key if None) this rank raises ("raise"), exits ("exit") or stalls ("stall")."""
+        if kind not in ("raise", "exit", "stall"):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        self._fault = (kind, phase, key)
+
+    def _maybe_fault(self, phase: str, key: BucketKey) -> None:
+        if self._fault is None:
+            return
+        kind, at_phase, at_key = self._fault
+        if at_phase != phase or at_key not in (None, key):
+            return
+        if kind == "raise":
+            raise RuntimeError(f"rank {self.rank}: injected fault at {phase} of {key}")
+        if kind == "exit":
+            os._exit(1)
+        time.sleep(3600)
+
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step; rank 0 samples and returns the tokens, other ranks return None."""
         t0 = time.perf_counter()
-        logits = self.executor.logits(plan)
+        try:
+            logits = self.executor.logits(plan)
+        except KeyMismatch as e:
+            raise KeyMismatch(f"rank {self.rank}: {e}") from None
         if self.rank != 0:
             return None
         chunks = [s for s in plan.seqs if s.sample]

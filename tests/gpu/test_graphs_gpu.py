@@ -60,7 +60,7 @@ def worker(ckpt, mode: str, dtype: str) -> Worker:
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
     w.allocate_kv_cache(256)
-    w.capture()
+    w.capture_all()
     return w
 
 
