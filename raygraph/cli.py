@@ -35,6 +35,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--eager", action="store_true",
                    help="run every step eagerly (no graphs): the reference path, for debugging")
+    p.add_argument("--graph-pool", choices=["vmm", "torch", "private"], default=None,
+                   help="graph memory: vmm (a virtual range per capture over shared physical "
+                        "memory; default), torch (one shared pool), private (a pool per graph)")
 
 
 def serve_config(a: argparse.Namespace) -> ServeConfig:
@@ -50,7 +53,8 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         device=pick(a.device, cfg.device),
         dtype=pick(a.dtype, cfg.dtype),
         parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp)),
-        graph=msgspec.structs.replace(cfg.graph, mode="eager") if a.eager else cfg.graph,
+        graph=msgspec.structs.replace(cfg.graph, mode="eager" if a.eager else cfg.graph.mode,
+                                      pool=pick(a.graph_pool, cfg.graph.pool)),
         cache=CacheConfig(
             block_size=pick(a.block_size, c.block_size),
             num_blocks=pick(a.num_kv_blocks, c.num_blocks),
@@ -137,6 +141,37 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_capture(a: argparse.Namespace) -> int:
+    """Run the capture schedule in lockstep on a local cluster, print the per-key table and
+    exit non-zero if any key's records disagree (or a rank fails)."""
+    import ray
+
+    from raygraph.cluster.coordinator import start_coordinator
+    from raygraph.cluster.lockstep import format_table
+
+    cfg = serve_config(a)
+    cfg = msgspec.structs.replace(
+        cfg, graph=msgspec.structs.replace(cfg.graph, mode="graph", capture_at_start=False))
+    init_ray(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1)
+    coord = start_coordinator(cfg)
+    t0 = time.perf_counter()
+    failure = None
+    try:
+        ray.get(coord.capture_schedule.remote())
+    except Exception as e:  # CaptureError, wrapped by Ray
+        failure = str(e).strip().splitlines()[-1]
+    reports = ray.get(coord.capture_report.remote())
+    print(format_table(reports))
+    print(f"\n{len(reports)} keys on {cfg.parallel.world_size} rank(s) in "
+          f"{time.perf_counter() - t0:.1f}s")
+    ray.get(coord.shutdown.remote())
+    if failure or not all(r.agree for r in reports):
+        print(f"FAILED: {failure}", file=sys.stderr)
+        return 1
+    print("all ranks agree on every key")
+    return 0
+
+
 def cmd_stop(a: argparse.Namespace) -> int:
     import ray
 
@@ -168,10 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true")
+    check = sub.add_parser("check-capture",
+                           help="capture the schedule in lockstep and check the ranks agree")
+    add_serve_args(check)
+    check.add_argument("--address", default=None, help="Ray address to join (default: local)")
     stop = sub.add_parser("stop", help="shut the named coordinator down")
     stop.add_argument("--address", default=None)
     a = parser.parse_args(argv)
-    handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate, "stop": cmd_stop}
+    handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate,
+                "check-capture": cmd_check_capture, "stop": cmd_stop}
     return handlers[a.cmd](a)
 
 

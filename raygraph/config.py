@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 
 
@@ -45,6 +47,23 @@ class ModelConfig(msgspec.Struct, frozen=True):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
+    # sparse MoE (num_experts 0: dense). Layer i is sparse unless it is in mlp_only_layers
+    # or (i + 1) % decoder_sparse_step != 0 (Qwen2-MoE's rules; Mixtral: every layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @staticmethod
     def from_pretrained(path: str) -> ModelConfig:
@@ -71,6 +90,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        qwen2_moe = arch == "Qwen2MoeForCausalLM"
         return ModelConfig(
             path=str(path),
             architecture=arch,
@@ -84,12 +104,47 @@ class ModelConfig(msgspec.Struct, frozen=True):
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rope_theta=float(rope_theta or 10000.0),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM"
+            or bool(hf.get("attention_bias", hf.get("qkv_bias", qwen2_moe))),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            **_moe_fields(hf, arch),
         )
+
+
+def _moe_fields(hf: dict, arch: str) -> dict:
+    """The MoE fields of a Mixtral or Qwen2-MoE config.json (nothing for dense models)."""
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts as wide as the dense MLP
+        return dict(num_experts=hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    if arch == "Qwen2MoeForCausalLM":
+        return dict(
+            num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+    return {}
+
+
+def check_ep(model: ModelConfig, ep: int, tp: int = 1) -> None:
+    """MoE layouts that cannot work are refused up front: with ep > 1 each EP rank owns
+    num_experts / ep whole experts; with ep == 1 every expert is split over the TP group."""
+    if ep > 1 and model.num_experts == 0:
+        raise ConfigError(f"ep={ep} needs an MoE model; {model.architecture} is dense")
+    if model.num_experts % ep:
+        raise ConfigError(f"ep={ep} must divide num_experts={model.num_experts}")
+    if ep == 1 and model.moe_intermediate_size % tp:
+        raise ConfigError(
+            f"tp={tp} must divide moe_intermediate_size={model.moe_intermediate_size}")
+    if model.shared_expert_intermediate_size % tp:
+        raise ConfigError(f"tp={tp} must divide shared_expert_intermediate_size="
+                          f"{model.shared_expert_intermediate_size}")
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):
@@ -152,7 +207,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 class GraphConfig(msgspec.Struct, frozen=True):
     """`graph`: bucketed full (decode) and piecewise (prefill) graphs, eager above the
     largest bucket; `eager`: the reference path only. backend `eager` runs the graph
-    executor's logic without capture (what CPUs always do)."""
+    executor's logic without capture (what CPUs always do).
+
+    pool: where captured graphs keep their memory. `vmm`: a virtual range per capture over
+    one set of physical chunks (max over captures, budgeted before the KV cache is sized,
+    can sleep); `torch`: torch's one shared graph pool; `private`: a torch pool per capture
+    (the baseline: sum over captures)."""
 
     mode: Literal["graph", "eager"] = "graph"
     backend: Literal["auto", "eager"] = "auto"
@@ -161,11 +221,16 @@ class GraphConfig(msgspec.Struct, frozen=True):
     max_decode: int = 256
     max_prefill: int = 2048
     capture_at_start: bool = True
+    capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
+    pool: Literal["vmm", "torch", "private"] = "vmm"
+    vmm_chunk_bytes: int = 2 << 20  # rounded up to the driver's granularity
 
     def __post_init__(self) -> None:
         for sizes in (self.decode_sizes, self.prefill_sizes):
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ConfigError(f"capture sizes must be positive integers, got {sizes}")
+        if self.vmm_chunk_bytes < 1:
+            raise ConfigError(f"vmm_chunk_bytes must be >= 1, got {self.vmm_chunk_bytes}")
 
 
 class ServeConfig(msgspec.Struct, frozen=True):

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raygraph.cluster.lockstep import CaptureError, KeyReport, LockstepCapture
 from raygraph.cluster.requests import (
     BadRequest,
     Detokenizer,
@@ -29,8 +31,9 @@ from raygraph.cluster.requests import (
 )
 from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
 from raygraph.config import ModelConfig, ServeConfig
+from raygraph.graph.buckets import BucketPlan
 from raygraph.memory.pages import BlockPool
-from raygraph.protocol import GenerateResult, StreamDelta, WorkerInfo
+from raygraph.protocol import BucketKey, GenerateResult, StepPlan, StreamDelta, WorkerInfo
 from raygraph.worker.worker import Worker
 
 log = logging.getLogger("raygraph.coordinator")
@@ -76,8 +79,12 @@ class Coordinator:
         self.tokens_generated = 0
         self.preemptions = 0
         self.forward_s = 0.0  # rank 0's time inside Worker.execute, summed over steps
-        self.capture_log: list[dict] = []
         self.capture_s = 0.0
+        graph = cfg.graph.mode == "graph"
+        s = cfg.scheduler
+        self.buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs,
+                                               s.max_num_batched_tokens) if graph else None)
+        self.lockstep: LockstepCapture | None = None
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -120,14 +127,9 @@ class Coordinator:
         self.infos = await asyncio.gather(*(w.load.remote(addr) for w in self.workers))
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
-        if cfg.graph.mode == "graph" and cfg.graph.capture_at_start:
-            t0 = time.perf_counter()
-            logs = await asyncio.gather(*(w.capture.remote() for w in self.workers))
-            self.capture_log = logs[0]
-            self.capture_s = time.perf_counter() - t0
-            log.info("capture schedule: %d buckets in %.2fs, %d graphs, %.1f MiB of graph pool",
-                     len(logs[0]), self.capture_s, sum(e["pieces"] for e in logs[0]),
-                     sum(e["pool_bytes"] for e in logs[0]) / 2**20)
+        self.lockstep = LockstepCapture(self.workers, cfg.graph.capture_timeout_s)
+        if self.buckets is not None and cfg.graph.capture_at_start:
+            await self.capture_schedule()
         bs = cfg.cache.block_size
         limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
         max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
@@ -137,17 +139,65 @@ class Coordinator:
             self.model_cfg.eos_token_ids,
         )
 
+    async def capture_schedule(self) -> list[KeyReport]:
+        """Capture the whole schedule in lockstep, largest first; returns the per-key table.
+
+        On any disagreement, failure or stall the worker group is torn down (a rank may be
+        blocked in a collective) and CaptureError names the key and rank; `start()` may then
+        be called again.
+        """
+        if self.lockstep is None or self.buckets is None:
+            raise RuntimeError("no graph-mode worker group to capture on")
+        keys = self.buckets.schedule()
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys, 1):
+            if key not in self.lockstep.captured:
+                r = await self._capture_key(key)
+                log.info("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, %d collectives, "
+                         "%.1f MiB, %.2fs", i, len(keys), key, r.pieces, r.nodes, r.collectives,
+                         r.pool_bytes / 2**20, r.seconds)
+        self.capture_s += time.perf_counter() - t0
+        reports = self.lockstep.reports
+        log.info("capture schedule: %d buckets, %d graphs, %.1f MiB of graph pool in %.2fs",
+                 len(reports), sum(r.pieces for r in reports),
+                 sum(r.pool_bytes for r in reports) / 2**20, self.capture_s)
+        return reports
+
+    async def _capture_key(self, key: BucketKey) -> KeyReport:
+        try:
+            return await self.lockstep.capture(key)
+        except CaptureError as e:
+            log.error("%s; stopping the worker group", e)
+            self.healthy = False
+            self.unhealthy_reason = str(e)
+            self._serving.clear()
+            await self._stop_workers()
+            raise
+
+    def capture_report(self) -> list[KeyReport]:
+        """The per-key capture table so far (also after a failed capture)."""
+        return list(self.lockstep.reports) if self.lockstep else []
+
+    def _keyed(self, plan: StepPlan) -> StepPlan:
+        """The plan with the bucket every rank must run it under."""
+        if self.buckets is None:
+            return plan
+        decode = all(len(c.token_ids) == 1 for c in plan.seqs)
+        key = self.buckets.key(plan.num_tokens, len(plan.seqs), decode)
+        return msgspec.structs.replace(plan, key=key)
+
     def describe(self) -> dict:
+        reports = self.capture_report()
         return {
             "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
             "num_kv_blocks": self.scheduler.pool.num_blocks if self.scheduler else 0,
             "max_model_len": self.scheduler.max_model_len if self.scheduler else 0,
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
-            "graph_mode": self.cfg.graph.mode, "buckets_captured": len(self.capture_log),
-            "graphs_captured": sum(e["pieces"] for e in self.capture_log),
+            "graph_mode": self.cfg.graph.mode, "buckets_captured": len(reports),
+            "graphs_captured": sum(r.pieces for r in reports),
             "capture_s": round(self.capture_s, 2),
-            "graph_pool_bytes": sum(e["pool_bytes"] for e in self.capture_log),
+            "graph_pool_bytes": sum(r.pool_bytes for r in reports),
         }
 
     def stats(self) -> dict:
@@ -238,9 +288,13 @@ class Coordinator:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            plan = self._keyed(out.plan)
             try:
+                if plan.key is not None and plan.key.phase != "eager" \
+                        and plan.key not in self.lockstep.captured:
+                    await self._capture_key(plan.key)  # a new shape: all ranks, in lockstep
                 results = await asyncio.wait_for(
-                    asyncio.gather(*(w.execute.remote(out.plan) for w in self.workers)),
+                    asyncio.gather(*(w.execute.remote(plan) for w in self.workers)),
                     timeout=self.cfg.step_timeout_s,
                 )
             except Exception as e:  # actor death, a raised step, a hang past the timeout

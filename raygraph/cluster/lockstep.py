@@ -1,0 +1,149 @@
+"""Lockstep capture: every rank of the group captures the same key at the same time.
+
+Warm-up runs execute real collectives and the collectives recorded in each rank's graph
+must match, or replay deadlocks or corrupts. So for each key: a barrier (every rank checks
+the key against its own schedule before any collective is issued), then all ranks capture,
+then their CaptureRecords are compared. Any failure names the key and the rank; a rank
+that dies or stalls is reported within the timeout instead of hanging the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from raygraph.protocol import BucketKey, BufferInfo, CaptureRecord
+
+
+class CaptureError(RuntimeError):
+    """Lockstep capture failed; the message names the key, the ranks and the reason."""
+
+
+class KeyReport(msgspec.Struct, frozen=True):
+    """One row of the capture table: what the ranks captured for one key."""
+
+    key: BucketKey
+    agree: bool
+    pieces: int
+    nodes: int | None
+    collectives: int
+    pool_bytes: int  # the largest over ranks
+    seconds: float  # wall time of the whole lockstep round for this key
+    difference: str | None = None
+
+
+def _describe(records: CaptureRecord) -> dict[str, Any]:
+    """The fields that must be equal on every rank (addresses may differ across processes)."""
+    return {
+        "key": records.key,
+        "pieces": records.pieces,
+        "nodes": records.nodes,
+        "buffers": [(b.name, b.shape) for b in records.buffers],
+    }
+
+
+def first_difference(records: Sequence[CaptureRecord]) -> str | None:
+    """The first way a rank's record differs from rank 0's, in words; None if all agree."""
+    ref = records[0]
+    for r in records[1:]:
+        a, b = _describe(ref), _describe(r)
+        for field in a:
+            if a[field] != b[field]:
+                return f"{field}: rank {ref.rank} has {a[field]}, rank {r.rank} has {b[field]}"
+        ca, cb = ref.collectives, r.collectives
+        for i in range(max(len(ca), len(cb))):
+            x = ca[i] if i < len(ca) else None
+            y = cb[i] if i < len(cb) else None
+            if x != y:
+                return (f"collective #{i}: rank {ref.rank} issued {x}, "
+                        f"rank {r.rank} issued {y}")
+    return None
+
+
+def moved_buffers(first: list[BufferInfo], now: list[BufferInfo]) -> str | None:
+    """Persistent buffers are allocated once; a graph over a moved buffer reads stale memory."""
+    before = {b.name: b.address for b in first}
+    for b in now:
+        if before.get(b.name, b.address) != b.address:
+            return f"persistent buffer {b.name!r} moved from {before[b.name]:#x} to {b.address:#x}"
+    return None
+
+
+async def _on_all(workers: Sequence[Any], method: str, key: BucketKey,
+                  timeout: float) -> list[Any]:
+    """Call `method(key)` on every rank at once; the first failure or the timeout is a
+    CaptureError naming the ranks (the others may be blocked in a collective: the caller
+    tears the group down)."""
+    tasks = [asyncio.ensure_future(getattr(w, method).remote(key)) for w in workers]
+    done, pending = await asyncio.wait(tasks, timeout=timeout,
+                                       return_when=asyncio.FIRST_EXCEPTION)
+    failed = [(rank, t.exception()) for rank, t in enumerate(tasks)
+              if t in done and t.exception() is not None]
+    if failed:
+        for t in pending:
+            t.cancel()
+        rank, err = failed[0]
+        raise CaptureError(f"{method} of {key} failed on rank {rank}: "
+                           f"{type(err).__name__}: {_first_line(err)}")
+    if pending:
+        for t in pending:
+            t.cancel()
+        stalled = [rank for rank, t in enumerate(tasks) if t in pending]
+        raise CaptureError(f"{method} of {key}: rank(s) {stalled} did not finish within "
+                           f"{timeout:.0f}s (stalled or blocked in a collective)")
+    return [t.result() for t in tasks]
+
+
+def _first_line(err: BaseException) -> str:
+    """Ray wraps remote errors in long tracebacks; the cause's last line says what happened."""
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else repr(err)
+
+
+class LockstepCapture:
+    """Drives capture key by key over one group of workers and keeps the per-key table."""
+
+    def __init__(self, workers: Sequence[Any], timeout_s: float) -> None:
+        self.workers = list(workers)
+        self.timeout_s = timeout_s
+        self.reports: list[KeyReport] = []
+        self.captured: set[BucketKey] = set()
+        self._buffers: dict[int, list[BufferInfo]] = {}  # rank -> buffers at its first key
+
+    async def capture(self, key: BucketKey) -> KeyReport:
+        t0 = time.perf_counter()
+        await _on_all(self.workers, "prepare_capture", key, self.timeout_s)  # the barrier
+        records: list[CaptureRecord] = await _on_all(self.workers, "capture", key,
+                                                     self.timeout_s)
+        diff = first_difference(records)
+        for r in records:
+            diff = diff or moved_buffers(self._buffers.setdefault(r.rank, r.buffers), r.buffers)
+        ref = records[0]
+        report = KeyReport(
+            key=key, agree=diff is None, pieces=ref.pieces, nodes=ref.nodes,
+            collectives=len(ref.collectives), pool_bytes=max(r.pool_bytes for r in records),
+            seconds=round(time.perf_counter() - t0, 4), difference=diff,
+        )
+        self.reports.append(report)
+        if diff is not None:
+            raise CaptureError(f"capture of {key}: ranks disagree: {diff}")
+        self.captured.add(key)
+        return report
+
+
+def format_table(reports: Sequence[KeyReport]) -> str:
+    """The per-key table `raygraph check-capture` prints."""
+    rows = [f"{'key':<24} {'agree':<6} {'pieces':>6} {'nodes':>7} {'colls':>6} "
+            f"{'MiB':>8} {'s':>7}"]
+    for r in reports:
+        key = f"{r.key.phase}({r.key.num_tokens},{r.key.num_comm_tokens})"
+        rows.append(f"{key:<24} {'yes' if r.agree else 'NO':<6} {r.pieces:>6} "
+                    f"{r.nodes if r.nodes is not None else '-':>7} {r.collectives:>6} "
+                    f"{r.pool_bytes / 2**20:>8.1f} {r.seconds:>7.3f}")
+        if r.difference:
+            rows.append(f"    difference: {r.difference}")
+    return "\n".join(rows)
