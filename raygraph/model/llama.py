@@ -5,6 +5,8 @@ Module and parameter names mirror HF transformers so checkpoints load by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -79,9 +81,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], comm)
         self.down_proj = RowParallelLinear(i, h, comm)
 
@@ -89,11 +91,15 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+# layer index -> that layer's feed-forward block (MoE models swap the dense MLP for it)
+MlpFactory = Callable[[int], nn.Module]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, comm)
-        self.mlp = MLP(cfg, comm)
+        self.mlp = mlp if mlp is not None else MLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -112,10 +118,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, comm, make_mlp(i) if make_mlp else None)
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -126,10 +135,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, comm)
+        self.model = LlamaModel(cfg, comm, make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
