@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from raygraph.model.context import AttentionMetadata, ForwardContext
@@ -96,6 +97,10 @@ class InputBuffers:
     slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and an
     all-zero block table row. The host mirrors are rewritten only after the previous step's
     tokens were read back (a sync), so no copy is still in flight.
+
+    The host side writes through numpy views of the pinned mirrors: a numpy slice assignment
+    from a list costs about a microsecond, a torch op several, and this runs on the critical
+    path of every step.
     """
 
     ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row")
@@ -110,10 +115,15 @@ class InputBuffers:
         self.host_tokens, self.tokens = pair(len(self.ROWS), max_tokens, dtype=torch.long)
         self.host_tables, self.block_tables = pair(max_seqs, max_blocks, dtype=torch.int32)
         self.host_lens, self.seq_lens = pair(max_seqs, dtype=torch.int32)
+        self._tok, self._tables, self._lens = (t.numpy() for t in (
+            self.host_tokens, self.host_tables, self.host_lens))
+        self._arange = np.arange(max(max_tokens, max_seqs), dtype=np.int64)
         self.tokens[2].fill_(-1)
         for i, name in enumerate(self.ROWS):
             setattr(self, name, self.tokens[i])
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self._widths = np.zeros(max_seqs, dtype=np.int64)  # table row lengths last written
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -129,30 +139,36 @@ class InputBuffers:
         width = max(len(t) for t in h.tables)
         if width > self.max_blocks:
             raise ValueError(f"a sequence needs {width} blocks; buffers hold {self.max_blocks}")
-        tok = self.host_tokens
-        tok[:, :n] = torch.tensor([h.ids, h.positions, h.slots, h.token_seq, h.token_row])
+        tok = self._tok
+        for row, values in enumerate((h.ids, h.positions, h.slots, h.token_seq, h.token_row)):
+            tok[row, :n] = values
         tok[:, n:num_tokens] = 0
         tok[2, n:num_tokens] = -1  # padding slots
         # each padding token is its own padding sequence (decode), never a real one's row
-        tok[3, n:num_tokens] = torch.arange(n, num_tokens)
-        self.host_tables[:num_seqs] = 0
-        self.host_tables[:b, :width] = torch.tensor(_padded_tables(h.tables, width),
-                                                    dtype=torch.int32)
-        self.host_lens[:b] = torch.tensor(h.seq_lens, dtype=torch.int32)
-        self.host_lens[b:num_seqs] = 0
-        self.tokens[:, :num_tokens].copy_(tok[:, :num_tokens], non_blocking=True)
+        tok[3, n:num_tokens] = self._arange[n:num_tokens]
+        tables, widths = self._tables, self._widths
+        for i, t in enumerate(h.tables):
+            tables[i, : len(t)] = t
+            if widths[i] > len(t):  # clear what a longer table left in this row
+                tables[i, len(t) : widths[i]] = 0
+            widths[i] = len(t)
+        stale = int(widths[b:num_seqs].max(initial=0))
+        tables[b:num_seqs, :stale] = 0
+        widths[b:num_seqs] = 0
+        self._lens[:b] = h.seq_lens
+        self._lens[b:num_seqs] = 0
+        self.tokens[:, :num_tokens].copy_(self.host_tokens[:, :num_tokens], non_blocking=True)
         self.block_tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=True)
         self.seq_lens[:num_seqs].copy_(self.host_lens[:num_seqs], non_blocking=True)
 
     def metadata(self, num_tokens: int, num_seqs: int, max_q_len: int, max_kv_len: int,
                  decode: bool) -> AttentionMetadata:
-        """Views of the bucket's size (their addresses never change)."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens],
-            block_tables=self.block_tables[:num_seqs],
-            seq_lens=self.seq_lens[:num_seqs],
-            positions=self.positions[:num_tokens],
-            token_seq=self.token_seq[:num_tokens],
-            token_row=self.token_row[:num_tokens],
-            max_q_len=max_q_len, max_kv_len=max_kv_len, decode=decode,
-        )
+        """Views of the bucket's size (their addresses never change; made once per size)."""
+        views = self._views.get((num_tokens, num_seqs))
+        if views is None:
+            views = (self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
+                     self.seq_lens[:num_seqs], self.positions[:num_tokens],
+                     self.token_seq[:num_tokens], self.token_row[:num_tokens])
+            self._views[(num_tokens, num_seqs)] = views
+        return AttentionMetadata(*views, max_q_len=max_q_len, max_kv_len=max_kv_len,
+                                 decode=decode)

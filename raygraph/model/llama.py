@@ -71,11 +71,9 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = ops.linear_rotary(x, self.qkv_proj.weight, self.qkv_proj.bias, positions,
+                                    self.rotary.cos, self.rotary.sin, self.head_dim,
+                                    self.num_heads, self.num_kv_heads)
         o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
@@ -88,7 +86,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, h, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))
 
 
 # layer index -> that layer's feed-forward block (MoE models swap the dense MLP for it)

@@ -12,6 +12,56 @@ import torch.nn.functional as F
 from raygraph.model.context import AttentionMetadata, get_forward_context
 
 
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Decode-sized GEMMs on a GPU go to the Triton skinny kernels (M <= 8 rows)."""
+    if not x.is_cuda or x.dim() != 2:
+        return False
+    from raygraph.model.triton_gemv import supports
+
+    return supports(x, weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x @ weight^T (+ bias), as F.linear."""
+    if _skinny(x, weight):
+        from raygraph.model.triton_gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight)) with weight = [gate | up] on its rows."""
+    if _skinny(x, weight):
+        from raygraph.model.triton_gemv import gemv_silu_mul
+
+        return gemv_silu_mul(x, weight)
+    return silu_and_mul(F.linear(x, weight))
+
+
+def linear_rotary(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+    cos_table: torch.Tensor, sin_table: torch.Tensor, head_dim: int, num_q_heads: int,
+    num_k_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear(x) over [q | k | v] heads, then q and k rotated: q [T, Hq, D], k and v [T, Hk, D]."""
+    t = x.shape[0]
+    sizes = [num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim]
+    if _skinny(x, weight):
+        from raygraph.model.triton_gemv import gemv_rotary
+
+        qkv = gemv_rotary(x, weight, bias, positions, cos_table, sin_table, head_dim,
+                          num_q_heads + num_k_heads)
+        q, k, v = qkv.split(sizes, dim=-1)
+    else:
+        q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+        q, k = rotary(q.view(t, num_q_heads, head_dim), k.view(t, num_k_heads, head_dim),
+                      cos_table, sin_table, positions)
+    return (q.view(t, num_q_heads, head_dim), k.view(t, num_k_heads, head_dim),
+            v.view(t, num_k_heads, head_dim))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight."""
     if x.is_cuda:
@@ -137,9 +187,10 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float, md: AttentionMetadata,
 ) -> torch.Tensor:
-    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-    if md.decode and q.is_cuda:
+    if md.decode and q.is_cuda:  # the decode kernel stores this step's K/V itself
         from raygraph.model.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
+                                      k, v)
+    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
     return paged_attention_ref(q, k_cache, v_cache, md, scale)

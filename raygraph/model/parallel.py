@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from raygraph.model import ops
 from raygraph.protocol import Collective
 
 
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.shard_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -141,7 +142,7 @@ class RowParallelLinear(nn.Module):
         self.shard_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(F.linear(x, self.weight))
+        return self.comm.all_reduce(ops.linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -170,7 +171,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The vocab-parallel output projection; logits are all-gathered to every rank."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight)
         return self.comm.all_gather(logits, dim=-1)[..., : self.vocab]
 
 

@@ -4,6 +4,12 @@ Programs are (sequence, KV head, split); each split walks its share of the seque
 tokens up to `seq_lens[b]`, read from device memory, so the launch shape depends only on
 the batch bucket and the block-table width: one captured graph serves every batch that
 fits it. A second kernel merges the splits. Rows with seq_len 0 (padding) produce zeros.
+
+The query heads of one KV head go through tensor cores together (the group padded to 16
+rows), so K and V are read once per KV head. With `k_new`/`v_new` given, the step's own
+K/V is stored here too (by split 0, at the slot its block table gives position
+seq_len - 1) and every split takes that position from `k_new`/`v_new`, not the cache: no
+separate store kernel and no ordering between programs. Padding rows store nothing.
 """
 
 from __future__ import annotations
@@ -12,46 +18,66 @@ import torch
 import triton
 import triton.language as tl
 
+TILE = 64
+
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kb, stride_ks, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    last = seq_len - 1
+    d = tl.arange(0, D)
+    if STORE:
+        k_last = tl.load(kn_ptr + b * stride_kt + kvh * stride_kh + d)
+        v_last = tl.load(vn_ptr + b * stride_vt + kvh * stride_vh + d)
+        if (split == 0) & (seq_len > 0):  # NOTE: padding rows (seq_len 0) write nothing
+            blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
+            off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
+            tl.store(k_ptr + off, k_last)
+            tl.store(v_ptr + off, v_last)
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
     t = tl.arange(0, TILE)
     gmask = g < GROUP
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
+                mask=gmask[:, None], other=0.0)  # [G, D]
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
     for pos0 in range(start, end, TILE):
         pos = pos0 + t
         kmask = pos < end
+        cached = kmask
+        if STORE:
+            cached = kmask & (pos != last)
         blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0).to(tl.int64)
-        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_kh \
+        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
             + d[None, :]
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)  # [TILE, D]
-        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, TILE]
+        k = tl.load(k_ptr + off, mask=cached[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + off, mask=cached[:, None], other=0.0)
+        if STORE:
+            now = (pos == last)[:, None]
+            k = tl.where(now, k_last[None, :], k)
+            v = tl.where(now, v_last[None, :], v)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, TILE]
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     # partials: ml [B, Hq, SPLITS, 2], acc [B, Hq, SPLITS, D]
     row = (b * NUM_HEADS + heads) * SPLITS + split
@@ -79,15 +105,17 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def num_splits(max_tokens: int, tile: int = 64) -> int:
+def num_splits(max_tokens: int, tile: int = TILE) -> int:
     """Splits per sequence, from the block-table width (static per graph bucket)."""
     return max(1, min(16, triton.next_power_of_2(-(-max_tokens // (4 * tile)))))
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -97,12 +125,17 @@ def paged_decode_attention(
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
                       device=q.device)
     out = torch.empty_like(q)
+    store = k_new is not None
+    kn, vn = (k_new, v_new) if store else (q, q)
+    if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V caches must be contiguous and alike")
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, ml, acc, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(1, triton.next_power_of_2(group)), D=head_dim,
-        BS=block_size, TILE=64, SPLITS=splits, NUM_HEADS=num_heads, num_warps=4,
+        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, ml, acc, scale,
+        q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
+        BS=block_size, TILE=TILE, SPLITS=splits, NUM_HEADS=num_heads, STORE=store,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         ml, acc, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,

@@ -43,6 +43,77 @@ def test_triton_decode_matches_reference():
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_triton_decode_stores_new_kv_and_skips_padding_rows():
+    """With k_new/v_new the kernel stores the step's K/V (padding rows, kv length 0, store
+    nothing) and attends over it: the same cache and output as store_kv + the reference."""
+    from raygraph.model.ops import store_kv
+    from raygraph.model.triton_attention import paged_decode_attention
+
+    for trial in range(3):
+        torch.manual_seed(10 + trial)
+        bs, blocks, hkv, group, d = 16, 128, 2, 4, 64
+        kc = torch.randn(blocks + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        lens = random.Random(trial).sample(range(1, 600), 3)
+        perm = torch.randperm(blocks).tolist()
+        seqs, used = [], 0
+        for i, n in enumerate(lens):
+            nb = -(-n // bs)
+            seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
+            used += nb
+        md = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda")).ctx.attn
+        pad = 2  # two padding rows: kv length 0, an all-zero table row, slot -1
+        tables = md.block_tables
+        tables = torch.cat([tables, tables.new_zeros(pad, tables.shape[1])])
+        seq_lens = torch.cat([md.seq_lens, md.seq_lens.new_zeros(pad)])
+        b = len(lens) + pad
+        q = torch.randn(b, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+        k_new, v_new = torch.randn(2, b, hkv, d, device="cuda", dtype=torch.bfloat16)
+        ref_k, ref_v = kc.clone(), vc.clone()
+        store_kv(k_new[: len(lens)], v_new[: len(lens)], ref_k, ref_v, md.slot_mapping)
+        ref = paged_attention_ref(q[: len(lens)], ref_k, ref_v, md, d**-0.5)
+        got = paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, k_new, v_new)
+        assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+        torch.testing.assert_close(got[: len(lens)].float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert (got[len(lens):] == 0).all()
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_skinny_gemv_kernels_match_torch_reference(m):
+    """The decode GEMMs (plain with bias, gate|up with silu*mul, q|k|v with rotary) against
+    F.linear followed by the torch reference of the fused op."""
+    import torch.nn.functional as F
+
+    from raygraph.model import ops
+    from raygraph.model.triton_gemv import gemv, gemv_rotary, gemv_silu_mul
+
+    torch.manual_seed(m)
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(m, 2048, device=dev, dtype=dt)
+    w = torch.randn(1000, 2048, device=dev, dtype=dt) * 0.02  # N not a multiple of the tile
+    bias = torch.randn(1000, device=dev, dtype=dt)
+    torch.testing.assert_close(gemv(x, w, bias), F.linear(x, w, bias), atol=2e-2, rtol=2e-2)
+    gu = torch.randn(2 * 512, 2048, device=dev, dtype=dt) * 0.02
+    torch.testing.assert_close(gemv_silu_mul(x, gu), ops.silu_and_mul(F.linear(x, gu).cpu()
+                                                                      ).to(dev),
+                               atol=2e-2, rtol=2e-2)
+    hq, hk, d = 8, 2, 64
+    wqkv = torch.randn((hq + 2 * hk) * d, 2048, device=dev, dtype=dt) * 0.02
+    bqkv = torch.randn((hq + 2 * hk) * d, device=dev, dtype=dt)
+    pos = torch.randint(0, 500, (m,), device=dev)
+    freqs = torch.outer(torch.arange(512.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos, sin = freqs.cos().to(dev), freqs.sin().to(dev)
+    ref = F.linear(x, wqkv, bqkv).cpu()
+    rq, rk = ops.rotary(ref[:, : hq * d].view(m, hq, d), ref[:, hq * d: (hq + hk) * d].view(
+        m, hk, d), cos.cpu(), sin.cpu(), pos.cpu())
+    got = gemv_rotary(x, wqkv, bqkv, pos, cos, sin, d, hq + hk).cpu()
+    torch.testing.assert_close(got[:, : hq * d], rq.reshape(m, -1), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[:, hq * d: (hq + hk) * d], rk.reshape(m, -1), atol=2e-2,
+                               rtol=2e-2)
+    torch.testing.assert_close(got[:, (hq + hk) * d:], ref[:, (hq + hk) * d:], atol=2e-2,
+                               rtol=2e-2)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("gpu-llama"), "LlamaForCausalLM",

@@ -1,0 +1,168 @@
+"""Where a decode step's time goes, on one GPU: the kernels inside the replayed graph
+(torch.profiler), the host-side phases of `Worker.execute`, and the decode GEMMs alone
+(cuBLAS against the Triton skinny kernels, per config).
+
+    python -m bench.decode_profile [--preset llama-1b] [--cases 1x128 8x1024]
+
+Prints JSON lines. GEMM timings replay a CUDA graph of 20 calls cycling over weight copies
+larger than L2, so each call streams its weight from HBM as in a real forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench.checkpoints import make_random_checkpoint
+from bench.decode_step import decode_plan, make_worker
+from raygraph.graph.buckets import bucket
+from raygraph.graph.inputs import host_inputs
+from raygraph.protocol import BucketKey
+from raygraph.worker.sampler import sample
+from raygraph.worker.worker import Worker
+
+
+def kernel_table(worker: Worker, batch: int, replays: int = 20) -> dict:
+    """GPU time per kernel name over one replay, and the replay's wall time."""
+    ex = worker.executor
+    graph = ex.graphs[BucketKey("decode", bucket(batch, ex.decode_sizes))].graph
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name[:70]].append(e.device_time)
+    rows = sorted(((sum(v) / replays, len(v) / replays, n) for n, v in per_name.items()),
+                  reverse=True)
+    return {"kernels_per_replay": round(sum(r[1] for r in rows), 1),
+            "kernel_us_per_replay": round(sum(r[0] for r in rows), 1),
+            "top": [(n, round(us, 1), c) for us, c, n in rows[:16]]}
+
+
+def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> dict:
+    """Median microseconds of each host-side phase of one graph decode step."""
+    ex, bs = worker.executor, 16
+    times = collections.defaultdict(list)
+    for i in range(iters):
+        plan = decode_plan(batch, context, bs, i)
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        h = host_inputs(plan, bs)
+        t.append(time.perf_counter())
+        key = ex.key_for(h)
+        ex.bufs.fill(h, key.num_tokens, key.num_tokens)
+        t.append(time.perf_counter())
+        md = ex.bufs.metadata(key.num_tokens, key.num_tokens, 1, max(h.seq_lens), True)
+        t.append(time.perf_counter())
+        logits = ex.graphs[key].run(md)[:batch].float()
+        t.append(time.perf_counter())
+        sample(logits, plan.seqs, worker.generator)
+        t.append(time.perf_counter())
+        for name, a, b in zip(("host_inputs", "fill", "metadata", "launch", "sample_sync"),
+                              t, t[1:], strict=False):
+            times[name].append(1e6 * (b - a))
+    return {k: round(statistics.median(v), 1) for k, v in times.items()}
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Seconds per call of fn() inside a CUDA graph of `reps` calls."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(i)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / reps
+
+
+def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
+    """fn(i): the decode GEMM `name` on weight copy i (cuBLAS when cfg is None)."""
+    from raygraph.model import triton_gemv as tg
+
+    m, half = x.shape[0], 32
+    pos = torch.zeros(m, dtype=torch.long, device="cuda")
+    table = torch.zeros(4096, half, device="cuda")
+
+    def fn(i: int) -> torch.Tensor:
+        w = ws[i % len(ws)]
+        if cfg is None:
+            return F.linear(x, w)
+        if name == "qkv+rotary":
+            return tg.gemv_rotary(x, w, None, pos, table, table, 2 * half, 40, cfg)
+        if name == "gate_up+silu":
+            return tg.gemv_silu_mul(x, w, cfg)
+        return tg.gemv(x, w, None, cfg)
+
+    return fn
+
+
+def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]]) -> None:
+    from raygraph.model.triton_gemv import GemvConfig
+
+    copies = max(2, -(-(256 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    for m in (1, 8):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t = time_graph(_gemm_call(name, x, ws))
+        row = {"gemm": name, "n": n, "k": k, "m": m, "cublas_us": round(1e6 * t, 2),
+               "cublas_GBps": round(n * k * 2 / t / 1e9)}
+        for cfg in configs:
+            try:
+                t = time_graph(_gemm_call(name, x, ws, GemvConfig(*cfg)))
+                row[f"triton{cfg}"] = [round(1e6 * t, 2), round(n * k * 2 / t / 1e9)]
+            except Exception as e:  # a config the shape cannot tile: say so
+                row[f"triton{cfg}"] = type(e).__name__
+        print(json.dumps(row), flush=True)
+
+
+def gemm_table(configs: list[tuple[int, int, int, int]]) -> None:
+    shapes = {"qkv+rotary": (3072, 2048), "o": (2048, 2048), "gate_up+silu": (16384, 2048),
+              "down": (2048, 8192), "lm_head": (32000, 2048)}
+    for name, (n, k) in shapes.items():
+        gemm_rows(name, n, k, configs)
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--cases", nargs="+", default=["1x128", "8x1024"])
+    p.add_argument("--skip-gemm", action="store_true")
+    a = p.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in a.cases]
+    if not a.skip_gemm:
+        gemm_table([(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4),
+                    (16, 256, 8, 4), (64, 128, 4, 4)])
+    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    w = make_worker(model, "graph", max(b for b, _ in cases), max(c for _, c in cases), 16)
+    w.capture()
+    for b, c in cases:
+        for i in range(5):
+            w.execute(decode_plan(b, c, 16, i))
+        print(json.dumps({"batch": b, "context": c, **kernel_table(w, b)}), flush=True)
+        print(json.dumps({"batch": b, "context": c, "host_us": host_phases(w, b, c)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Skinny GEMMs for decode (M <= 8 tokens), GPU only; imported lazily by model/ops.py.
+
+At decode a linear layer reads its whole weight to produce a few rows: the step is a weight
+stream, so what matters is keeping HBM busy and launching few kernels. Each program owns a
+few output columns and streams their weight rows over K (tensor-core dot with the tokens
+padded to 16 rows, weight tiles pipelined through shared memory). Two epilogues fuse the op
+that follows the GEMM, so its intermediate never round-trips through memory and its launch
+disappears:
+- `silu_mul`: W = [gate | up]; a program reads gate row n and up row n + I, writes
+  silu(gate) * up (SwiGLU);
+- `rotary`: W = [q | k | v] heads; a program reads rows d and d + D/2 of one head, writes
+  them rotated (neox) for q and k heads, as they are for v heads.
+Rounding follows the unfused ops: the GEMM result is cast to the activation dtype before
+the epilogue arithmetic, as torch would have stored it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 8  # tokens; above this cuBLAS is the better tool
+BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
+
+PLAIN, SILU_MUL, ROTARY = 0, 1, 2
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    M, stride_xm, stride_wn, stride_om, stride_c,
+    N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BN)
+    if EPILOGUE == 2:  # rows d and d + HALF of one head
+        half: tl.constexpr = HEAD_DIM // 2
+        per_head: tl.constexpr = half // BN
+        rows = (pid // per_head) * HEAD_DIM + (pid % per_head) * BN + cols
+        partner: tl.constexpr = half
+    else:  # plain: rows n; silu_mul: gate row n, up row n + N
+        rows = pid * BN + cols
+        partner: tl.constexpr = N
+    nmask = rows < N
+    rm = tl.arange(0, BM)
+    mmask = rm < M
+    rk = tl.arange(0, BK)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+        w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if EPILOGUE != 0:
+            w2 = tl.load(w_rows + partner * stride_wn + k0)
+            acc2 = tl.dot(x, tl.trans(w2), acc2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE != 0:
+            acc2 += tl.load(b_ptr + rows + partner).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    # as torch stores the GEMM output: rounded to the activation dtype
+    y = acc.to(dtype)
+    out = out_ptr + rm[:, None] * stride_om + rows[None, :]
+    smask = mmask[:, None] & nmask[None, :]
+    if EPILOGUE == 1:
+        gate = y.to(tl.float32)
+        y = (gate * tl.sigmoid(gate)).to(dtype) * acc2.to(dtype)
+        tl.store(out, y, mask=smask)
+    elif EPILOGUE == 2:
+        x1 = y.to(tl.float32)
+        x2 = acc2.to(dtype).to(tl.float32)
+        pos = tl.load(pos_ptr + rm, mask=mmask, other=0)
+        d = rows % HEAD_DIM
+        cos = tl.load(cos_ptr + pos[:, None] * stride_c + d[None, :])
+        sin = tl.load(sin_ptr + pos[:, None] * stride_c + d[None, :])
+        rot = (rows < ROT_ROWS)[None, :]
+        tl.store(out, tl.where(rot, x1 * cos - x2 * sin, x1).to(dtype), mask=smask)
+        tl.store(out + partner, tl.where(rot, x2 * cos + x1 * sin, x2).to(dtype), mask=smask)
+    else:
+        tl.store(out, y, mask=smask)
+
+
+def default_config(rows: int, k: int) -> GemvConfig:
+    """Enough programs to cover the SMs, each streaming a long run of K."""
+    block_n = 16 if rows <= 8192 else 32
+    return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Shapes and dtypes the skinny path takes; everything else goes to cuBLAS."""
+    return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and x.stride(1) == 1 and w.stride(1) == 1
+            and w.shape[1] % 128 == 0)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            n: int, epilogue: int, programs: int, cfg: GemvConfig, rope=None,
+            head_dim: int = 0, rot_rows: int = 0) -> torch.Tensor:
+    pos, cos, sin = rope if rope is not None else (out, out, out)
+    _gemv_kernel[(programs,)](
+        x, w, bias if bias is not None else w, out, pos, cos, sin,
+        x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
+        N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BM=BM, BN=cfg.block_n, BK=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         cfg: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M."""
+    n = w.shape[0]
+    cfg = cfg or default_config(n, w.shape[1])
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
+
+
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor,
+                  cfg: GemvConfig | None = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
+    n = w.shape[0] // 2
+    cfg = cfg or default_config(w.shape[0], w.shape[1])
+    if n % cfg.block_n:
+        raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return _launch(x, w, None, out, n, SILU_MUL, n // cfg.block_n, cfg)
+
+
+def gemv_rotary(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                head_dim: int, rot_heads: int, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""
+    # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
+    n = w.shape[0]
+    cfg = cfg or default_config(n, w.shape[1])
+    half = head_dim // 2
+    if half % cfg.block_n or n % head_dim:
+        raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return _launch(x, w, bias, out, n, ROTARY, n // 2 // cfg.block_n, cfg,
+                   (positions, cos, sin), head_dim, rot_heads * head_dim)
