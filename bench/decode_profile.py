@@ -21,9 +21,7 @@ import torch.nn.functional as F
 
 from bench.checkpoints import make_random_checkpoint
 from bench.decode_step import decode_plan, make_worker
-from raygraph.graph.buckets import bucket
 from raygraph.graph.inputs import host_inputs
-from raygraph.protocol import BucketKey
 from raygraph.worker.sampler import sample
 from raygraph.worker.worker import Worker
 
@@ -31,7 +29,7 @@ from raygraph.worker.worker import Worker
 def kernel_table(worker: Worker, batch: int, replays: int = 20) -> dict:
     """GPU time per kernel name over one replay, and the replay's wall time."""
     ex = worker.executor
-    graph = ex.graphs[BucketKey("decode", bucket(batch, ex.decode_sizes))].graph
+    graph = ex.graphs[ex.buckets.key(batch, batch, True)].graph
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -60,7 +60,7 @@ def time_replay(worker: Worker, batch: int, iters: int = 50) -> float:
     from raygraph.protocol import BucketKey
 
     ex = worker.executor
-    runner = ex.graphs[BucketKey("decode", bucket(batch, ex.decode_sizes))]
+    runner = ex.graphs[BucketKey("decode", bucket(batch, list(ex.buckets.decode_sizes)))]
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
