@@ -1,0 +1,105 @@
+"""Decode step latency with tensor parallelism: graphs vs eager on TP ranks (Ray actors,
+NCCL), plus the time to capture the default schedule in lockstep.
+
+    python -m bench.tp_decode --tp 2 [--preset llama-1b] [--batches 1 8 32] [--context 128]
+
+Each rank runs the same decode plans back to back (`Worker.time_steps`: input prep, replay
+or eager forward, sampling on rank 0, a host read); the figure is rank 0's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import ray
+
+from bench.checkpoints import make_random_checkpoint
+from bench.decode_step import decode_plan
+from raygraph.cluster.lockstep import LockstepCapture
+from raygraph.config import (
+    CacheConfig,
+    GraphConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
+from raygraph.graph.buckets import BucketPlan
+from raygraph.protocol import StepPlan
+from raygraph.worker.worker import Worker
+
+
+def start(model: str, tp: int, mode: str, max_batch: int, context: int, bs: int):
+    blocks = max_batch * -(-(context + 1) // bs)
+    cfg = ServeConfig(
+        model=model, device="cuda", dtype="bfloat16", parallel=ParallelConfig(tp=tp),
+        cache=CacheConfig(block_size=bs, num_blocks=blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
+                                  max_model_len=context + 64),
+        graph=GraphConfig(mode=mode),
+    )
+    actor = ray.remote(Worker).options(num_gpus=1, num_cpus=1)
+    workers = [actor.remote(cfg, r) for r in range(tp)]
+    addr = ray.get(workers[0].address.remote())
+    ray.get([w.load.remote(addr) for w in workers])
+    ray.get([w.allocate_kv_cache.remote(blocks) for w in workers])
+    s = cfg.scheduler
+    return workers, BucketPlan.from_config(cfg.graph, s.max_num_seqs, s.max_num_batched_tokens)
+
+
+async def capture(workers, buckets: BucketPlan) -> tuple[float, int, int]:
+    lock = LockstepCapture(workers, timeout_s=600)
+    t0 = time.perf_counter()
+    for key in buckets.schedule():
+        await lock.capture(key)
+    return (time.perf_counter() - t0, len(lock.reports), sum(r.pieces for r in lock.reports))
+
+
+def step_ms(workers, buckets: BucketPlan | None, batch: int, context: int, bs: int,
+            iters: int) -> float:
+    plans = []
+    for i in range(iters + 5):
+        p = decode_plan(batch, context, bs, i)
+        key = buckets.key(batch, batch, True) if buckets else None
+        plans.append(StepPlan(p.step_id, p.seqs, key=key))
+    times = ray.get([w.time_steps.remote(plans) for w in workers])[0][5:]
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--iters", type=int, default=50)
+    a = p.parse_args()
+    bs = 16
+    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    ray.init(include_dashboard=False)
+    rows: dict[int, dict] = {b: {"tp": a.tp, "batch": b, "context": a.context}
+                             for b in a.batches}
+    for mode in ("graph", "eager"):
+        workers, buckets = start(model, a.tp, mode, max(a.batches), a.context, bs)
+        if mode == "graph":
+            secs, keys, graphs = asyncio.run(capture(workers, buckets))
+            print(json.dumps({"tp": a.tp, "lockstep_capture_s": round(secs, 2), "keys": keys,
+                              "graphs": graphs}), flush=True)
+        for b in a.batches:
+            rows[b][f"{mode}_ms"] = round(step_ms(workers, buckets if mode == "graph" else None,
+                                                  b, a.context, bs, a.iters), 3)
+        for w in workers:
+            ray.kill(w)
+    print("| tp | batch | context | eager ms | graph ms | graph vs eager |")
+    print("|---|---|---|---|---|---|")
+    for r in rows.values():
+        print(json.dumps(r), flush=True)
+        print(f"| {r['tp']} | {r['batch']} | {r['context']} | {r['eager_ms']} | "
+              f"{r['graph_ms']} | {r['eager_ms'] / r['graph_ms']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
