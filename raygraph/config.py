@@ -233,6 +233,37 @@ class GraphConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"vmm_chunk_bytes must be >= 1, got {self.vmm_chunk_bytes}")
 
 
+BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1.5GiB', '800MB' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    if unit not in BYTE_UNITS or not num:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2147483648, 1.5GiB, 800MB)")
+    return int(float(num) * BYTE_UNITS[unit])
+
+
+class OffloadConfig(msgspec.Struct, frozen=True):
+    """Weights in host memory, at most `budget_bytes` of weights on the GPU (None: off).
+
+    mode `ring`: fixed addresses, the forward and its copies captured in graphs; `lru`: a
+    capped pool with LRU eviction and prefetch (eager only); `sync`: copy each weight right
+    before its kernel (the baseline). check_floor=False is for tests and the floor sweep.
+    """
+
+    budget_bytes: int | None = None
+    mode: Literal["ring", "lru", "sync"] = "ring"
+    check_floor: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ConfigError(f"offload budget must be >= 1 byte, got {self.budget_bytes}")
+
+
 class ServeConfig(msgspec.Struct, frozen=True):
     model: str = DEFAULT_MODEL
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -242,6 +273,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     graph: GraphConfig = GraphConfig()
+    offload: OffloadConfig = OffloadConfig()
     coordinator_name: str = "raygraph-coordinator"
     namespace: str = "raygraph"
     step_timeout_s: float = 300.0

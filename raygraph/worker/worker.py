@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
+from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
 from raygraph.protocol import (
@@ -82,7 +83,18 @@ class Worker:
             comm = Comm(dist.group.WORLD)
         self.model_cfg = ModelConfig.from_pretrained(self.cfg.model)
         self.cfg.parallel.check_model(self.model_cfg)
-        self.model = build_model(self.model_cfg, comm, self.dtype, self.device)
+        self.offload: OffloadEngine | None = None
+        if self.cfg.offload.budget_bytes is None:
+            self.model = build_model(self.model_cfg, comm, self.dtype, self.device)
+        else:  # weights stay in host memory; the engine moves the rest to the device
+            self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"))
+            self.offload = apply_offload(self.model, self.model.model, self.cfg.offload,
+                                         self.device, self._one_token_forward)
+            if not self.offload.graph_safe and self.cfg.graph.mode == "graph":
+                log.warning("rank %d: offload mode %r moves weights between steps; running "
+                            "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
+                self.cfg = msgspec.structs.replace(
+                    self.cfg, graph=msgspec.structs.replace(self.cfg.graph, mode="eager"))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
         num_blocks = self.cfg.cache.num_blocks or max(1, self._kv_budget(weight_bytes) // per_block)
@@ -113,6 +125,18 @@ class Worker:
                 f"activations {activation >> 20} MiB, utilization {cache.gpu_memory_utilization})"
             )
         return budget
+
+    def _one_token_forward(self) -> None:
+        """One eager forward of a single token over a throwaway cache (records the order in
+        which an offloaded model reads its weights)."""
+        self._bind_kv_cache(1)
+        chunk = SeqChunk(0, [0], 0, [0], True)
+        EagerExecutor(self.model, self.cfg.cache.block_size).logits(StepPlan(-1, [chunk]))
+        self._bind_kv_cache(0)
+
+    def offload_stats(self) -> OffloadStats | None:
+        """Bytes copied per step, achieved H2D GB/s, stall time, hit rate (None: no offload)."""
+        return self.offload.stats() if self.offload is not None else None
 
     def _profile_activation_bytes(self) -> int:
         """Peak memory of one forward at the step token budget, over a throwaway cache."""
@@ -200,6 +224,8 @@ class Worker:
             return None
         chunks = [s for s in plan.seqs if s.sample]
         tokens = sample(logits, chunks, self.generator) if chunks else []
+        if self.offload is not None:
+            self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, tokens, time.perf_counter() - t0)
 
     def shutdown(self) -> None:

@@ -1,0 +1,289 @@
+"""The offload engine on CPU (CPU tensors stand in for the GPU side; copies are synchronous,
+so a copy issued before the kernel that still reads its bytes corrupts the output and the
+equality checks fail): floor, ring placement, LRU, order divergence, load-time errors, and
+offloaded workers that match the all-resident one."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import torch
+
+from raygraph.config import (
+    CacheConfig,
+    ConfigError,
+    GraphConfig,
+    OffloadConfig,
+    SchedulerConfig,
+    ServeConfig,
+    parse_bytes,
+)
+from raygraph.memory.offload import check_host_weights, spec_of
+from raygraph.memory.offload_plan import (
+    ALIGN,
+    LruPool,
+    OffloadBudgetError,
+    OffloadError,
+    OffloadOrderError,
+    WeightSpec,
+    aligned,
+    check_order,
+    compute_floor,
+    ring_plan,
+    split_ring,
+)
+from raygraph.protocol import SeqChunk, StepPlan
+from raygraph.worker.worker import Worker
+
+BS = 4
+NUM_BLOCKS = 64
+
+
+def specs(*sizes: int) -> list[WeightSpec]:
+    return [WeightSpec(f"w{i}", (s,), "uint8", s) for i, s in enumerate(sizes)]
+
+
+def test_floor_is_the_largest_consecutive_pair_plus_resident():
+    f = compute_floor(specs(1000, 3000, 500, 2500), resident=100)
+    # pairs (cyclic): 1000+3000, 3000+500, 500+2500, 2500+1000 (aligned to 256)
+    assert f.bytes == 100 + aligned(1000) + aligned(3000) and f.pair == ("w0", "w1")
+    f.check(f.bytes)
+    with pytest.raises(OffloadBudgetError, match=f"at least {f.bytes} bytes") as e:
+        f.check(f.bytes - 1)
+    assert e.value.floor == f.bytes and "'w0' and 'w1'" in str(e.value)
+    assert compute_floor(specs(700), 0).bytes == aligned(700)
+    with pytest.raises(OffloadError, match="no offloaded weight"):
+        compute_floor([], 0)
+
+
+def test_parse_bytes_and_config():
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("800MB") == 800 * 10**6
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+    with pytest.raises(ConfigError):
+        OffloadConfig(budget_bytes=0)
+
+
+def live_ranges_ok(sizes: list[int], cap: int) -> None:
+    """Check a ring plan: in bounds, and copy j never overwrites an earlier access that
+    has not been read when the copy may run (every overlapping one is <= wait_for)."""
+    plan = ring_plan(sizes, cap)
+    assert len(plan) == len(sizes)
+    prev_issue = -1
+    for j, s in enumerate(plan):
+        assert 0 <= s.offset and s.offset + aligned(sizes[j]) <= cap and s.offset % ALIGN == 0
+        for i in range(j):
+            o = plan[i]
+            if o.offset < s.offset + aligned(sizes[j]) and s.offset < o.offset + aligned(sizes[i]):
+                assert i <= s.wait_for < j
+        assert s.wait_for <= s.issue_after < j and s.issue_after >= prev_issue
+        prev_issue = s.issue_after
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ring_plan_never_overwrites_a_weight_before_it_is_read(seed):
+    rng = random.Random(seed)
+    sizes = [rng.randrange(1, 40) * ALIGN for _ in range(rng.randrange(1, 30))]
+    floor = compute_floor(specs(*sizes), 0).bytes
+    for cap in (max(sizes), floor, floor + 3 * max(sizes), sum(sizes)):
+        plan = live_ranges_ok(sizes, cap)
+        if cap >= floor:  # at the floor, copy j+1 always overlaps kernel j
+            assert all(s.wait_for < j - 1 for j, s in enumerate(plan) if j > 0)
+
+
+def test_ring_plan_refuses_a_weight_larger_than_the_ring():
+    with pytest.raises(OffloadError, match="needs 1024 bytes"):
+        ring_plan([256, 1024], 768)
+
+
+def test_ring_prefetches_deeper_with_room():
+    sizes = [ALIGN] * 12
+    tight = ring_plan(sizes, 2 * ALIGN)
+    roomy = ring_plan(sizes, 6 * ALIGN)
+    assert [s.wait_for for s in tight][2:] == list(range(0, 10))  # double buffering
+    assert [s.wait_for for s in roomy][6:] == list(range(0, 6))  # five copies in flight
+
+
+def test_split_ring_keeps_what_the_ring_does_not_need():
+    sizes = [4 * ALIGN, ALIGN, ALIGN, 4 * ALIGN, ALIGN, ALIGN]
+    assert split_ring(sizes, sum(sizes)) == ([0, 1, 2, 3, 4, 5], 0)
+    kept, ring = split_ring(sizes, 10 * ALIGN)  # ring window: 4+1+1 = 6; 4 left
+    assert kept == [0] and ring == 6 * ALIGN
+    assert split_ring(sizes, 6 * ALIGN) == ([], 6 * ALIGN)
+
+
+def test_lru_pool_evicts_least_recent_and_respects_pins():
+    pool = LruPool(4 * ALIGN)
+    assert pool.place("a", ALIGN, set()) == (0, [])
+    assert pool.place("b", 2 * ALIGN, set()) == (ALIGN, [])
+    assert pool.place("c", ALIGN, set()) == (3 * ALIGN, [])
+    assert pool.lookup("a") == 0  # a is now the most recent
+    assert pool.place("d", 2 * ALIGN, set()) == (ALIGN, ["b"])
+    assert pool.lookup("b") is None and set(pool.where) == {"a", "c", "d"}
+    # c is the oldest, but pinned along with d: a (recent) goes; nothing else fits
+    assert pool.place("e", 2 * ALIGN, {"c", "d"}) is None
+    assert set(pool.where) == {"a", "c", "d"}  # a refused placement evicts nothing
+    assert pool.place("e", 2 * ALIGN, {"d"}) is None  # d sits in the middle: no 2-hole
+    assert pool.place("e", ALIGN, {"d"}) == (3 * ALIGN, ["c"])  # c was the oldest
+    assert pool.evictions == 2
+    with pytest.raises(OffloadBudgetError, match="alone does not fit"):
+        pool.place("huge", 5 * ALIGN, set())
+
+
+def test_check_order_and_host_weights():
+    check_order(["a", "b"], ["b", "a"])
+    with pytest.raises(OffloadError, match="'a' is read twice"):
+        check_order(["a", "b", "a"], ["a", "b"])
+    with pytest.raises(OffloadError, match=r"never read.*'c'"):
+        check_order(["a", "b"], ["a", "b", "c"])
+    want = [spec_of("x.weight", torch.zeros(4, 8)), spec_of("y.weight", torch.zeros(2))]
+    good = {"x.weight": torch.ones(4, 8), "y.weight": torch.ones(2)}
+    check_host_weights(want, good)
+    with pytest.raises(OffloadError, match=r"lack \['y.weight'\]"):
+        check_host_weights(want, {"x.weight": torch.ones(4, 8)})
+    with pytest.raises(OffloadError, match=r"'x.weight' has shape \(8, 4\)"):
+        check_host_weights(want, {**good, "x.weight": torch.ones(8, 4)})
+    with pytest.raises(OffloadError, match="'y.weight' has dtype float16"):
+        check_host_weights(want, {**good, "y.weight": torch.ones(2, dtype=torch.float16)})
+
+
+# ---- whole workers on the tiny checkpoint ---------------------------------------------
+
+def make_worker(ckpt, offload: OffloadConfig | None, mode: str = "eager") -> Worker:
+    cfg = ServeConfig(
+        model=str(ckpt), device="cpu", cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=200),
+        graph=GraphConfig(mode=mode), offload=offload or OffloadConfig(),
+    )
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(NUM_BLOCKS)
+    return w
+
+
+def plans(seed: int) -> list[StepPlan]:
+    """A prefill of three sequences, then decode steps over the same blocks."""
+    rng = random.Random(seed)
+    lens = [rng.randrange(2, 9) for _ in range(3)]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    out = [StepPlan(0, [SeqChunk(i, [rng.randrange(3, 256) for _ in range(n)], 0, tables[i],
+                                 True) for i, n in enumerate(lens)])]
+    for step in range(3):
+        out.append(StepPlan(step + 1, [SeqChunk(i, [rng.randrange(3, 256)], n + step,
+                                                tables[i], True)
+                                       for i, n in enumerate(lens)]))
+    return out
+
+
+def run(w: Worker, seed: int = 0) -> list[torch.Tensor]:
+    for layer in w.model.attention_layers():
+        layer.k_cache.zero_()
+        layer.v_cache.zero_()
+    return [w.executor.logits(p).clone() for p in plans(seed)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    w = make_worker(tiny_llama, None)
+    return w, run(w)
+
+
+def weight_sizes(w: Worker) -> tuple[int, int, int]:
+    """(resident bytes, largest offloaded weight, all weights) of an offloaded worker."""
+    e = w.offload
+    return e.resident, max(aligned(s.nbytes) for s in e.specs), e.resident + sum(
+        s.nbytes for s in e.specs)
+
+
+@pytest.mark.parametrize("mode,graph", [("sync", "eager"), ("lru", "eager"),
+                                        ("ring", "eager"), ("ring", "graph")])
+def test_offloaded_worker_matches_all_resident(tiny_llama, reference, mode, graph):
+    _, ref = reference
+    probe = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**9, mode="sync"))
+    floor = probe.offload.floor.bytes
+    for budget in (floor, floor + 3 * ALIGN * 64):
+        w = make_worker(tiny_llama, OffloadConfig(budget_bytes=budget, mode=mode), graph)
+        assert not any(p.device.type == "meta" for p in w.model.parameters())
+        got = run(w)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        if mode == "lru":
+            assert w.offload.misses > 0 and w.offload.bytes_copied > 0
+            assert isinstance(w.executor, type(reference[0].executor))  # forced eager
+        w.execute(plans(0)[1])
+        stats = w.offload_stats()
+        assert stats.steps == 1 and stats.bytes_copied > 0 and stats.floor_bytes == floor
+        msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=type(stats))
+
+
+def test_ring_graph_executor_runs_piecewise_prefill(tiny_llama, reference):
+    """CPU eager backend of the graph executor: prefill goes through the split hook that the
+    ring wraps with a join/fork."""
+    w = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**6, mode="ring"), "graph")
+    got = run(w)
+    assert w.executor.last_key.phase == "decode"
+    torch.testing.assert_close(got[0], reference[1][0], atol=0, rtol=0)
+
+
+def test_budget_below_floor_fails_at_load_with_the_exact_minimum(tiny_llama):
+    probe = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**9, mode="sync"))
+    floor = probe.offload.floor.bytes
+    resident, biggest, _ = weight_sizes(probe)
+    assert floor == resident + max(
+        aligned(a.nbytes) + aligned(b.nbytes)
+        for a, b in zip(probe.offload.specs, probe.offload.specs[1:] + probe.offload.specs[:1]))
+    with pytest.raises(OffloadBudgetError, match=f"at least {floor} bytes"):
+        make_worker(tiny_llama, OffloadConfig(budget_bytes=floor - 1))
+    with pytest.raises(OffloadError, match="needs"):  # check off, below one weight: refused
+        make_worker(tiny_llama, OffloadConfig(budget_bytes=resident + biggest - ALIGN,
+                                              check_floor=False, mode="ring"))
+
+
+@pytest.mark.parametrize("mode", ["ring", "lru", "sync"])
+def test_floor_is_tight_and_safe(tiny_llama, reference, mode):
+    """Floor check off: the smallest budget giving the all-resident logits is at most the
+    floor and at least the floor minus one largest weight."""
+    _, ref = reference
+    probe = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**9, mode="sync"))
+    floor = probe.offload.floor.bytes
+    resident, biggest, _ = weight_sizes(probe)
+
+    def works(budget: int) -> bool:
+        try:
+            w = make_worker(tiny_llama, OffloadConfig(budget_bytes=budget, check_floor=False,
+                                                      mode=mode))
+        except OffloadError:
+            return False
+        return all(torch.equal(a, b) for a, b in zip(run(w), ref))
+
+    lo, hi = resident, floor  # works(hi); find the smallest working budget in ALIGN steps
+    assert works(hi) and not works(lo)
+    while hi - lo > ALIGN:
+        mid = (lo + hi) // 2 // ALIGN * ALIGN
+        lo, hi = (lo, mid) if works(mid) else (mid, hi)
+    assert floor >= hi >= floor - biggest
+
+
+def test_order_divergence_is_a_hard_error_naming_the_weight(tiny_llama):
+    w = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**6, mode="sync"))
+    x = torch.zeros(1, w.model_cfg.hidden_size)
+    first = "model.layers.0.self_attn.qkv_proj.weight"
+    w.offload._begin()
+    with pytest.raises(OffloadOrderError, match=f"'lm_head.weight' where the recorded order "
+                                                f"has '{first}'"):
+        w.model.lm_head(x)
+    w.offload._begin()
+    w.model.model.layers[0].self_attn.qkv_proj(x)
+    with pytest.raises(OffloadOrderError, match="without reading weight "
+                                                "'model.layers.0.self_attn.o_proj.weight'"):
+        w.offload._end()
+
+
+def test_offload_config_rides_in_serve_config():
+    cfg = msgspec.toml.decode(b'[offload]\nbudget_bytes = 1000\nmode = "lru"\n',
+                              type=ServeConfig)
+    assert cfg.offload == OffloadConfig(budget_bytes=1000, mode="lru")
