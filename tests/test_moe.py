@@ -93,10 +93,11 @@ def greedy(model: torch.nn.Module, cfg: ModelConfig, prompts: list[list[int]], s
 def comm_schedule(starts: tuple[int, ...]) -> list[int]:
     """num_comm_tokens per step: the max over DP ranks (an idle rank's dummy step has one
     token), rounded up to a multiple of 8 so real ranks carry padding rows too."""
-    steps = max(starts) + MAX_TOKENS
-    return [-(-max(max(1, local_tokens(p, s, step)) for p, s in zip(PROMPTS, starts,
-                                                                    strict=True)) // 8) * 8
-            for step in range(steps)]
+    def bucket(step: int) -> int:
+        most = max(max(1, local_tokens(p, s, step)) for p, s in zip(PROMPTS, starts, strict=True))
+        return -(-most // 8) * 8
+
+    return [bucket(step) for step in range(max(starts) + MAX_TOKENS)]
 
 
 def load(path: Path, comm: Comm | None = None, ep_comm: Comm | None = None):
