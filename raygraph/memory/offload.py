@@ -371,8 +371,9 @@ class LruEngine(OffloadEngine):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._largest()
-        self.pool = LruPool(self.capacity)
-        self.region = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        size = min(self.capacity, sum(aligned(s.nbytes) for s in self.specs))
+        self.pool = LruPool(size)
+        self.region = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.index = {n: j for j, n in enumerate(self.names)}
 
     def _load(self, j: int, pinned: set[str]) -> int | None:

@@ -29,7 +29,8 @@ class RingEngine(OffloadEngine):
         self.kept = set(kept)
         self.ring = [j for j in range(self.n) if j not in self.kept]
         plan = ring_plan([sizes[j] for j in self.ring], ring_bytes)
-        self.region = torch.empty(max(self.capacity, 1), dtype=torch.uint8, device=self.device)
+        used = ring_bytes + sum(aligned(sizes[j]) for j in kept)
+        self.region = torch.empty(max(used, 1), dtype=torch.uint8, device=self.device)
         self.wait_for: dict[int, int] = {}
         self.issue_at: dict[int, list[int]] = {}
         self.slots: list[torch.Tensor | None] = [None] * self.n
