@@ -11,10 +11,12 @@ import msgspec
 
 from raygraph.config import (
     CacheConfig,
+    ConfigError,
     ParallelConfig,
     SchedulerConfig,
     ServeConfig,
     load_toml,
+    parse_bytes,
 )
 from raygraph.protocol import SamplingParams
 
@@ -26,6 +28,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
     p.add_argument("--config", default=None, help="a TOML ServeConfig; flags override it")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--dp", type=int, default=None,
+                   help="attention data-parallel groups (MoE models; needs --ep tp*dp)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size: 1 (experts TP-split) or tp*dp (MoE models)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
     p.add_argument("--block-size", type=int, default=None)
@@ -38,6 +44,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-pool", choices=["vmm", "torch", "private"], default=None,
                    help="graph memory: vmm (a virtual range per capture over shared physical "
                         "memory; default), torch (one shared pool), private (a pool per graph)")
+    p.add_argument("--offload-budget", type=parse_bytes, default=None,
+                   help="keep weights in host memory with at most this much of them on the GPU "
+                        "(bytes, or e.g. 1.5GiB, 800MB); fails at load below the floor")
+    p.add_argument("--offload-mode", choices=["ring", "lru", "sync"], default=None,
+                   help="ring: fixed slots, copies inside the graphs (default); lru: capped "
+                        "pool with LRU and prefetch (eager); sync: copy before each kernel")
 
 
 def serve_config(a: argparse.Namespace) -> ServeConfig:
@@ -52,7 +64,8 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         model=os.path.abspath(a.model) if a.model else cfg.model,
         device=pick(a.device, cfg.device),
         dtype=pick(a.dtype, cfg.dtype),
-        parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp)),
+        parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp), dp=pick(a.dp, cfg.parallel.dp),
+                                ep=pick(a.ep, cfg.parallel.ep)),
         graph=msgspec.structs.replace(cfg.graph, mode="eager" if a.eager else cfg.graph.mode,
                                       pool=pick(a.graph_pool, cfg.graph.pool)),
         cache=CacheConfig(
@@ -61,6 +74,9 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
             kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=c.gpu_memory_utilization,
             cpu_kv_cache_bytes=c.cpu_kv_cache_bytes,
         ),
+        offload=msgspec.structs.replace(
+            cfg.offload, budget_bytes=pick(a.offload_budget, cfg.offload.budget_bytes),
+            mode=pick(a.offload_mode, cfg.offload.mode)),
         scheduler=SchedulerConfig(
             max_num_seqs=pick(a.max_num_seqs, s.max_num_seqs),
             max_num_batched_tokens=pick(a.max_num_batched_tokens, s.max_num_batched_tokens),
@@ -212,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate,
                 "check-capture": cmd_check_capture, "stop": cmd_stop}
-    return handlers[a.cmd](a)
+    try:
+        return handlers[a.cmd](a)
+    except ConfigError as e:  # an impossible layout or setting: say why, no traceback
+        print(f"raygraph: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

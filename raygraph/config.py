@@ -148,6 +148,11 @@ def check_ep(model: ModelConfig, ep: int, tp: int = 1) -> None:
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):
+    """World = tp x dp ranks. World rank r is TP rank r % tp of DP group r // tp: each DP
+    group runs its own batch through attention (TP inside the group). MoE experts are
+    either TP-split inside each group (ep = 1) or spread over every rank (ep = tp x dp),
+    with tokens dispatched across DP groups at a shared size (num_comm_tokens)."""
+
     tp: int = 1
     dp: int = 1
     ep: int = 1
@@ -156,8 +161,19 @@ class ParallelConfig(msgspec.Struct, frozen=True):
         for name in ("tp", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp != 1 or self.ep != 1:
-            raise ConfigError("dp > 1 and ep > 1 are not supported yet (attention-DP + MoE-EP)")
+        if self.ep not in (1, self.world_size):
+            raise ConfigError(f"ep={self.ep} must be 1 or span every rank (tp*dp = "
+                              f"{self.world_size}): experts are spread over the whole world")
+        if self.dp > 1 and self.ep == 1:
+            raise ConfigError(f"dp={self.dp} needs ep = tp*dp = {self.world_size}: attention "
+                              "data parallelism is for MoE expert parallelism; for a dense "
+                              "model run separate replicas")
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
 
     @property
     def world_size(self) -> int:
@@ -170,10 +186,12 @@ class ParallelConfig(msgspec.Struct, frozen=True):
                 f"tp={self.tp} must divide num_heads={model.num_heads} and "
                 f"num_kv_heads={model.num_kv_heads}"
             )
-        if model.intermediate_size % self.tp:
+        dense = any(not model.is_sparse_layer(i) for i in range(model.num_layers))
+        if dense and model.intermediate_size % self.tp:
             raise ConfigError(
                 f"tp={self.tp} must divide intermediate_size={model.intermediate_size}"
             )
+        check_ep(model, self.ep, self.tp)
 
 
 class CacheConfig(msgspec.Struct, frozen=True):

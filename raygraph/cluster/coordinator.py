@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -51,6 +50,7 @@ class WorkerFailure(RuntimeError):
 class _Request:
     seq: Sequence
     detok: Detokenizer
+    group: int  # the DP group that serves it
     deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
     error: str | None = None
 
@@ -65,7 +65,7 @@ class Coordinator:
         self.workers: list[Any] = []
         self.pg = None
         self.infos: list[WorkerInfo] = []
-        self.scheduler: Scheduler | None = None
+        self.schedulers: list[Scheduler] = []  # one per DP group, each with its own KV pool
         self.requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -82,8 +82,10 @@ class Coordinator:
         self.capture_s = 0.0
         graph = cfg.graph.mode == "graph"
         s = cfg.scheduler
+        self.ep = cfg.parallel.ep > 1
         self.buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs,
-                                               s.max_num_batched_tokens) if graph else None)
+                                               s.max_num_batched_tokens, self.ep)
+                        if graph else None)
         self.lockstep: LockstepCapture | None = None
 
     # ---- start-up -------------------------------------------------------------------
@@ -133,11 +135,12 @@ class Coordinator:
         bs = cfg.cache.block_size
         limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
         max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
-        self.scheduler = Scheduler(
-            BlockPool(num_blocks, bs), cfg.scheduler.max_num_seqs,
-            cfg.scheduler.max_num_batched_tokens, max_model_len,
-            self.model_cfg.eos_token_ids,
-        )
+        self.schedulers = [
+            Scheduler(BlockPool(num_blocks, bs), cfg.scheduler.max_num_seqs,
+                      cfg.scheduler.max_num_batched_tokens, max_model_len,
+                      self.model_cfg.eos_token_ids)
+            for _ in range(cfg.parallel.dp)
+        ]
 
     async def capture_schedule(self) -> list[KeyReport]:
         """Capture the whole schedule in lockstep, largest first; returns the per-key table.
@@ -178,21 +181,29 @@ class Coordinator:
         """The per-key capture table so far (also after a failed capture)."""
         return list(self.lockstep.reports) if self.lockstep else []
 
-    def _keyed(self, plan: StepPlan) -> StepPlan:
-        """The plan with the bucket every rank must run it under."""
-        if self.buckets is None:
-            return plan
-        decode = all(len(c.token_ids) == 1 for c in plan.seqs)
-        key = self.buckets.key(plan.num_tokens, len(plan.seqs), decode)
-        return msgspec.structs.replace(plan, key=key)
+    def _plans(self, step: int, outs: list[SchedulerOutput | None]) -> list[StepPlan]:
+        """One plan per DP group, keyed. An idle group runs one padding token, so the MoE
+        collectives still match; under EP every group pads to the same dispatch size."""
+        shapes = [(o.plan.num_tokens, len(o.plan.seqs),
+                   all(len(c.token_ids) == 1 for c in o.plan.seqs)) if o else (1, 1, True)
+                  for o in outs]
+        if self.buckets is None:  # eager mode: the dispatch size is the largest real batch
+            comm = max(t for t, _, _ in shapes) if self.ep else 0
+            keys = [None] * len(outs)
+        else:
+            comm = self.buckets.comm_tokens(shapes) if self.ep else 0
+            keys = [self.buckets.key(t, n, d, comm) for t, n, d in shapes]
+        return [StepPlan(step, o.plan.seqs if o else [], key=k, num_comm_tokens=comm)
+                for o, k in zip(outs, keys)]
 
     def describe(self) -> dict:
         reports = self.capture_report()
         return {
             "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
-            "num_kv_blocks": self.scheduler.pool.num_blocks if self.scheduler else 0,
-            "max_model_len": self.scheduler.max_model_len if self.scheduler else 0,
+            "dp": self.cfg.parallel.dp, "ep": self.cfg.parallel.ep,
+            "num_kv_blocks": self.schedulers[0].pool.num_blocks if self.schedulers else 0,
+            "max_model_len": self.schedulers[0].max_model_len if self.schedulers else 0,
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
             "graph_mode": self.cfg.graph.mode, "buckets_captured": len(reports),
             "graphs_captured": sum(r.pieces for r in reports),
@@ -201,14 +212,14 @@ class Coordinator:
         }
 
     def stats(self) -> dict:
-        s = self.scheduler
+        ss = self.schedulers
         return {
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
             "restarts": self.restarts,
             "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
-            "running": len(s.running) if s else 0, "waiting": len(s.waiting) if s else 0,
-            "kv_utilization": s.pool.utilization if s else 0.0,
+            "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
+            "kv_utilization": max((s.pool.utilization for s in ss), default=0.0),
         }
 
     # ---- client API -------------------------------------------------------------------
@@ -245,7 +256,7 @@ class Coordinator:
                 pass  # _submit reports why
 
     def _submit(self, prompts: Any, params: Any, single: bool = False) -> list[_Request]:
-        if not self.healthy or self.scheduler is None:
+        if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
             raise WorkerFailure(f"coordinator is not serving: {reason}")
         sp = parse_params(params)
@@ -254,18 +265,23 @@ class Coordinator:
         encoded = [encode_prompt(p, self.tokenizer, m.vocab_size, m.bos_token_id) for p in items]
         for ids in encoded:  # all checked before any is queued
             try:
-                self.scheduler.check_prompt(len(ids))
+                self.schedulers[0].check_prompt(len(ids))
             except ValueError as e:
                 raise BadRequest(str(e)) from None
         reqs = []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp)
-            req = _Request(seq, Detokenizer(self.tokenizer, sp.stop))
-            self.scheduler.add(seq)
+            group = min(range(len(self.schedulers)), key=self._load)  # least-loaded DP group
+            req = _Request(seq, Detokenizer(self.tokenizer, sp.stop), group)
+            self.schedulers[group].add(seq)
             self.requests[seq.seq_id] = req
             reqs.append(req)
         self._wake.set()
         return reqs
+
+    def _load(self, group: int) -> int:
+        s = self.schedulers[group]
+        return len(s.running) + len(s.waiting)
 
     async def _collect(self, req: _Request) -> GenerateResult:
         while True:
@@ -283,35 +299,42 @@ class Coordinator:
     # ---- the step loop ----------------------------------------------------------------
     async def _step_loop(self) -> None:
         while True:
-            out = self.scheduler.schedule() if self.healthy else None
-            if out is None:
+            outs = [s.schedule() for s in self.schedulers] if self.healthy else []
+            if all(o is None for o in outs):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            plan = self._keyed(out.plan)
+            step = self.steps
+            plans = self._plans(step, outs)
+            tp = self.cfg.parallel.tp
             try:
-                if plan.key is not None and plan.key.phase != "eager" \
-                        and plan.key not in self.lockstep.captured:
-                    await self._capture_key(plan.key)  # a new shape: all ranks, in lockstep
+                for key in dict.fromkeys(p.key for p in plans):  # new shapes: all ranks at once
+                    if key is not None and key.phase != "eager" \
+                            and key not in self.lockstep.captured:
+                        await self._capture_key(key)
                 results = await asyncio.wait_for(
-                    asyncio.gather(*(w.execute.remote(plan) for w in self.workers)),
+                    asyncio.gather(*(w.execute.remote(plans[r // tp])
+                                     for r, w in enumerate(self.workers))),
                     timeout=self.cfg.step_timeout_s,
                 )
             except Exception as e:  # actor death, a raised step, a hang past the timeout
-                await self._on_failure(out, e)
+                await self._on_failure(step, e)
                 continue
             self.steps += 1
             self.forward_s += results[0].forward_s
-            self.preemptions += len(out.preempted)
-            for seq, _ in self.scheduler.update(out, results[0].token_ids):
-                self._emit(seq)
+            for group, out in enumerate(outs):
+                if out is not None:
+                    self.preemptions += len(out.preempted)
+                    tokens = results[group * tp].token_ids  # the group's TP rank 0 sampled
+                    for seq, _ in self.schedulers[group].update(out, tokens):
+                        self._emit(seq)
 
     def _emit(self, seq: Sequence) -> None:
         req = self.requests[seq.seq_id]
         self.tokens_generated += 1
         text, stopped = req.detok.update(seq.output_token_ids)
         if stopped:
-            self.scheduler.finish(seq, "stop")
+            self.schedulers[req.group].finish(seq, "stop")
         reason = seq.finish_reason
         req.deltas.put_nowait(StreamDelta(
             seq.seq_id, [seq.output_token_ids[-1]], text if self.tokenizer else None, reason,
@@ -319,9 +342,9 @@ class Coordinator:
         if reason is not None:
             del self.requests[seq.seq_id]
 
-    async def _on_failure(self, out: SchedulerOutput, e: BaseException) -> None:
+    async def _on_failure(self, step: int, e: BaseException) -> None:
         """Fail every request in flight, then restart the worker group."""
-        msg = f"step {out.plan.step_id} failed on a worker: {type(e).__name__}: {e}"
+        msg = f"step {step} failed on a worker: {type(e).__name__}: {e}"
         log.error(msg)
         self.healthy = False
         self.recovering = True

@@ -51,22 +51,59 @@ class BucketPlan:
     decode_sizes: tuple[int, ...]
     prefill_sizes: tuple[int, ...]
     max_seqs: int  # prefill batches with more sequences than the buffers hold run eagerly
+    ep: bool = False  # MoE expert parallelism: keys carry the dispatch size
 
     @staticmethod
-    def from_config(cfg: GraphConfig, max_num_seqs: int, max_num_batched_tokens: int) -> BucketPlan:
+    def from_config(cfg: GraphConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                    ep: bool = False) -> BucketPlan:
         decode = capture_sizes(cfg.decode_sizes, min(max_num_seqs, cfg.max_decode))
         prefill = capture_sizes(cfg.prefill_sizes, min(max_num_batched_tokens, cfg.max_prefill))
-        return BucketPlan(tuple(decode), tuple(prefill), max(decode[-1], max_num_seqs))
+        return BucketPlan(tuple(decode), tuple(prefill), max(decode[-1], max_num_seqs), ep)
 
-    def key(self, num_tokens: int, num_seqs: int, decode: bool) -> BucketKey:
-        """The step's bucket; phase "eager" (num_tokens unpadded) above the largest one."""
+    @property
+    def max_size(self) -> int:
+        return max(self.decode_sizes[-1], self.prefill_sizes[-1])
+
+    def key(self, num_tokens: int, num_seqs: int, decode: bool, comm: int = 0) -> BucketKey:
+        """The step's bucket; phase "eager" (num_tokens unpadded) above the largest one.
+
+        `comm` > 0 is the EP dispatch size every rank pads to (see `comm_tokens`); it is part
+        of the key, and above the largest capture size every rank runs eagerly.
+        """
         if decode:
             n = bucket(num_seqs, list(self.decode_sizes))
-            return BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)
-        n = bucket(num_tokens, list(self.prefill_sizes))
-        if n is None or num_seqs > self.max_seqs:
-            return BucketKey("eager", num_tokens)
-        return BucketKey("prefill", n)
+            local = BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)
+        else:
+            n = bucket(num_tokens, list(self.prefill_sizes))
+            eager = n is None or num_seqs > self.max_seqs
+            local = BucketKey("eager", num_tokens) if eager else BucketKey("prefill", n)
+        if comm == 0:
+            return local
+        if local.phase == "eager" or comm > self.max_size:
+            return BucketKey("eager", num_tokens, comm)
+        return BucketKey(local.phase, local.num_tokens, comm)
+
+    def comm_tokens(self, batches: list[tuple[int, int, bool]]) -> int:
+        """The EP dispatch size for one step of a DP group: the largest padded local batch
+        (its real size where that rank runs eagerly). Every rank pads to it, so the MoE
+        collectives match; it is itself a capture size unless some rank runs eagerly."""
+        return max(self.key(t, s, d).num_tokens for t, s, d in batches)
+
+    def allows(self, key: BucketKey) -> bool:
+        """Whether `key` may be captured: a local bucket of the schedule with, under EP, a
+        dispatch size between its own token count and the largest capture size."""
+        local = BucketKey(key.phase, key.num_tokens)
+        if local not in capture_schedule(list(self.decode_sizes), list(self.prefill_sizes)):
+            return False
+        if not self.ep:
+            return key.num_comm_tokens == 0
+        return key.num_tokens <= key.num_comm_tokens <= self.max_size
 
     def schedule(self) -> list[BucketKey]:
-        return capture_schedule(list(self.decode_sizes), list(self.prefill_sizes))
+        """The start-up schedule. With EP each key gets the balanced dispatch size (its own
+        token count); pairs with a larger one (unbalanced DP loads) are captured when first
+        seen, in lockstep, so the graphs stay bounded by |sizes| x |sizes|."""
+        keys = capture_schedule(list(self.decode_sizes), list(self.prefill_sizes))
+        if self.ep:
+            return [BucketKey(k.phase, k.num_tokens, k.num_tokens) for k in keys]
+        return keys

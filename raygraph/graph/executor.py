@@ -11,13 +11,22 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 
 import torch
 
 from raygraph.config import GraphConfig
 from raygraph.graph.buckets import BucketPlan
-from raygraph.graph.inputs import HostInputs, InputBuffers, batch_from, host_inputs
+from raygraph.graph.inputs import (
+    HostInputs,
+    InputBuffers,
+    batch_from,
+    host_inputs,
+    padding_inputs,
+)
 from raygraph.graph.runners import FullGraph, PiecewiseGraph
+from raygraph.memory.graph_pool import GraphPool, make_graph_pool
+from raygraph.memory.stats import GraphPoolStats
 from raygraph.model.context import ForwardContext, forward_context
 from raygraph.model.llama import LlamaForCausalLM
 from raygraph.model.parallel import comms_of, recording
@@ -44,23 +53,28 @@ class Executor(ABC):
 
 class EagerExecutor(Executor):
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        return self.run(host_inputs(plan, self.block_size))
+        return self.run(host_inputs(plan, self.block_size), plan.num_comm_tokens)
 
     @torch.inference_mode()
-    def run(self, h: HostInputs) -> torch.Tensor:
+    def run(self, h: HostInputs, comm: int = 0) -> torch.Tensor:
         batch = batch_from(h, self.device)
+        batch.ctx.num_comm_tokens = comm
         with forward_context(batch.ctx):
             hidden = self.model(batch.input_ids, batch.positions)
         return self.model.compute_logits(hidden[batch.sample_idx]).float()
 
 
 class GraphExecutor(Executor):
+    """graph_budget caps the graph pool's physical memory (VMM pool): the bytes the KV cache
+    was sized around; a capture needing more fails loudly."""
+
     def __init__(self, model: LlamaForCausalLM, cfg: GraphConfig, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 graph_budget: int | None = None, ep: bool = False) -> None:
         super().__init__(model, block_size)
         self.cfg = cfg
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
-        self.buckets = BucketPlan.from_config(cfg, max_num_seqs, max_num_batched_tokens)
+        self.buckets = BucketPlan.from_config(cfg, max_num_seqs, max_num_batched_tokens, ep)
         max_tokens = max(self.buckets.decode_sizes[-1], self.buckets.prefill_sizes[-1])
         max_seqs = self.buckets.max_seqs
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
@@ -70,15 +84,17 @@ class GraphExecutor(Executor):
         # one attention output buffer serves every layer and bucket: pieces run in order
         self.attn_out = torch.zeros(max_tokens, attn.num_heads, attn.head_dim, dtype=dtype,
                                     device=self.device)
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.pool: GraphPool | None = (
+            make_graph_pool(cfg.pool, self.device, cfg.vmm_chunk_bytes, graph_budget)
+            if self.cuda else None)
         self.graphs: dict[BucketKey, FullGraph | PiecewiseGraph] = {}
         self.eager = EagerExecutor(model, block_size)
         self.capture_log: list[CaptureRecord] = []
         self.last_key: BucketKey | None = None
         self.comms = comms_of(model)
 
-    def key_for(self, h: HostInputs) -> BucketKey:
-        return self.buckets.key(h.num_tokens, h.num_seqs, h.decode)
+    def key_for(self, h: HostInputs, comm: int = 0) -> BucketKey:
+        return self.buckets.key(h.num_tokens, h.num_seqs, h.decode, comm)
 
     def schedule(self) -> list[BucketKey]:
         return self.buckets.schedule()
@@ -86,14 +102,17 @@ class GraphExecutor(Executor):
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
         h = host_inputs(plan, self.block_size)
-        key = self.key_for(h)
+        key = self.key_for(h, plan.num_comm_tokens)
         self.last_key = key
+        if self.pool is not None and self.pool.asleep:
+            raise RuntimeError("the graph executor is asleep (graph memory released); "
+                               "call wake_up() before running steps")
         if plan.key is not None and plan.key != key:
             raise KeyMismatch(f"step {plan.step_id}: the coordinator chose {plan.key} but this "
                               f"rank's batch ({h.num_tokens} tokens, {h.num_seqs} seqs) "
                               f"gives {key}")
         if key.phase == "eager":
-            return self.eager.run(h)
+            return self.eager.run(h, plan.num_comm_tokens)
         num_seqs = key.num_tokens if key.phase == "decode" else h.num_seqs
         self.bufs.fill(h, key.num_tokens, num_seqs)
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.max_q_len, max(h.seq_lens),
@@ -114,6 +133,7 @@ class GraphExecutor(Executor):
         ids, pos = self.bufs.input_ids[:n], self.bufs.positions[:n]
 
         def forward(ctx: ForwardContext) -> torch.Tensor:
+            ctx.num_comm_tokens = key.num_comm_tokens  # the EP dispatch size is in the key
             with forward_context(ctx):
                 hidden = self.model(ids, pos)
             return self.model.compute_logits(hidden) if with_logits else hidden
@@ -133,22 +153,22 @@ class GraphExecutor(Executor):
         if dummy:
             md = self._dummy(key)
         t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved(self.device) if self.cuda else 0
-        with recording(self.comms) as collectives:
+        scope = self.pool.capture(key) if self.pool is not None else nullcontext()
+        with recording(self.comms) as collectives, scope as pool:
             if key.phase == "decode":
-                runner = FullGraph(self._forward(key, True), md, self.cuda, self.pool)
+                runner = FullGraph(self._forward(key, True), md, self.cuda, pool)
                 if not self.cuda and dummy:
                     runner.run(md)
             else:
                 runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out, self.cuda,
-                                        self.pool)
+                                        pool)
                 if not self.cuda and dummy:
                     runner.run(md, key.num_tokens)
         self.graphs[key] = runner
         record = CaptureRecord(
             key=key, rank=self.comms[0].rank if self.comms else 0, pieces=runner.num_pieces,
             nodes=runner.num_nodes, collectives=collectives,
-            pool_bytes=(torch.cuda.memory_reserved(self.device) - before) if self.cuda else 0,
+            pool_bytes=self.pool.last_growth if self.pool is not None else 0,
             buffers=self.buffer_infos(), seconds=round(time.perf_counter() - t0, 4),
         )
         self.capture_log.append(record)
@@ -167,8 +187,7 @@ class GraphExecutor(Executor):
         """A batch that writes no real KV slot (all slots -1) for start-up capture."""
         n = key.num_tokens
         if key.phase == "decode":
-            h = HostInputs([0] * n, [0] * n, [-1] * n, list(range(n)), [0] * n, [1] * n,
-                           [[0]] * n, list(range(n)), 1, True)
+            h = padding_inputs(n)
         else:
             h = HostInputs([0] * n, list(range(n)), [-1] * n, [0] * n, list(range(n)), [n],
                            [[0] * -(-n // self.block_size)], [n - 1], n, False)
@@ -184,12 +203,51 @@ class GraphExecutor(Executor):
                 self.capture(key)
         if self.cuda:
             log.info("captured %d buckets in %.2fs", len(self.graphs), time.perf_counter() - t0)
+            self.log_memory()
         return self.capture_log
+
+    @property
+    def input_buffer_bytes(self) -> int:
+        """The persistent buffers every graph reads: input buffers and attention output."""
+        return self.bufs.nbytes + self.attn_out.numel() * self.attn_out.element_size()
+
+    def pool_stats(self) -> GraphPoolStats | None:
+        return self.pool.stats() if self.pool is not None else None
+
+    def log_memory(self) -> None:
+        s = self.pool_stats()
+        if s is None:
+            return
+        largest = max(s.capture_bytes.items(), key=lambda kv: kv[1], default=("-", 0))
+        log.info("graph memory (%s pool): %.1f MiB held (budget %s), %.1f MiB virtual in %d "
+                 "ranges, largest capture %s %.1f MiB; input buffers %.1f MiB", s.kind,
+                 s.held_bytes / 2**20, "none" if s.budget_bytes is None
+                 else f"{s.budget_bytes / 2**20:.1f} MiB", s.virtual_bytes / 2**20, s.spaces,
+                 largest[0], largest[1] / 2**20, self.input_buffer_bytes / 2**20)
+
+    def sleep(self) -> None:
+        """Release the graphs' physical memory; they stay captured (VMM pool only)."""
+        self._require_pool().sleep()
+
+    def wake_up(self) -> None:
+        self._require_pool().wake_up()
+
+    def _require_pool(self) -> GraphPool:
+        if self.pool is None:
+            raise RuntimeError("no graph pool: this executor captures nothing (eager backend)")
+        return self.pool
+
+    def release(self) -> None:
+        """Drop every graph, then the pool's memory."""
+        self.graphs.clear()
+        if self.pool is not None:
+            self.pool.release()
 
 
 def make_executor(cfg: GraphConfig, model: LlamaForCausalLM, block_size: int,
-                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> Executor:
+                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                  graph_budget: int | None = None, ep: bool = False) -> Executor:
     if cfg.mode == "eager":
         return EagerExecutor(model, block_size)
     return GraphExecutor(model, cfg, block_size, max_num_seqs, max_num_batched_tokens,
-                         max_model_len)
+                         max_model_len, graph_budget, ep)

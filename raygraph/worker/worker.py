@@ -17,6 +17,7 @@ import torch.distributed as dist
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
+from raygraph.memory.stats import MemoryStats
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
 from raygraph.protocol import (
@@ -65,6 +66,8 @@ class Worker:
         self.generator.manual_seed(cfg.seed)
         self.model_cfg: ModelConfig | None = None
         self._fault: tuple[str, str, BucketKey | None] | None = None
+        self.graph_budget: int | None = None  # VMM graph pool cap, measured in load()
+        self.kv_cache_bytes = 0
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -72,7 +75,7 @@ class Worker:
     def load(self, dist_addr: tuple[str, int]) -> WorkerInfo:
         """Join the process group, load this rank's shard and measure what the KV cache may take."""
         t0 = time.perf_counter()
-        comm = Comm()
+        comm, ep_comm = Comm(), None
         if self.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(
@@ -80,14 +83,15 @@ class Worker:
                 rank=self.rank, world_size=self.world_size,
                 timeout=timedelta(seconds=self.cfg.step_timeout_s),
             )
-            comm = Comm(dist.group.WORLD)
+            comm, ep_comm = self._groups()
         self.model_cfg = ModelConfig.from_pretrained(self.cfg.model)
         self.cfg.parallel.check_model(self.model_cfg)
         self.offload: OffloadEngine | None = None
         if self.cfg.offload.budget_bytes is None:
-            self.model = build_model(self.model_cfg, comm, self.dtype, self.device)
+            self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm)
         else:  # weights stay in host memory; the engine moves the rest to the device
-            self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"))
+            self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"),
+                                     ep_comm)
             self.offload = apply_offload(self.model, self.model.model, self.cfg.offload,
                                          self.device, self._one_token_forward)
             if not self.offload.graph_safe and self.cfg.graph.mode == "graph":
@@ -103,6 +107,15 @@ class Worker:
                  self.rank, weight_bytes / 2**20, load_s, self.device, num_blocks)
         return WorkerInfo(self.rank, str(self.device), num_blocks, weight_bytes, per_block, load_s)
 
+    def _groups(self) -> tuple[Comm, Comm | None]:
+        """(this rank's TP group, the EP group): TP groups are the DP groups' ranks; EP spans
+        the world. Every rank creates every group, in the same order (torch requires it)."""
+        p = self.cfg.parallel
+        tp_groups = [dist.group.WORLD] if p.dp == 1 else [
+            dist.new_group(list(range(d * p.tp, (d + 1) * p.tp))) for d in range(p.dp)]
+        tp = Comm(tp_groups[p.dp_rank(self.rank)]) if p.tp > 1 else Comm()
+        return tp, Comm(dist.group.WORLD) if p.ep > 1 else None
+
     def kv_bytes_per_block(self) -> int:
         m = self.model_cfg
         kv_heads = m.num_kv_heads // self.cfg.parallel.tp
@@ -117,14 +130,44 @@ class Worker:
             return cache.cpu_kv_cache_bytes
         free, total = torch.cuda.mem_get_info(self.device)
         activation = self._profile_activation_bytes()
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation
+        graphs = self._profile_graph_bytes()
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation - graphs
         if budget <= 0:
             raise MemoryError(
                 f"rank {self.rank}: no GPU memory left for the KV cache "
                 f"(total {total >> 20} MiB, in use {(total - free) >> 20} MiB, "
-                f"activations {activation >> 20} MiB, utilization {cache.gpu_memory_utilization})"
+                f"activations {activation >> 20} MiB, graphs {graphs >> 20} MiB, "
+                f"utilization {cache.gpu_memory_utilization})"
             )
         return budget
+
+    def _profile_graph_bytes(self) -> int:
+        """What graph mode will hold, so the KV cache is sized around it exactly.
+
+        With the VMM pool, graph memory is the largest single capture: capture the largest
+        bucket of each phase over a throwaway pool and cache, and cap the real pool at that
+        physical size (a capture needing more then fails loudly). The persistent input
+        buffers count too. torch pools cannot be measured before capture: 0 (unbudgeted).
+        """
+        g = self.cfg.graph
+        if g.mode != "graph" or g.backend == "eager" or g.pool != "vmm":
+            return 0
+        self._bind_kv_cache(1)  # dummy capture batches write no slot and read block 0 only
+        ex = self._make_executor(None)
+        try:
+            largest: dict[str, BucketKey] = {}
+            for key in ex.schedule():
+                best = largest.get(key.phase)
+                if key.phase != "eager" and (best is None or key.num_tokens > best.num_tokens):
+                    largest[key.phase] = key
+            for key in largest.values():
+                ex.capture(key)
+            self.graph_budget = ex.pool.held_bytes()
+            return self.graph_budget + ex.input_buffer_bytes
+        finally:
+            ex.release()
+            self._bind_kv_cache(0)
+            torch.cuda.empty_cache()
 
     def _one_token_forward(self) -> None:
         """One eager forward of a single token over a throwaway cache (records the order in
@@ -166,11 +209,45 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Bind the KV cache and build the executor over it (graphs capture its addresses)."""
         self._bind_kv_cache(num_blocks)
+        self.executor = self._make_executor(self.graph_budget)
+        self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
+        return self.kv_cache_bytes
+
+    def _make_executor(self, graph_budget: int | None):
         s, m = self.cfg.scheduler, self.model_cfg
         max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
-        self.executor = make_executor(self.cfg.graph, self.model, self.cfg.cache.block_size,
-                                      s.max_num_seqs, s.max_num_batched_tokens, max_len)
-        return num_blocks * self.kv_bytes_per_block()
+        return make_executor(self.cfg.graph, self.model, self.cfg.cache.block_size,
+                             s.max_num_seqs, s.max_num_batched_tokens, max_len, graph_budget,
+                             ep=self.cfg.parallel.ep > 1)
+
+    def memory_stats(self) -> MemoryStats:
+        """Weights, KV cache, input buffers and graph pool; also logged (call it after the
+        capture schedule)."""
+        ex = self.executor
+        graphs = isinstance(ex, GraphExecutor)
+        if graphs:
+            ex.log_memory()
+        return MemoryStats(
+            rank=self.rank, device=str(self.device),
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            kv_cache_bytes=self.kv_cache_bytes,
+            input_buffer_bytes=ex.input_buffer_bytes if graphs else 0,
+            graph=ex.pool_stats() if graphs else None,
+        )
+
+    def sleep(self) -> None:
+        """Release the graph pool's physical memory; graphs stay captured (VMM pool)."""
+        self._graph_executor().sleep()
+
+    def wake_up(self) -> None:
+        """Map fresh physical memory under the graphs: they replay with no recapture."""
+        self._graph_executor().wake_up()
+
+    def _graph_executor(self) -> GraphExecutor:
+        if not isinstance(self.executor, GraphExecutor):
+            raise RuntimeError(f"rank {self.rank}: sleep/wake needs graph mode (the executor "
+                               f"is {type(self.executor).__name__})")
+        return self.executor
 
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule alone, for in-process use (benchmarks, one GPU).
@@ -183,10 +260,9 @@ class Worker:
         """The barrier before a lockstep capture: refuse a key outside this rank's own
         schedule before any collective is issued, so a disagreement is an error, not a hang."""
         self._maybe_fault("prepare", key)
-        schedule = self.executor.schedule() if isinstance(self.executor, GraphExecutor) else []
-        if key not in schedule:
-            raise KeyMismatch(f"rank {self.rank}: {key} is not in this rank's capture schedule "
-                              f"({len(schedule)} keys)")
+        ex = self.executor
+        if not isinstance(ex, GraphExecutor) or not ex.buckets.allows(key):
+            raise KeyMismatch(f"rank {self.rank}: {key} is not in this rank's capture schedule")
 
     def capture(self, key: BucketKey) -> CaptureRecord:
         """Capture one key; every rank of the group is capturing the same key right now."""
@@ -220,7 +296,7 @@ class Worker:
             logits = self.executor.logits(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
-        if self.rank != 0:
+        if self.cfg.parallel.tp_rank(self.rank) != 0:
             return None
         chunks = [s for s in plan.seqs if s.sample]
         tokens = sample(logits, chunks, self.generator) if chunks else []
@@ -228,6 +304,24 @@ class Worker:
             self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, tokens, time.perf_counter() - t0)
 
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
+        return self.executor.logits(plan).cpu()
+
+    def time_steps(self, plans: list[StepPlan]) -> list[float]:
+        """Run plans back to back, each ending in a host read; seconds per step. Every rank
+        of the group must be given the same plans at once (their collectives pair up)."""
+        times = []
+        for plan in plans:
+            t0 = time.perf_counter()
+            self.execute(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        return times
+
     def shutdown(self) -> None:
+        if isinstance(getattr(self, "executor", None), GraphExecutor):
+            self.executor.release()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Attention DP + MoE EP through the coordinator (Ray actors, gloo): greedy tokens equal HF
+on tiny Mixtral / Qwen2-MoE checkpoints with unbalanced loads, and the bucket key carries
+the dispatch size."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from raygraph.cluster.coordinator import start_coordinator
+from raygraph.config import (
+    CacheConfig,
+    ConfigError,
+    GraphConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
+from raygraph.graph.buckets import BucketPlan
+from raygraph.protocol import BucketKey, SamplingParams, SeqChunk, StepPlan
+from raygraph.worker.worker import Worker
+from tests.conftest import make_checkpoint
+from tests.hf_ref import hf_greedy
+
+ARCHS = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+}
+GRAPH = GraphConfig(decode_sizes=[1, 2, 4], prefill_sizes=[8, 16, 32])
+# uneven: 5 requests over 2 DP groups, lengths and output counts differ so that one group
+# idles while the other still prefills or decodes
+PROMPTS = [[5, 9, 33, 100, 7], [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 15, 200, 31, 9, 4, 8, 2],
+           [42, 7, 19], [11], [8, 13, 21, 34, 55, 89]]
+MAX_TOKENS = [7, 2, 5, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return {name: make_checkpoint(tmp_path_factory.mktemp(name), arch, **kw)
+            for name, (arch, kw) in ARCHS.items()}
+
+
+def config(model, name: str, tp: int, dp: int, ep: int) -> ServeConfig:
+    return ServeConfig(
+        model=str(model), device="cpu", parallel=ParallelConfig(tp=tp, dp=dp, ep=ep),
+        graph=GRAPH, cache=CacheConfig(block_size=4, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64),
+        coordinator_name=name, step_timeout_s=60,
+    )
+
+
+@pytest.mark.parametrize("arch,tp,dp,ep", [("mixtral", 1, 2, 2), ("qwen2_moe", 1, 2, 2),
+                                           ("mixtral", 2, 1, 1), ("qwen2_moe", 2, 1, 2)])
+def test_moe_layouts_generate_hf_greedy_tokens(ray_session, ckpts, arch, tp, dp, ep):
+    coord = start_coordinator(config(ckpts[arch], f"moe-{arch}-{tp}{dp}{ep}", tp, dp, ep))
+    try:
+        refs = [coord.generate.remote(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(PROMPTS, MAX_TOKENS)]
+        got = [ray_session.get(r)[0].token_ids for r in refs]
+        want = hf_greedy(ckpts[arch], PROMPTS, max(MAX_TOKENS))
+        assert got == [w[:n] for w, n in zip(want, MAX_TOKENS)]
+        reports = ray_session.get(coord.capture_report.remote())
+        assert reports and all(r.agree for r in reports)
+        if dp > 1:
+            # unbalanced steps needed keys whose dispatch size exceeds the local bucket;
+            # they were captured in lockstep on every rank when first seen
+            assert any(r.key.num_comm_tokens > r.key.num_tokens for r in reports)
+            assert ray_session.get(coord.describe.remote())["dp"] == 2
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+
+
+def test_same_local_size_different_dispatch_size_selects_different_graphs():
+    plan = BucketPlan.from_config(GRAPH, 4, 16, ep=True)
+    balanced = plan.key(3, 3, True, plan.comm_tokens([(3, 3, True), (4, 4, True)]))
+    skewed = plan.key(3, 3, True, plan.comm_tokens([(3, 3, True), (12, 2, False)]))
+    assert balanced == BucketKey("decode", 4, 4)
+    assert skewed == BucketKey("decode", 4, 16)
+    assert plan.allows(balanced) and plan.allows(skewed)
+    assert not plan.allows(BucketKey("decode", 4, 2))  # dispatch below the local batch
+    # above the largest capture size every rank runs eagerly, with the real dispatch size
+    assert plan.key(3, 3, True, 40) == BucketKey("eager", 3, 40)
+    assert BucketPlan.from_config(GRAPH, 4, 16).key(3, 3, True) == BucketKey("decode", 4)
+
+
+def test_a_plan_for_the_wrong_dispatch_size_is_refused(ckpts):
+    cfg = config(ckpts["mixtral"], "x", 1, 1, 1)
+    cfg = msgspec.structs.replace(cfg, graph=msgspec.structs.replace(GRAPH, capture_at_start=True))
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(16)
+    seqs = [SeqChunk(i, [5 + i], 2, [i], True) for i in range(3)]
+    # the coordinator chose the graph for dispatch size 16 but sent dispatch size 4
+    with pytest.raises(Exception, match=r"rank 0: step 3: the coordinator chose .*16.* gives"):
+        w.execute(StepPlan(3, seqs, key=BucketKey("decode", 4, 16), num_comm_tokens=4))
+
+
+@pytest.mark.parametrize("tp,dp,ep,match", [(1, 2, 1, "needs ep"), (2, 2, 2, "must be 1 or"),
+                                            (1, 1, 3, "must be 1 or")])
+def test_impossible_layouts_are_refused(tp, dp, ep, match):
+    with pytest.raises(ConfigError, match=match):
+        ParallelConfig(tp=tp, dp=dp, ep=ep)
