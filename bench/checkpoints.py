@@ -14,6 +14,10 @@ PRESETS = {
                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
     "llama-tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=4096),
+    # a ~0.9B Mixtral-style MoE for the DP x EP benchmarks: 8 experts, top-2
+    "mixtral-1b": dict(arch="Mixtral", hidden_size=1024, intermediate_size=2048,
+                       num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                       vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -24,9 +28,11 @@ def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16"
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **PRESETS[preset])
+    kw = dict(PRESETS[preset])
+    arch = kw.pop("arch", "Llama")
+    cfg = getattr(transformers, f"{arch}Config")(max_position_embeddings=4096, **kw)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+        model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out)
     return out
 

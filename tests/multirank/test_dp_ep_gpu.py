@@ -1,0 +1,36 @@
+"""Two GPUs, NCCL: DP=2 x EP=2 with graphs (keys carry the dispatch size) generates the
+eager tokens for an unbalanced workload, and the ranks' capture records agree."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from raygraph.cluster.coordinator import start_coordinator
+from raygraph.protocol import SamplingParams
+from tests.multirank.test_dp_ep import MAX_TOKENS, PROMPTS, ckpts, config  # noqa: F401
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_dp2_ep2_graphs_generate_the_eager_tokens(ray_session, ckpts, arch):  # noqa: F811
+    outs = {}
+    for mode in ("graph", "eager"):
+        cfg = config(ckpts[arch], f"gpu-moe-{arch}-{mode}", 1, 2, 2)
+        cfg = msgspec.structs.replace(cfg, device="cuda", dtype="float32",
+                                      graph=msgspec.structs.replace(cfg.graph, mode=mode))
+        coord = start_coordinator(cfg)
+        try:
+            refs = [coord.generate.remote(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                    for p, n in zip(PROMPTS * 3, MAX_TOKENS * 3)]
+            outs[mode] = [ray_session.get(r)[0].token_ids for r in refs]
+            if mode == "graph":
+                reports = ray_session.get(coord.capture_report.remote())
+                assert reports and all(r.agree and r.nodes for r in reports)
+                assert any(r.key.num_comm_tokens > r.key.num_tokens for r in reports)
+        finally:
+            ray_session.get(coord.shutdown.remote())
+            ray_session.kill(coord)
+    assert outs["graph"] == outs["eager"]
+
