@@ -17,8 +17,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is visible"))
-        if "gpu2" in item.keywords and gpus < 2:
-            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs; {gpus} visible"))
+        for n in (2, 4):
+            if f"gpu{n}" in item.keywords and gpus < n:
+                item.add_marker(pytest.mark.skip(reason=f"needs {n} CUDA GPUs; {gpus} visible"))
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,15 @@ from tests.multirank.test_dp_ep import MAX_TOKENS, PROMPTS, ckpts, config  # noq
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_dp2_ep2_graphs_generate_the_eager_tokens(ray_session, ckpts, arch):  # noqa: F811
+LAYOUTS = [("mixtral", 1, 2, 2), ("qwen2_moe", 1, 2, 2),
+           pytest.param("mixtral", 2, 2, 4, marks=pytest.mark.gpu4)]
+
+
+@pytest.mark.parametrize("arch,tp,dp,ep", LAYOUTS)
+def test_dp_ep_graphs_generate_the_eager_tokens(ray_session, ckpts, arch, tp, dp, ep):  # noqa: F811
     outs = {}
     for mode in ("graph", "eager"):
-        cfg = config(ckpts[arch], f"gpu-moe-{arch}-{mode}", 1, 2, 2)
+        cfg = config(ckpts[arch], f"gpu-moe-{arch}-{tp}{dp}{ep}-{mode}", tp, dp, ep)
         cfg = msgspec.structs.replace(cfg, device="cuda", dtype="float32",
                                       graph=msgspec.structs.replace(cfg.graph, mode=mode))
         coord = start_coordinator(cfg)

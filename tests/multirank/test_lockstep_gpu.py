@@ -24,7 +24,7 @@ BLOCKS = 256
 def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tp-llama"), "LlamaForCausalLM",
                            vocab_size=512, hidden_size=256, intermediate_size=512,
-                           num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+                           num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
 
 
 def cfg(ckpt, tp: int, mode: str, dtype: str, name: str = "gpu-tp") -> ServeConfig:
@@ -110,13 +110,14 @@ def test_tp2_graph_replay_equals_tp2_eager_and_tp1(ray_session, ckpt):
         torch.testing.assert_close(g, t, atol=5e-2, rtol=5e-2)
 
 
-def test_tp2_default_schedule_in_lockstep_and_greedy_equals_eager(ray_session, ckpt):
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.gpu4)])
+def test_tp_default_schedule_in_lockstep_and_greedy_equals_eager(ray_session, ckpt, tp):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 60))] for _ in range(20)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs = {}
     for mode in ("graph", "eager"):
-        coord = start_coordinator(cfg(ckpt, 2, mode, "float32", f"gpu-tp-{mode}"))
+        coord = start_coordinator(cfg(ckpt, tp, mode, "float32", f"gpu-tp{tp}-{mode}"))
         try:
             if mode == "graph":
                 reports = ray_session.get(coord.capture_report.remote())
