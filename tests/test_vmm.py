@@ -162,3 +162,115 @@ def test_bad_geometry_is_rejected() -> None:
             VmmPool(backend, CHUNK, RANGE + mmap.PAGESIZE)
     finally:
         backend.close()
+
+
+def test_sleep_releases_chunks_and_wake_maps_new_ones_at_the_same_addresses(
+    pool: VmmPool,
+) -> None:
+    bases = []
+    for n in (3, 2):
+        bases.append(pool.new_space())
+        pool.alloc(n * CHUNK)
+    pool.tensor(bases[0], 3 * CHUNK).fill_(5)
+    awake = pool.stats()
+    pool.sleep()
+    assert pool.backend.file_bytes() == 0 and pool.backend._live == {}
+    s = pool.stats()
+    assert (s.asleep, s.physical_bytes, s.chunks, s.spaces) == (True, 0, 3, 2)
+    maps = open("/proc/self/maps").read()
+    assert "raygraph-vmm" not in maps and f"{bases[0]:x}-" in maps  # still reserved
+    for call in (pool.new_space, lambda: pool.alloc(1), lambda: pool.tensor(bases[0], 1),
+                 pool.sleep):
+        with pytest.raises(VmmError, match="asleep"):
+            call()
+    pool.wake_up()
+    assert pool.stats() == awake and pool.backend.file_bytes() == 3 * CHUNK
+    assert [sp.base for sp in pool._spaces] == bases
+    ta, tb = pool.tensor(bases[0], 3 * CHUNK), pool.tensor(bases[1], 2 * CHUNK)
+    assert torch.all(ta == 0)  # contents are not kept across sleep: fresh chunks
+    ta[:] = torch.arange(3 * CHUNK, dtype=torch.int64).to(torch.uint8)
+    assert torch.equal(tb, ta[: 2 * CHUNK])
+    with pytest.raises(VmmError, match="not asleep"):
+        pool.wake_up()
+    pool.new_space()  # captures go on after wake, on the same chunks
+    pool.alloc(4 * CHUNK)
+    assert pool.stats().chunks == 4
+
+
+def test_release_while_asleep_frees_the_reservations(pool: VmmPool) -> None:
+    base = pool.new_space()
+    pool.alloc(CHUNK)
+    pool.sleep()
+    pool.release()
+    assert f"{base:x}-" not in open("/proc/self/maps").read()
+    with pytest.raises(VmmError, match="after release"):
+        pool.wake_up()
+
+
+def test_budget_caps_physical_memory_loudly() -> None:
+    backend = MemfdBackend()
+    pool = VmmPool(backend, CHUNK, RANGE, max_physical_bytes=3 * CHUNK)
+    try:
+        pool.new_space()
+        pool.alloc(3 * CHUNK)  # exactly the budget
+        pool.new_space()
+        pool.alloc(2 * CHUNK)
+        before = pool.stats()
+        with pytest.raises(VmmError, match=f"needs {4 * CHUNK} bytes .* budget is {3 * CHUNK}"):
+            pool.alloc(CHUNK + 1)
+        assert pool.stats() == before and backend.file_bytes() == 3 * CHUNK
+    finally:
+        pool.release()
+        backend.close()
+
+
+def test_allocator_callbacks_bridge_to_the_pool(pool: VmmPool) -> None:
+    """torch calls these C function pointers; here ctypes calls them the same way."""
+    from raygraph.memory.vmm_allocator import ALLOC_FN, FREE_FN, VmmAllocator
+
+    a = VmmAllocator(pool)
+    alloc, free = ALLOC_FN(a.alloc_ptr), FREE_FN(a.free_ptr)
+    assert alloc(100, 0, None) is None  # no space yet: NULL, error kept for the capture
+    assert isinstance(a.error, VmmError) and "new_space" in str(a.error)
+    base = pool.new_space()
+    p1, p2 = alloc(3000, 0, None), alloc(ALIGN, 0, None)
+    assert (p1, p2) == (base, base + 3072)
+    free(p1, 3000, 0, None)
+    assert list(pool._live) == [p2]
+    pool.release()
+    free(p2, ALIGN, 0, None)  # torch dropping a pool after release: ignored
+
+
+def test_graph_pool_config_cli_and_cpu_worker(tiny_llama) -> None:
+    import argparse
+
+    import msgspec
+
+    from raygraph.cli import add_serve_args, serve_config
+    from raygraph.config import CacheConfig, ConfigError, GraphConfig, ServeConfig
+    from raygraph.memory.graph_pool import make_graph_pool
+    from raygraph.worker.worker import Worker
+
+    assert GraphConfig().pool == "vmm"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"pool": "bogus"}, GraphConfig)
+    with pytest.raises(ConfigError, match="vmm_chunk_bytes"):
+        GraphConfig(vmm_chunk_bytes=0)
+    with pytest.raises(ValueError, match="unknown graph pool"):
+        make_graph_pool("bogus", torch.device("cpu"), 1)
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert serve_config(p.parse_args(["--graph-pool", "torch"])).graph.pool == "torch"
+    assert serve_config(p.parse_args([])).graph.pool == "vmm"
+
+    w = Worker(ServeConfig(model=str(tiny_llama), device="cpu",
+                           cache=CacheConfig(num_blocks=8)), 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(8)
+    s = w.memory_stats()
+    assert s.graph is None and s.kv_cache_bytes == 8 * w.kv_bytes_per_block()
+    assert s.input_buffer_bytes == w.executor.input_buffer_bytes > 0
+    assert s.weight_bytes == sum(t.numel() * t.element_size() for t in w.model.parameters())
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=type(s)) == s
+    with pytest.raises(RuntimeError, match="no graph pool"):
+        w.sleep()

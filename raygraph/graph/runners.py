@@ -7,6 +7,8 @@ buffers, padding and the piecewise instruction sequence are exercised without a 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -21,12 +23,21 @@ from raygraph.model.ops import paged_attention
 Forward = Callable[[ForwardContext], torch.Tensor]
 
 
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream for every capture on a device (torch.cuda.graph keeps one too): cuBLAS
+    allocates a workspace per stream on first use; a fresh stream per capture would put one
+    into each graph's pool, and free it from under the graph on empty_cache()."""
+    return torch.cuda.Stream(device)
+
+
 @contextmanager
 def capture_mode(device: torch.device):
-    """GC frozen and a side stream: the conditions every capture runs under."""
+    """GC frozen and the capture stream: the conditions every capture (and its warm-up,
+    so per-stream state lands outside the graph pool) runs under."""
     gc.collect()
     gc.freeze()
-    stream = torch.cuda.Stream(device)
+    stream = capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(stream):
@@ -58,6 +69,13 @@ def end_capture(graph: torch.cuda.CUDAGraph) -> int | None:
     return nodes
 
 
+def abort_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """After an error mid-capture (e.g. the graph pool refused memory), take the stream out
+    of capture so the process stays usable; the caller re-raises the error."""
+    with contextlib.suppress(Exception):
+        graph.capture_end()
+
+
 class FullGraph:
     """Decode: the whole step, attention included, as one graph over the input buffers."""
 
@@ -69,11 +87,15 @@ class FullGraph:
         self.num_nodes: int | None = None
         if cuda:
             device = md.slot_mapping.device
-            self.run(md)  # warm-up: allocator, Triton autotune and NCCL state settle eagerly
             with capture_mode(device):
+                self.run(md)  # warm-up: allocator, Triton autotune and NCCL state settle eagerly
                 self.graph = new_graph()
                 self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                self.out = self.forward(ForwardContext(attn=md))
+                try:
+                    self.out = self.forward(ForwardContext(attn=md))
+                except BaseException:
+                    abort_capture(self.graph)
+                    raise
                 self.num_nodes = end_capture(self.graph)
 
     @property
@@ -151,7 +173,6 @@ class PiecewiseGraph:
     def _capture(self, pool: Any) -> None:
         md = self.md
         num_tokens = md.slot_mapping.shape[0]
-        self.run(md, num_tokens)  # warm-up, eagerly
         graph = new_graph()
         nodes: list[int | None] = []
 
@@ -165,8 +186,13 @@ class PiecewiseGraph:
             return self.attn_out[:num_tokens]
 
         with capture_mode(md.slot_mapping.device):
+            self.run(md, num_tokens)  # warm-up, eagerly, on the capture stream
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            self.out = self.forward(ForwardContext(attn=md, split=split))
+            try:
+                self.out = self.forward(ForwardContext(attn=md, split=split))
+            except BaseException:
+                abort_capture(graph)
+                raise
             nodes.append(end_capture(graph))
             self.graphs.append(graph)
         self.num_nodes = None if None in nodes else sum(nodes)

@@ -31,6 +31,7 @@ class VmmStats(msgspec.Struct, frozen=True):
     chunks: int
     chunk_size: int
     space_peak_bytes: list[int]  # per space, in creation order
+    asleep: bool = False  # physical chunks released; physical_bytes is then 0
 
 
 class VmmBackend(ABC):
@@ -241,9 +242,12 @@ class VmmPool:
 
     free() only checks the address: a graph pool never hands memory back mid-capture;
     the next new_space() starts over at offset 0 on the same physical chunks.
+    `max_physical_bytes` caps the physical chunks (the graph budget the KV cache was sized
+    around): a capture that needs more fails loudly instead of eating into the KV cache.
     """
 
-    def __init__(self, backend: VmmBackend, chunk_size: int, range_size: int) -> None:
+    def __init__(self, backend: VmmBackend, chunk_size: int, range_size: int,
+                 max_physical_bytes: int | None = None) -> None:
         gran = backend.granularity()
         if chunk_size <= 0 or chunk_size % gran:
             raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of {gran}")
@@ -254,23 +258,30 @@ class VmmPool:
         self.backend = backend
         self.chunk_size = chunk_size
         self.range_size = range_size
+        self.max_physical_bytes = max_physical_bytes
         self._chunks: list[Any] = []
         self._spaces: list[_Space] = []
         self._live: dict[int, int] = {}  # address -> size, for free()
         self._released = False
+        self.asleep = False
 
     def _check_open(self) -> None:
         if self._released:
             raise VmmError("VmmPool used after release()")
 
+    def _check_awake(self) -> None:
+        self._check_open()
+        if self.asleep:
+            raise VmmError("VmmPool is asleep (physical memory released); call wake_up() first")
+
     def new_space(self) -> int:
         """Reserve a fresh virtual range for the next capture; returns its base address."""
-        self._check_open()
+        self._check_awake()
         self._spaces.append(_Space(self.backend.reserve(self.range_size)))
         return self._spaces[-1].base
 
     def alloc(self, size: int) -> int:
-        self._check_open()
+        self._check_awake()
         if size <= 0:
             raise VmmError(f"alloc size must be positive, got {size}")
         if not self._spaces:
@@ -278,12 +289,18 @@ class VmmPool:
         space = self._spaces[-1]
         offset = space.peak  # always a multiple of ALIGN
         end = offset + size
+        need = -(-end // self.chunk_size)
+        cap = self.max_physical_bytes
+        if cap is not None and need * self.chunk_size > cap:
+            raise VmmError(
+                f"this capture needs {need * self.chunk_size} bytes of physical graph memory "
+                f"({end} in use); the graph budget is {cap} bytes"
+            )
         if end > self.range_size:
             raise VmmError(
                 f"alloc of {size} bytes at offset {offset} exceeds the reserved "
                 f"range of {self.range_size} bytes ({space.peak} in use)"
             )
-        need = -(-end // self.chunk_size)
         while space.mapped < need:
             i = space.mapped
             if i == len(self._chunks):
@@ -295,36 +312,79 @@ class VmmPool:
         self._live[addr] = size
         return addr
 
+    @property
+    def live_allocations(self) -> int:
+        """Allocations not yet freed (torch frees a pool's segments when its graphs go)."""
+        return len(self._live)
+
     def free(self, addr: int) -> None:
         self._check_open()
         if self._live.pop(addr, None) is None:
             raise VmmError(f"free of {addr:#x}, which this pool did not allocate (or freed)")
 
     def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        self._check_open()
+        self._check_awake()
         return self.backend.tensor(addr, nbytes)
 
     def stats(self) -> VmmStats:
         self._check_open()
         return VmmStats(
-            physical_bytes=len(self._chunks) * self.chunk_size,
+            physical_bytes=0 if self.asleep else len(self._chunks) * self.chunk_size,
             virtual_bytes=len(self._spaces) * self.range_size,
             spaces=len(self._spaces),
             chunks=len(self._chunks),
             chunk_size=self.chunk_size,
             space_peak_bytes=[s.peak for s in self._spaces],
+            asleep=self.asleep,
         )
+
+    def _mappings(self) -> list[tuple[int, int]]:
+        """(address, chunk index) of every mapped chunk, over all spaces."""
+        return [(s.base + i * self.chunk_size, i) for s in self._spaces for i in range(s.mapped)]
+
+    def sleep(self) -> None:
+        """Unmap every range and release the physical chunks; the reservations stay.
+
+        Bytes are NOT kept: after wake_up() the ranges read whatever the new chunks hold.
+        Graph-private memory needs no keeping: every replay rewrites the intermediates it
+        reads. The caller must make sure no kernel touches the ranges meanwhile.
+        """
+        self._check_awake()
+        for addr, _ in self._mappings():
+            self.backend.unmap(addr, self.chunk_size)
+        for handle in reversed(self._chunks):
+            self.backend.release_chunk(handle, self.chunk_size)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Create as many chunks as before and map them at the same addresses as before."""
+        self._check_open()
+        if not self.asleep:
+            raise VmmError("wake_up() on a VmmPool that is not asleep")
+        fresh: list[Any] = []
+        try:
+            for _ in self._chunks:
+                fresh.append(self.backend.create_chunk(self.chunk_size))
+        except BaseException:
+            for handle in fresh:  # stay asleep, holding nothing
+                self.backend.release_chunk(handle, self.chunk_size)
+            raise
+        self._chunks = fresh
+        for addr, i in self._mappings():
+            self.backend.map(addr, self.chunk_size, self._chunks[i])
+        self.asleep = False
 
     def release(self) -> None:
         """Unmap every range, free the reservations and release the physical chunks."""
         self._check_open()
         self._released = True
+        if not self.asleep:  # asleep: already unmapped and released
+            for addr, _ in self._mappings():  # one unmap per cuMemMap'd chunk
+                self.backend.unmap(addr, self.chunk_size)
+            for handle in reversed(self._chunks):
+                self.backend.release_chunk(handle, self.chunk_size)
         for space in self._spaces:
-            for i in range(space.mapped):  # one unmap per cuMemMap'd chunk
-                self.backend.unmap(space.base + i * self.chunk_size, self.chunk_size)
             self.backend.free_range(space.base, self.range_size)
-        for handle in reversed(self._chunks):
-            self.backend.release_chunk(handle, self.chunk_size)
         self._spaces.clear()
         self._chunks.clear()
         self._live.clear()

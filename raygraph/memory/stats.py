@@ -1,0 +1,30 @@
+"""Memory figures a worker reports (msgspec Structs: they cross the actor boundary)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GraphPoolStats(msgspec.Struct, frozen=True):
+    """held_bytes: device memory the captured graphs hold (VMM: physical chunks).
+    capture_bytes: per bucket key, what that capture's graphs hold on their own (VMM: its
+    range's peak; torch shared pool: what the capture added to the pool)."""
+
+    kind: str
+    held_bytes: int
+    capture_bytes: dict[str, int]
+    virtual_bytes: int = 0
+    spaces: int = 0
+    chunks: int = 0
+    chunk_size: int = 0
+    budget_bytes: int | None = None  # the cap the KV cache was sized around (VMM only)
+    asleep: bool = False
+
+
+class MemoryStats(msgspec.Struct, frozen=True):
+    rank: int
+    device: str
+    weight_bytes: int
+    kv_cache_bytes: int
+    input_buffer_bytes: int  # the persistent buffers all graphs read (one set, max shape)
+    graph: GraphPoolStats | None  # None: nothing captured on this device (eager, CPU)
