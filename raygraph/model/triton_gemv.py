@@ -8,8 +8,8 @@ that follows the GEMM, so its intermediate never round-trips through memory and 
 disappears:
 - `silu_mul`: W = [gate | up]; a program reads gate row n and up row n + I, writes
   silu(gate) * up (SwiGLU);
-- `rotary`: W = [q | k | v] heads; a program reads rows d and d + D/2 of one head, writes
-  them rotated (neox) for q and k heads, as they are for v heads.
+- `rotary`: W = [q | k | v] heads; a program's columns are whole rotation pairs (dims d and
+  d + D/2 of one head), written rotated (neox) for q and k heads, as they are for v heads.
 Rounding follows the unfused ops: the GEMM result is cast to the activation dtype before
 the epilogue arithmetic, as torch would have stored it.
 """
@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from raygraph.model.triton_launch import gdc_launch_dependents, gdc_wait, launch_options
 
 MAX_M = 8  # tokens; above this cuBLAS is the better tool
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
@@ -43,16 +45,20 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    gdc_wait()  # NOTE: before any load of a predecessor's output
+    gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
-    if EPILOGUE == 2:  # rows d and d + HALF of one head
+    if EPILOGUE == 2:
+        # columns [0, BN/2) are dims j.. of a head's first half, [BN/2, BN) their rotation
+        # partners j + D/2..: each program holds whole rotation pairs
+        hb: tl.constexpr = BN // 2
         half: tl.constexpr = HEAD_DIM // 2
-        per_head: tl.constexpr = half // BN
-        rows = (pid // per_head) * HEAD_DIM + (pid % per_head) * BN + cols
-        partner: tl.constexpr = half
-    else:  # plain: rows n; silu_mul: gate row n, up row n + N
+        per_head: tl.constexpr = half // hb
+        rows = (pid // per_head) * HEAD_DIM + (pid % per_head) * hb + cols % hb \
+            + (cols // hb) * half
+    else:
         rows = pid * BN + cols
-        partner: tl.constexpr = N
     nmask = rows < N
     rm = tl.arange(0, BM)
     mmask = rm < M
@@ -60,18 +66,16 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
-    acc2 = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-        if EPILOGUE != 0:
-            w2 = tl.load(w_rows + partner * stride_wn + k0)
-            acc2 = tl.dot(x, tl.trans(w2), acc2)
+        if EPILOGUE == 1:  # up row n + N next to gate row n
+            w_up = tl.load(w_rows + N * stride_wn + k0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if EPILOGUE != 0:
-            acc2 += tl.load(b_ptr + rows + partner).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     # as torch stores the GEMM output: rounded to the activation dtype
     y = acc.to(dtype)
@@ -79,26 +83,34 @@ def _gemv_kernel(
     smask = mmask[:, None] & nmask[None, :]
     if EPILOGUE == 1:
         gate = y.to(tl.float32)
-        y = (gate * tl.sigmoid(gate)).to(dtype) * acc2.to(dtype)
-        tl.store(out, y, mask=smask)
+        y = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
     elif EPILOGUE == 2:
-        x1 = y.to(tl.float32)
-        x2 = acc2.to(dtype).to(tl.float32)
+        # each column's partner through a 0/1 permutation matrix: exact in fp32 accumulation
+        swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(dtype)
+        partner = tl.dot(y, swap)
         pos = tl.load(pos_ptr + rm, mask=mmask, other=0)
-        d = rows % HEAD_DIM
+        d = rows % HEAD_DIM % half
         cos = tl.load(cos_ptr + pos[:, None] * stride_c + d[None, :])
         sin = tl.load(sin_ptr + pos[:, None] * stride_c + d[None, :])
-        rot = (rows < ROT_ROWS)[None, :]
-        tl.store(out, tl.where(rot, x1 * cos - x2 * sin, x1).to(dtype), mask=smask)
-        tl.store(out + partner, tl.where(rot, x2 * cos + x1 * sin, x2).to(dtype), mask=smask)
-    else:
-        tl.store(out, y, mask=smask)
+        # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (neox)
+        signed_sin = tl.where((cols < hb)[None, :], -sin, sin)
+        x = y.to(tl.float32)
+        y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(dtype)
+    tl.store(out, y, mask=smask)
 
 
 def default_config(rows: int, k: int) -> GemvConfig:
-    """Enough programs to cover the SMs, each streaming a long run of K."""
+    """Enough programs to cover the SMs, each streaming a long run of K. Chosen from
+    bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8)."""
     block_n = 16 if rows <= 8192 else 32
     return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
+
+
+def silu_mul_config(n: int, k: int) -> GemvConfig:
+    """gate|up streams two weight rows per output column: wider, shorter tiles."""
+    if n % 64 == 0 and n >= 4096:
+        return GemvConfig(64, 128, 4, 4)
+    return default_config(2 * n, k)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -117,7 +129,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
         x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
         N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BM=BM, BN=cfg.block_n, BK=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x),
     )
     return out
 
@@ -135,7 +147,7 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor,
                   cfg: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
     n = w.shape[0] // 2
-    cfg = cfg or default_config(w.shape[0], w.shape[1])
+    cfg = cfg or silu_mul_config(n, w.shape[1])
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -149,9 +161,8 @@ def gemv_rotary(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
     n = w.shape[0]
     cfg = cfg or default_config(n, w.shape[1])
-    half = head_dim // 2
-    if half % cfg.block_n or n % head_dim:
+    if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, w, bias, out, n, ROTARY, n // 2 // cfg.block_n, cfg,
+    return _launch(x, w, bias, out, n, ROTARY, n // cfg.block_n, cfg,
                    (positions, cos, sin), head_dim, rot_heads * head_dim)
