@@ -32,6 +32,7 @@ from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.buckets import BucketPlan
 from raygraph.memory.pages import BlockPool
+from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import BucketKey, GenerateResult, StepPlan, StreamDelta, WorkerInfo
 from raygraph.worker.worker import Worker
 
@@ -87,6 +88,7 @@ class Coordinator:
                                                s.max_num_batched_tokens, self.ep)
                         if graph else None)
         self.lockstep: LockstepCapture | None = None
+        self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -160,6 +162,7 @@ class Coordinator:
                          "%.1f MiB, %.2fs", i, len(keys), key, r.pieces, r.nodes, r.collectives,
                          r.pool_bytes / 2**20, r.seconds)
         self.capture_s += time.perf_counter() - t0
+        self.memory = await asyncio.gather(*(w.memory_stats.remote() for w in self.workers))
         reports = self.lockstep.reports
         log.info("capture schedule: %d buckets, %d graphs, %.1f MiB of graph pool in %.2fs",
                  len(reports), sum(r.pieces for r in reports),
@@ -209,6 +212,7 @@ class Coordinator:
             "graphs_captured": sum(r.pieces for r in reports),
             "capture_s": round(self.capture_s, 2),
             "graph_pool_bytes": sum(r.pool_bytes for r in reports),
+            "graph_memory_bytes": [m.graph.held_bytes if m.graph else 0 for m in self.memory],
         }
 
     def stats(self) -> dict:
