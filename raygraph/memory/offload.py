@@ -149,7 +149,7 @@ class OffloadEngine:
 
     graph_safe = True  # every forward puts each weight at the same address
 
-    def __init__(self, model: nn.Module, body: nn.Module, targets: dict[str, nn.Module],
+    def __init__(self, body: nn.Module, targets: dict[str, nn.Module],
                  host: dict[str, torch.Tensor], order: list[str], body_len: int,
                  cfg: OffloadConfig, resident: int, device: torch.device) -> None:
         self.cfg = cfg
@@ -168,7 +168,6 @@ class OffloadEngine:
         self.in_body = False
         self.steps = 0
         self.step_seconds = 0.0
-        self.bytes_copied = 0
         self.hits = self.misses = self.evictions = self.prefetch_skipped = 0
         self.open: int | None = None  # the last read; its kernel may not be enqueued yet
         self.views: list[torch.Tensor | None] = [None] * self.n
@@ -242,13 +241,17 @@ class OffloadEngine:
         """Bytes one step copies (static modes: every offloaded weight, every step)."""
         return sum(s.nbytes for s in self.specs)
 
+    def copied_total(self) -> int:
+        """Bytes copied over all steps so far."""
+        return self.steps * self.copied_per_step()
+
     def note_step(self, seconds: float) -> None:
         """Account one executed step of `seconds` wall time (the worker calls this)."""
         self.steps += 1
         self.step_seconds += seconds
 
     def stats(self) -> OffloadStats:
-        copied = self.bytes_copied or self.steps * self.copied_per_step()
+        copied = self.copied_total()
         lookups = self.hits + self.misses
         return OffloadStats(
             mode=self.cfg.mode, budget_bytes=self.budget, floor_bytes=self.floor.bytes,
@@ -297,6 +300,10 @@ class LruEngine(OffloadEngine):
         self.pool = LruPool(size)
         self.region = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.index = {n: j for j, n in enumerate(self.names)}
+        self.bytes_copied = 0
+
+    def copied_total(self) -> int:
+        return self.bytes_copied
 
     def _load(self, j: int, pinned: set[str]) -> int | None:
         placed = self.pool.place(self.names[j], self.specs[j].nbytes, pinned)
@@ -399,8 +406,8 @@ def apply_offload(model: nn.Module, body: nn.Module, cfg: OffloadConfig, device:
     floor = compute_floor([spec_of(n, host[n]) for n in order], resident)
     if cfg.check_floor:
         floor.check(cfg.budget_bytes or 0)
-    engine = engine_class(cfg.mode)(model, body, targets, host, order, body_len, cfg,
-                                    resident, device)
+    engine = engine_class(cfg.mode)(body, targets, host, order, body_len, cfg, resident,
+                                    device)
     log.info("offload %s: %d weights (%.1f MiB) in host memory, budget %.1f MiB, floor "
              "%.1f MiB (%s + %s), %.1f MiB resident, alignment %d", cfg.mode, len(order),
              sum(s.nbytes for s in engine.specs) / 2**20, engine.budget / 2**20,
