@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -126,6 +127,8 @@ def main() -> None:
     bs = 16
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
     bw = copy_bandwidth()
+    print(json.dumps({"RAYGRAPH_PDL": os.environ.get("RAYGRAPH_PDL", "1"),
+                      "torch": torch.__version__}))
     max_b, max_c = max(a.batches), max(a.contexts)
     rows = []
     workers = {}

@@ -32,8 +32,8 @@ def _decode_split_kernel(
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,8 +93,8 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
                          D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)

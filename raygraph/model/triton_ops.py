@@ -12,8 +12,8 @@ from raygraph.model.triton_launch import gdc_launch_dependents, gdc_wait, launch
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -28,8 +28,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
                          BLOCK: tl.constexpr):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -81,8 +81,8 @@ def _rope_heads(ptr, stride_h, cos, sin, H: tl.constexpr, H_PAD: tl.constexpr,
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_c, HQ: tl.constexpr, HK: tl.constexpr,
                    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
@@ -107,8 +107,8 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -131,8 +131,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_k, stride_v,
                      N: tl.constexpr, BLOCK: tl.constexpr):
+    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
     gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:  # NOTE: padding slots are -1 and write nothing
