@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -72,14 +71,15 @@ def time_replay(worker: Worker, batch: int, iters: int = 50) -> float:
     return statistics.median(times)
 
 
-def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int) -> Worker:
+def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
+                pool: str = "vmm") -> Worker:
     blocks = max_batch * -(-(max_ctx + 1) // bs)
     cfg = ServeConfig(
         model=model, device="cuda", dtype="bfloat16",
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max_ctx + 64),
-        graph=GraphConfig(mode=mode, prefill_sizes=[512]),
+        graph=GraphConfig(mode=mode, prefill_sizes=[512], pool=pool),
     )
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
@@ -123,18 +123,19 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--hf-contexts", type=int, nargs="*", default=[128],
                    help="contexts at which HF static generate is timed (each compiles anew)")
+    p.add_argument("--pool", default="vmm", choices=["vmm", "torch", "private"],
+                   help="graph memory pool (GraphConfig.pool)")
     a = p.parse_args()
     bs = 16
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
     bw = copy_bandwidth()
-    print(json.dumps({"RAYGRAPH_PDL": os.environ.get("RAYGRAPH_PDL", "1"),
-                      "torch": torch.__version__}))
+    print(json.dumps({"torch": torch.__version__, "graph_pool": a.pool}))
     max_b, max_c = max(a.batches), max(a.contexts)
     rows = []
     workers = {}
     for mode in ("eager", "graph"):
         t0 = time.perf_counter()
-        workers[mode] = make_worker(model, mode, max_b, max_c, bs)
+        workers[mode] = make_worker(model, mode, max_b, max_c, bs, a.pool)
         cap = workers[mode].capture_all()
         if mode == "graph":
             print(json.dumps({"capture_s": round(time.perf_counter() - t0, 2),

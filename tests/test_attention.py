@@ -163,3 +163,45 @@ def test_stale_non_finite_slots_do_not_leak(poison: float) -> None:
     out = paged_attention_ref(torch.cat([s.q for s in seqs]), kc, vc, md, SCALE)
     expect = torch.cat([dense_causal(s, 0, len(s.q)) for s in seqs])
     torch.testing.assert_close(out, expect, rtol=1e-9, atol=1e-9)
+
+
+def test_input_buffers_clear_what_a_longer_table_left() -> None:
+    """The fill writes table rows in place; a row whose table shrinks (a new sequence in the
+    same row) or that becomes padding must read zeros past its new end, never stale blocks."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+
+    bufs = InputBuffers(8, 4, 6, torch.device("cpu"))
+    long = [SeqChunk(i, [1], BS * (6 - i) - 1, [9, 8, 7, 6, 5, 4][: 6 - i], True)
+            for i in range(3)]
+    bufs.fill(host_inputs(StepPlan(0, long), BS), 4, 4)
+    short = [SeqChunk(0, [1], 1, [3], True), SeqChunk(1, [1], 5, [2, 1], True)]
+    bufs.fill(host_inputs(StepPlan(1, short), BS), 4, 4)
+    assert bufs.block_tables.tolist() == [[3, 0, 0, 0, 0, 0], [2, 1, 0, 0, 0, 0],
+                                          [0] * 6, [0] * 6]
+    assert bufs.seq_lens.tolist() == [2, 6, 0, 0]
+    assert bufs.slot_mapping[:4].tolist() == [3 * BS + 1, 1 * BS + 1, -1, -1]
+
+
+def test_fused_linear_ops_equal_the_unfused_reference() -> None:
+    """The CPU path of linear_rotary / linear_silu_and_mul is the unfused reference the GPU
+    kernels are checked against: it must equal linear followed by rotary / silu_and_mul."""
+    import torch.nn.functional as F
+
+    from raygraph.model import ops
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 32, generator=g)
+    hq, hk, d = 4, 2, 8
+    w = torch.randn((hq + 2 * hk) * d, 32, generator=g)
+    b = torch.randn((hq + 2 * hk) * d, generator=g)
+    pos = torch.tensor([0, 3, 7, 1, 30])
+    freqs = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    q, k, v = ops.linear_rotary(x, w, b, pos, freqs.cos(), freqs.sin(), d, hq, hk)
+    y = F.linear(x, w, b)
+    rq, rk = ops.rotary(y[:, : hq * d].view(5, hq, d), y[:, hq * d: (hq + hk) * d].view(5, hk, d),
+                        freqs.cos(), freqs.sin(), pos)
+    assert torch.equal(q, rq) and torch.equal(k, rk)
+    assert torch.equal(v, y[:, (hq + hk) * d:].view(5, hk, d))
+    assert not torch.equal(q, y[:, : hq * d].view(5, hq, d))  # rotation happened
+    gu = torch.randn(2 * 16, 32, generator=g)
+    assert torch.equal(ops.linear_silu_and_mul(x, gu), ops.silu_and_mul(F.linear(x, gu)))

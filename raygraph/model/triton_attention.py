@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.triton_launch import gdc_launch_dependents, gdc_wait, launch_options
-
 TILE = 64
 
 
@@ -32,8 +30,6 @@ def _decode_split_kernel(
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,8 +89,6 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
                          D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -142,10 +136,9 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=TILE, SPLITS=splits, NUM_HEADS=num_heads, STORE=store,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-        **launch_options(q),
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         ml, acc, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
-        NUM_HEADS=num_heads, num_warps=1, **launch_options(q),
+        NUM_HEADS=num_heads, num_warps=1,
     )
     return out

@@ -22,17 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.triton_launch import (
-    gdc_launch_dependents,
-    gdc_wait,
-    launch_options,
-    pdl,
-    prefetch_l2,
-)
-
 MAX_M = 8  # tokens; above this cuBLAS is the better tool
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
-L2_PREFETCH_BYTES = 32 << 20  # weights up to this size are prefetched whole (see prefetch_k)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
 
@@ -50,7 +41,7 @@ def _gemv_kernel(
     M, stride_xm, stride_wn, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
@@ -65,14 +56,6 @@ def _gemv_kernel(
     else:
         rows = pid * BN + cols
     nmask = rows < N
-    if PREFETCH_K > 0:  # weights only: they do not depend on the previous kernel
-        lines = tl.arange(0, PREFETCH_K // 64) * 64  # 64 16-bit elements per 128-byte line
-        pf = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + lines[None, :]
-        prefetch_l2(pf)
-        if EPILOGUE == 1:
-            prefetch_l2(pf + N * stride_wn)
-    gdc_wait()  # NOTE: before any load of a predecessor's output
-    gdc_launch_dependents()
     rm = tl.arange(0, BM)
     mmask = rm < M
     rk = tl.arange(0, BK)
@@ -126,15 +109,6 @@ def silu_mul_config(n: int, k: int) -> GemvConfig:
     return default_config(2 * n, k)
 
 
-def prefetch_k(w: torch.Tensor, cfg: GemvConfig) -> int:
-    """Columns of each weight row to prefetch before the wait: all of them when the whole
-    weight fits comfortably in L2 (H100: 50 MB), else the first two tiles."""
-    k = w.shape[1]
-    whole = 1 << (k.bit_length() - 1)  # a power of two <= K, for tl.arange
-    return whole if w.numel() * w.element_size() <= L2_PREFETCH_BYTES else min(whole,
-                                                                              2 * cfg.block_k)
-
-
 def rotary_config(n: int, k: int, head_dim: int) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it."""
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
@@ -158,8 +132,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
         x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
         N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BM=BM, BN=cfg.block_n, BK=cfg.block_k,
-        PREFETCH_K=prefetch_k(w, cfg) if pdl(x) else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -7,13 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.triton_launch import gdc_launch_dependents, gdc_wait, launch_options
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -28,8 +24,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
                          BLOCK: tl.constexpr):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -51,8 +45,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     total = torch.empty_like(x)
     _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, total, x.stride(0),
                                         residual.stride(0), n, eps,
-                                        BLOCK=triton.next_power_of_2(n), num_warps=4,
-                                        **launch_options(x))
+                                        BLOCK=triton.next_power_of_2(n), num_warps=4)
     return out, total
 
 
@@ -60,8 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), n, eps,
-                                    BLOCK=triton.next_power_of_2(n), num_warps=4,
-                                    **launch_options(x))
+                                    BLOCK=triton.next_power_of_2(n), num_warps=4)
     return out
 
 
@@ -81,8 +73,6 @@ def _rope_heads(ptr, stride_h, cos, sin, H: tl.constexpr, H_PAD: tl.constexpr,
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_c, HQ: tl.constexpr, HK: tl.constexpr,
                    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
@@ -101,14 +91,11 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), HQ=hq, HK=hk, HQ_PAD=triton.next_power_of_2(hq),
         HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, num_warps=1,
-        **launch_options(q),
     )
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -124,15 +111,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **launch_options(x))
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_k, stride_v,
                      N: tl.constexpr, BLOCK: tl.constexpr):
-    gdc_launch_dependents()  # let the next GEMM start prefetching its weights
-    gdc_wait()  # NOTE: before any load of a predecessor's output
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:  # NOTE: padding slots are -1 and write nothing
@@ -150,4 +135,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     n = k.shape[1] * k.shape[2]
     _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
                                     v.stride(0), N=n, BLOCK=triton.next_power_of_2(n),
-                                    num_warps=1, **launch_options(k))
+                                    num_warps=1)
