@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(linear(x, weight)) with weight = [gate | up] on its rows."""
-    if _skinny(x, weight):
+    if _skinny(x, weight) and (weight.shape[0] // 2) % 16 == 0:  # tiles of 16+ columns
         from raygraph.model.triton_gemv import gemv_silu_mul
 
         return gemv_silu_mul(x, weight)
@@ -48,7 +48,7 @@ def linear_rotary(
     """linear(x) over [q | k | v] heads, then q and k rotated: q [T, Hq, D], k and v [T, Hk, D]."""
     t = x.shape[0]
     sizes = [num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim]
-    if _skinny(x, weight):
+    if _skinny(x, weight) and head_dim % 16 == 0:  # tiles hold whole rotation pairs
         from raygraph.model.triton_gemv import gemv_rotary
 
         qkv = gemv_rotary(x, weight, bias, positions, cos_table, sin_table, head_dim,

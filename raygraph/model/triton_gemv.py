@@ -103,17 +103,20 @@ def default_config(rows: int, k: int) -> GemvConfig:
 
 
 def silu_mul_config(n: int, k: int) -> GemvConfig:
-    """gate|up streams two weight rows per output column: wider, shorter tiles."""
+    """gate|up streams two weight rows per output column: wider, shorter tiles. The tile
+    must divide n (ops only sends n % 16 == 0 here)."""
     if n % 64 == 0 and n >= 4096:
         return GemvConfig(64, 128, 4, 4)
-    return default_config(2 * n, k)
+    cfg = default_config(2 * n, k)
+    return cfg if n % cfg.block_n == 0 else cfg._replace(block_n=16)
 
 
 def rotary_config(n: int, k: int, head_dim: int) -> GemvConfig:
-    """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it."""
+    """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
+    else 16 (ops only sends head_dim % 16 == 0 here)."""
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
         return GemvConfig(32, 128, 4, 6)
-    return default_config(n, k)
+    return GemvConfig(16, 256 if k % 256 == 0 else 128, 4, 4)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
