@@ -40,7 +40,7 @@ def start(model: str, par: ParallelConfig, mode: str, max_batch: int, context: i
         model=model, device="cuda", dtype="bfloat16", parallel=par,
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
-                                  max_model_len=context + 64),
+                                  max_model_len=max(context + 64, 512)),
         graph=GraphConfig(mode=mode),
     )
     actor = ray.remote(Worker).options(num_gpus=1, num_cpus=1)

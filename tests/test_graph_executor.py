@@ -154,3 +154,18 @@ def test_padding_never_writes_a_real_kv_slot(workers, phase):
 def test_eager_executor_is_the_reference_type(workers):
     assert isinstance(workers[1].executor, EagerExecutor)
     assert isinstance(workers[0].executor, GraphExecutor)
+
+
+def test_prefill_capture_fits_buckets_longer_than_the_context(tiny_llama):
+    """A prefill bucket above max_model_len is captured over several dummy sequences."""
+    cfg = ServeConfig(model=str(tiny_llama), device="cpu",
+                      cache=CacheConfig(block_size=4, num_blocks=8),
+                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                max_model_len=16),
+                      graph=GraphConfig(decode_sizes=[1], prefill_sizes=[64]))
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(8)
+    (record,) = [r for r in w.capture_all() if r.key.phase == "prefill"]
+    assert record.key == BucketKey("prefill", 64)
+    assert w.executor.bufs.max_blocks * 4 < 64  # the buffers hold less than the bucket

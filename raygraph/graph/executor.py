@@ -184,14 +184,21 @@ class GraphExecutor(Executor):
         return [BufferInfo(n, t.data_ptr(), list(t.shape)) for n, t in named.items()]
 
     def _dummy(self, key: BucketKey):
-        """A batch that writes no real KV slot (all slots -1) for start-up capture."""
+        """A batch that writes no real KV slot (all slots -1) for start-up capture. Prefill
+        tokens are split into sequences no longer than the context the buffers hold."""
         n = key.num_tokens
         if key.phase == "decode":
             h = padding_inputs(n)
         else:
-            h = HostInputs([0] * n, list(range(n)), [-1] * n, [0] * n, list(range(n)), [n],
-                           [[0] * -(-n // self.block_size)], [n - 1], n, False)
-        seqs = n if key.phase == "decode" else 1
+            per = self.bufs.max_blocks * self.block_size
+            lens = [min(per, n - start) for start in range(0, n, per)]
+            rows = [r for length in lens for r in range(length)]
+            h = HostInputs([0] * n, rows, [-1] * n,
+                           [i for i, length in enumerate(lens) for _ in range(length)], rows,
+                           lens, [[0] * -(-length // self.block_size) for length in lens],
+                           [sum(lens[: i + 1]) - 1 for i in range(len(lens))], max(lens),
+                           False)
+        seqs = n if key.phase == "decode" else h.num_seqs
         self.bufs.fill(h, n, seqs)
         return self.bufs.metadata(n, seqs, h.max_q_len, max(h.seq_lens), h.decode)
 
