@@ -41,7 +41,7 @@ def _gemv_kernel(
     M, stride_xm, stride_wn, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
@@ -66,10 +66,10 @@ def _gemv_kernel(
     for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if EPILOGUE == 1:  # up row n + N next to gate row n
             w_up = tl.load(w_rows + N * stride_wn + k0)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -83,7 +83,7 @@ def _gemv_kernel(
     elif EPILOGUE == 2:
         # each column's partner through a 0/1 permutation matrix: exact in fp32 accumulation
         swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(dtype)
-        partner = tl.dot(y, swap)
+        partner = tl.dot(y, swap, input_precision=PRECISION)
         pos = tl.load(pos_ptr + rm, mask=mmask, other=0)
         d = rows % HEAD_DIM % half
         cos = tl.load(cos_ptr + pos[:, None] * stride_c + d[None, :])
@@ -135,6 +135,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
         x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
         N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BM=BM, BN=cfg.block_n, BK=cfg.block_k,
+        # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
