@@ -174,7 +174,9 @@ class Worker:
         which an offloaded model reads its weights)."""
         self._bind_kv_cache(1)
         chunk = SeqChunk(0, [0], 0, [0], True)
-        EagerExecutor(self.model, self.cfg.cache.block_size).logits(StepPlan(-1, [chunk]))
+        # every rank runs the same shape at once, so it is also the EP dispatch size
+        plan = StepPlan(-1, [chunk], num_comm_tokens=1)
+        EagerExecutor(self.model, self.cfg.cache.block_size).logits(plan)
         self._bind_kv_cache(0)
 
     def offload_stats(self) -> OffloadStats | None:
@@ -190,7 +192,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         chunk = SeqChunk(0, [0] * n, 0, list(range(blocks)), True)
-        EagerExecutor(self.model, bs).logits(StepPlan(-1, [chunk]))
+        EagerExecutor(self.model, bs).logits(StepPlan(-1, [chunk], num_comm_tokens=n))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self._bind_kv_cache(0)
