@@ -61,11 +61,16 @@ def time_replay(worker: Worker, batch: int, iters: int = 50) -> float:
 
     ex = worker.executor
     runner = ex.graphs[BucketKey("decode", bucket(batch, list(ex.buckets.decode_sizes)))]
+    return median_replay_s(runner.graph, iters)
+
+
+def median_replay_s(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    """Median seconds of one replay, synchronised on both sides."""
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.graph.replay()
+        graph.replay()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)

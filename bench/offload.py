@@ -19,6 +19,7 @@ import time
 import torch
 
 from bench.checkpoints import make_random_checkpoint
+from bench.decode_step import median_replay_s
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
@@ -93,14 +94,7 @@ def replay_ms(w: Worker, batch: int, iters: int = 10) -> float | None:
     runner = getattr(w.executor, "graphs", {}).get(BucketKey("decode", batch))
     if runner is None or runner.graph is None:
         return None
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.graph.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return round(1e3 * statistics.median(times), 3)
+    return round(1e3 * median_replay_s(runner.graph, iters), 3)
 
 
 def release(w: Worker) -> None:

@@ -12,9 +12,10 @@ import torch
 from raygraph.cluster.coordinator import start_coordinator
 from raygraph.cluster.lockstep import LockstepCapture
 from raygraph.config import CacheConfig, GraphConfig, ParallelConfig, SchedulerConfig, ServeConfig
-from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
+from raygraph.protocol import SamplingParams, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import make_checkpoint
+from tests.gpu.test_graphs_gpu import random_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 BLOCKS = 256
@@ -45,21 +46,16 @@ def group(ray, c: ServeConfig) -> list:
     return workers
 
 
-def random_plan(rng: random.Random, decode: bool, step: int) -> StepPlan:
-    seqs, block = [], 0
-    for i in range(rng.randrange(1, 12)):
-        ctx = rng.randrange(0, 200)
-        n = 1 if decode else rng.randrange(2, 10)
-        nb = -(-(ctx + n) // 16)
-        seqs.append(SeqChunk(i, [rng.randrange(3, 512) for _ in range(n)], ctx,
-                             list(range(block, block + nb)), True))
-        block += nb
-    return StepPlan(step, seqs)
-
-
-def logits(ray, workers, plan: StepPlan, keyed) -> torch.Tensor:
-    plan = keyed(plan)
-    return ray.get([w.logits.remote(plan) for w in workers])[0]
+def run_plans(ray, workers, plans: list[StepPlan], keyed) -> list[torch.Tensor]:
+    """Each plan once to fill the KV cache, then its logits; the group is stopped after.
+    Every group runs the same plans in the same order, so their caches hold the same data."""
+    out = []
+    for p in map(keyed, plans):
+        ray.get([w.execute.remote(p) for w in workers])
+        out.append(ray.get([w.logits.remote(p) for w in workers])[0])
+    for w in workers:
+        ray.kill(w)
+    return out
 
 
 def test_tp2_graph_replay_equals_tp2_eager_and_tp1(ray_session, ckpt):
@@ -74,7 +70,7 @@ def test_tp2_graph_replay_equals_tp2_eager_and_tp1(ray_session, ckpt):
         return StepPlan(p.step_id, p.seqs, key=buckets.key(p.num_tokens, len(p.seqs), decode))
 
     rng = random.Random(0)
-    plans = [random_plan(rng, d, i) for i, d in enumerate([True, False] * 4)]
+    plans = [random_plan(rng, d) for d in [True, False] * 4]
     graph = group(ray_session, c)
     lock = LockstepCapture(graph, timeout_s=300)
 
@@ -83,28 +79,12 @@ def test_tp2_graph_replay_equals_tp2_eager_and_tp1(ray_session, ckpt):
             report = await lock.capture(key)
             assert report.agree and report.nodes and report.collectives > 0
 
-    # every group runs the same plans in the same order, so their KV caches hold the same data
     asyncio.run(capture_all())
-    got = []
-    for p in plans:
-        ray_session.get([w.execute.remote(keyed(p)) for w in graph])  # fill the KV cache
-        got.append(logits(ray_session, graph, p, keyed))
-    for w in graph:
-        ray_session.kill(w)
-    eager = group(ray_session, cfg(ckpt, 2, "eager", "bfloat16"))
-    want = []
-    for p in plans:
-        ray_session.get([w.execute.remote(p) for w in eager])
-        want.append(logits(ray_session, eager, p, lambda x: x))
-    for w in eager:
-        ray_session.kill(w)
-    one = group(ray_session, cfg(ckpt, 1, "eager", "bfloat16"))
-    tp1 = []
-    for p in plans:
-        ray_session.get([w.execute.remote(p) for w in one])
-        tp1.append(logits(ray_session, one, p, lambda x: x))
-    for w in one:
-        ray_session.kill(w)
+    got = run_plans(ray_session, graph, plans, keyed)
+    want = run_plans(ray_session, group(ray_session, cfg(ckpt, 2, "eager", "bfloat16")), plans,
+                     lambda p: p)
+    tp1 = run_plans(ray_session, group(ray_session, cfg(ckpt, 1, "eager", "bfloat16")), plans,
+                    lambda p: p)
     for g, e, t in zip(got, want, tp1):
         # bf16: the padded bucket and the exact batch pick different GEMM kernels, and each
         # rank's partial sums are rounded before the all-reduce (seen: 0.06 on logits ~1)
