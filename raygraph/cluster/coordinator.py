@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -225,6 +226,15 @@ class Coordinator:
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
             "kv_utilization": max((s.pool.utilization for s in ss), default=0.0),
         }
+
+    async def worker_stats(self) -> list[dict]:
+        """Per rank: memory (weights, KV, input buffers, graph pool) and, when weights are
+        offloaded, the offload engine's copy figures."""
+        mem, off = await asyncio.gather(
+            asyncio.gather(*(w.memory_stats.remote() for w in self.workers)),
+            asyncio.gather(*(w.offload_stats.remote() for w in self.workers)))
+        return [{"memory": msgspec.to_builtins(m), "offload": msgspec.to_builtins(o)}
+                for m, o in zip(mem, off)]
 
     # ---- client API -------------------------------------------------------------------
     async def generate(self, prompts: Any, params: Any = None) -> list[GenerateResult]:

@@ -79,6 +79,9 @@ def test_tp2_schedule_is_captured_in_lockstep_and_serves(ray_session, tiny_llama
         assert all(r.agree and r.difference is None for r in reports)
         # two layers' attention + MLP all-reduces, the embedding's and the logits' gather
         assert all(r.collectives >= 5 for r in reports)
+        stats = ray_session.get(coord.worker_stats.remote())
+        assert [s["memory"]["rank"] for s in stats] == [0, 1]
+        assert all(s["memory"]["kv_cache_bytes"] > 0 and s["offload"] is None for s in stats)
         prompts = [[5, 6, 7], [9] * 20]
         out = ray_session.get(coord.generate.remote(prompts, greedy(6)))
         assert [r.token_ids for r in out] == hf_greedy(tiny_llama, prompts, 6)
