@@ -72,7 +72,7 @@ class CaptureRecord(msgspec.Struct, frozen=True):
     rank: int
     pieces: int  # graphs in this bucket (1 full graph, or the piecewise segments)
     nodes: int | None  # CUDA graph nodes summed over pieces; None where not known (CPU)
-    collectives: list[Collective]
+    collectives: list[Collective]  # in issue order: warm-up + captured pass (GPU), eager pass (CPU)
     pool_bytes: int
     buffers: list[BufferInfo]
     seconds: float
