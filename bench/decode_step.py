@@ -60,7 +60,7 @@ def time_replay(worker: Worker, batch: int, iters: int = 50) -> float:
     from raygraph.protocol import BucketKey
 
     ex = worker.executor
-    runner = ex.graphs[BucketKey("decode", bucket(batch, list(ex.buckets.decode_sizes)))]
+    runner = ex.graphs[BucketKey("decode", bucket(batch, ex.buckets.decode_sizes))]
     return median_replay_s(runner.graph, iters)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raygraph.config import GraphConfig
@@ -29,13 +30,13 @@ def capture_sizes(explicit: list[int] | None, max_size: int) -> list[int]:
     return sizes
 
 
-def bucket(n: int, sizes: list[int]) -> int | None:
+def bucket(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest capture size >= n, or None above the largest (run eagerly)."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
 
 
-def capture_schedule(decode_sizes: list[int], prefill_sizes: list[int]) -> list[BucketKey]:
+def capture_schedule(decode_sizes: Sequence[int], prefill_sizes: Sequence[int]) -> list[BucketKey]:
     """Every key to capture, largest first within each phase (later graphs then fit in the
     memory the larger ones already took from the shared pool)."""
     keys = [BucketKey("decode", n) for n in sorted(decode_sizes, reverse=True)]
@@ -71,10 +72,10 @@ class BucketPlan:
         of the key, and above the largest capture size every rank runs eagerly.
         """
         if decode:
-            n = bucket(num_seqs, list(self.decode_sizes))
+            n = bucket(num_seqs, self.decode_sizes)
             local = BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)
         else:
-            n = bucket(num_tokens, list(self.prefill_sizes))
+            n = bucket(num_tokens, self.prefill_sizes)
             eager = n is None or num_seqs > self.max_seqs
             local = BucketKey("eager", num_tokens) if eager else BucketKey("prefill", n)
         if comm == 0:
@@ -93,7 +94,7 @@ class BucketPlan:
         """Whether `key` may be captured: a local bucket of the schedule with, under EP, a
         dispatch size between its own token count and the largest capture size."""
         local = BucketKey(key.phase, key.num_tokens)
-        if local not in capture_schedule(list(self.decode_sizes), list(self.prefill_sizes)):
+        if local not in capture_schedule(self.decode_sizes, self.prefill_sizes):
             return False
         if not self.ep:
             return key.num_comm_tokens == 0
@@ -103,7 +104,7 @@ class BucketPlan:
         """The start-up schedule. With EP each key gets the balanced dispatch size (its own
         token count); pairs with a larger one (unbalanced DP loads) are captured when first
         seen, in lockstep, so the graphs stay bounded by |sizes| x |sizes|."""
-        keys = capture_schedule(list(self.decode_sizes), list(self.prefill_sizes))
+        keys = capture_schedule(self.decode_sizes, self.prefill_sizes)
         if self.ep:
             return [BucketKey(k.phase, k.num_tokens, k.num_tokens) for k in keys]
         return keys
