@@ -296,6 +296,17 @@ class ServeConfig(msgspec.Struct, frozen=True):
     namespace: str = "raygraph"
     step_timeout_s: float = 300.0
 
+    @property
+    def uses_graphs(self) -> bool:
+        """Graph mode, unless offloaded weights move between steps (lru: eager only). The
+        coordinator keys steps and captures by this, the workers build their executor by it."""
+        lru = self.offload.budget_bytes is not None and self.offload.mode == "lru"
+        return self.graph.mode == "graph" and not lru
+
+    def executor_graph(self) -> GraphConfig:
+        """The GraphConfig the executor is built from (eager whenever graphs are not used)."""
+        return self.graph if self.uses_graphs else msgspec.structs.replace(self.graph, mode="eager")
+
     def resolved(self, num_gpus: float) -> ServeConfig:
         """Pin 'auto' device and dtype given the GPUs the cluster offers."""
         device = self.device

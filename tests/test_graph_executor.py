@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -169,3 +170,31 @@ def test_prefill_capture_fits_buckets_longer_than_the_context(tiny_llama):
     (record,) = [r for r in w.capture_all() if r.key.phase == "prefill"]
     assert record.key == BucketKey("prefill", 64)
     assert w.executor.bufs.max_blocks * 4 < 64  # the buffers hold less than the bucket
+
+
+def test_decode_graph_returns_rows_only_for_sampling_sequences(workers):
+    """A one-token chunk in the middle of a prompt is decode-shaped but samples nothing."""
+    g, e = workers
+    plan = plan_of([(5, 1), (0, 1), (9, 1)], random.Random(3))
+    plan = StepPlan(plan.step_id, [plan.seqs[0], msgspec.structs.replace(plan.seqs[1],
+                                   sample=False), plan.seqs[2]])
+    randomise_caches((g, e), 3)
+    got, want = g.executor.logits(plan), e.executor.logits(plan)
+    assert g.executor.last_key.phase == "decode" and got.shape[0] == 2
+    torch.testing.assert_close(got, want)
+
+
+def test_capture_and_idle_padding_point_only_at_the_scratch_block(workers):
+    """The GPU decode kernel stores each row's newest K/V through its block table, so the
+    dummy rows of a capture (or an idle DP rank) must name the scratch block, not block 0."""
+    g, _ = workers
+    ex: GraphExecutor = g.executor
+    scratch = g.model.attention_layers()[0].k_cache.shape[0] - 1
+    assert scratch == NUM_BLOCKS  # the worker allocates it past the usable blocks
+    ex.capture(BucketKey("decode", 4))
+    assert (ex.bufs.block_tables[:4, 0] == scratch).all()
+    assert (ex.bufs.seq_lens[:4] == 1).all() and (ex.bufs.slot_mapping[:4] == -1).all()
+    ex.capture(BucketKey("prefill", 8))
+    assert (ex.bufs.block_tables[:1, :2] == scratch).all()
+    idle = ex.inputs(StepPlan(0, []))
+    assert idle.tables == [[scratch]] and idle.sample_idx == [0]

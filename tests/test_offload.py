@@ -404,3 +404,30 @@ def test_no_copy_races_a_kernel_under_gpu_stream_semantics(tiny_llama, mode, gra
     kernels = sum(1 for n in dag.nodes if n[0] == "kernel")
     assert kernels >= 4 * len(w.offload.names) - len(getattr(w.offload, "kept", ()))
     assert dag.races() == []
+
+
+def test_served_lru_offload_runs_eagerly_on_every_rank_and_the_coordinator(ray_session,
+                                                                            tiny_llama):
+    """lru moves weights between steps: graph mode (the default) must fall back to eager on
+    the coordinator's side too, or it would key and capture steps the workers never run."""
+    from raygraph.cluster.coordinator import start_coordinator
+    from raygraph.config import ParallelConfig, SchedulerConfig
+    from raygraph.protocol import SamplingParams
+    from tests.hf_ref import hf_greedy
+
+    cfg = ServeConfig(model=str(tiny_llama), device="cpu", parallel=ParallelConfig(tp=2),
+                      offload=OffloadConfig(budget_bytes=10**9, mode="lru"),
+                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                      coordinator_name="offload-lru")
+    assert cfg.graph.mode == "graph" and not cfg.uses_graphs
+    coord = start_coordinator(cfg)
+    try:
+        out = ray_session.get(coord.generate.remote(
+            [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 4)[0]
+        assert ray_session.get(coord.capture_report.remote()) == []
+        stats = ray_session.get(coord.worker_stats.remote())
+        assert all(s["offload"] is not None for s in stats)
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)

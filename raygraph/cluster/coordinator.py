@@ -82,7 +82,7 @@ class Coordinator:
         self.preemptions = 0
         self.forward_s = 0.0  # rank 0's time inside Worker.execute, summed over steps
         self.capture_s = 0.0
-        graph = cfg.graph.mode == "graph"
+        graph = cfg.uses_graphs
         s = cfg.scheduler
         self.ep = cfg.parallel.ep > 1
         self.buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs,

@@ -50,10 +50,20 @@ class Executor(ABC):
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """Float32 logits [S, vocab], one row per sampling sequence, in plan order."""
 
+    def scratch_block(self) -> int:
+        """The block the worker allocates past the usable ones: padding may write there."""
+        return self.model.attention_layers()[0].k_cache.shape[0] - 1
+
+    def inputs(self, plan: StepPlan) -> HostInputs:
+        """The plan's host inputs; an idle DP rank (no sequences) runs one padding token."""
+        if not plan.seqs:
+            return padding_inputs(1, self.scratch_block())
+        return host_inputs(plan, self.block_size)
+
 
 class EagerExecutor(Executor):
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        return self.run(host_inputs(plan, self.block_size), plan.num_comm_tokens)
+        return self.run(self.inputs(plan), plan.num_comm_tokens)
 
     @torch.inference_mode()
     def run(self, h: HostInputs, comm: int = 0) -> torch.Tensor:
@@ -101,7 +111,7 @@ class GraphExecutor(Executor):
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        h = host_inputs(plan, self.block_size)
+        h = self.inputs(plan)
         key = self.key_for(h, plan.num_comm_tokens)
         self.last_key = key
         if self.pool is not None and self.pool.asleep:
@@ -123,7 +133,10 @@ class GraphExecutor(Executor):
             self.capture(key, md)
         runner = self.graphs[key]
         if isinstance(runner, FullGraph):
-            return runner.run(md)[: h.num_seqs].float()
+            logits = runner.run(md)[: h.num_seqs]
+            if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
+                logits = logits[torch.tensor(h.sample_idx, device=self.device)]
+            return logits.float()
         hidden = runner.run(md, h.num_tokens)
         rows = torch.tensor(h.sample_idx, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
@@ -188,14 +201,15 @@ class GraphExecutor(Executor):
         tokens are split into sequences no longer than the context the buffers hold."""
         n = key.num_tokens
         if key.phase == "decode":
-            h = padding_inputs(n)
+            h = padding_inputs(n, self.scratch_block())
         else:
             per = self.bufs.max_blocks * self.block_size
             lens = [min(per, n - start) for start in range(0, n, per)]
             rows = [r for length in lens for r in range(length)]
             h = HostInputs([0] * n, rows, [-1] * n,
                            [i for i, length in enumerate(lens) for _ in range(length)], rows,
-                           lens, [[0] * -(-length // self.block_size) for length in lens],
+                           lens, [[self.scratch_block()] * -(-length // self.block_size)
+                                  for length in lens],
                            [sum(lens[: i + 1]) - 1 for i in range(len(lens))], max(lens),
                            False)
         seqs = n if key.phase == "decode" else h.num_seqs

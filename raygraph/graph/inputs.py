@@ -34,16 +34,16 @@ class HostInputs:
         return len(self.seq_lens)
 
 
-def padding_inputs(n: int) -> HostInputs:
-    """n decode tokens that write no KV slot (slots -1) and read only block 0: the batch of
-    start-up capture, and of an idle DP rank that must still join the MoE collectives."""
+def padding_inputs(n: int, scratch_block: int) -> HostInputs:
+    """n decode tokens, each a one-token sequence in the scratch block (the block past the
+    usable ones): the batch of a capture, and of an idle DP rank that must still join the
+    MoE collectives. NOTE: the GPU decode kernel stores each sequence's newest K/V through
+    its block table, so these rows must never point at a real block (slot -1 is not enough)."""
     return HostInputs([0] * n, [0] * n, [-1] * n, list(range(n)), [0] * n, [1] * n,
-                      [[0]] * n, list(range(n)), 1, True)
+                      [[scratch_block]] * n, list(range(n)), 1, True)
 
 
 def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
-    if not plan.seqs:  # an idle DP rank: one padding token
-        return padding_inputs(1)
     h = HostInputs([], [], [], [], [], [], [], [], 0, True)
     for b, s in enumerate(plan.seqs):
         n = len(s.token_ids)

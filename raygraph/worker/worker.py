@@ -14,7 +14,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from raygraph.config import ModelConfig, ServeConfig
+from raygraph.config import ConfigError, ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats
@@ -94,11 +94,11 @@ class Worker:
                                      ep_comm)
             self.offload = apply_offload(self.model, self.model.model, self.cfg.offload,
                                          self.device, self._one_token_forward)
-            if not self.offload.graph_safe and self.cfg.graph.mode == "graph":
+            if self.cfg.uses_graphs and not self.offload.graph_safe:
+                raise ConfigError(f"offload mode {self.cfg.offload.mode!r} cannot run in graphs")
+            if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:
                 log.warning("rank %d: offload mode %r moves weights between steps; running "
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
-                self.cfg = msgspec.structs.replace(
-                    self.cfg, graph=msgspec.structs.replace(self.cfg.graph, mode="eager"))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
         num_blocks = self.cfg.cache.num_blocks or max(1, self._kv_budget(weight_bytes) // per_block)
@@ -149,7 +149,7 @@ class Worker:
         physical size (a capture needing more then fails loudly). The persistent input
         buffers count too. torch pools cannot be measured before capture: 0 (unbudgeted).
         """
-        g = self.cfg.graph
+        g = self.cfg.executor_graph()
         if g.mode != "graph" or g.backend == "eager" or g.pool != "vmm":
             return 0
         self._bind_kv_cache(1)  # dummy capture batches write no slot and read block 0 only
@@ -218,7 +218,7 @@ class Worker:
     def _make_executor(self, graph_budget: int | None):
         s, m = self.cfg.scheduler, self.model_cfg
         max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
-        return make_executor(self.cfg.graph, self.model, self.cfg.cache.block_size,
+        return make_executor(self.cfg.executor_graph(), self.model, self.cfg.cache.block_size,
                              s.max_num_seqs, s.max_num_batched_tokens, max_len, graph_budget,
                              ep=self.cfg.parallel.ep > 1)
 
@@ -298,13 +298,12 @@ class Worker:
             logits = self.executor.logits(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
-        if self.cfg.parallel.tp_rank(self.rank) != 0:
-            return None
-        chunks = [s for s in plan.seqs if s.sample]
+        sampler = self.cfg.parallel.tp_rank(self.rank) == 0  # one per DP group
+        chunks = [s for s in plan.seqs if s.sample] if sampler else []
         tokens = sample(logits, chunks, self.generator) if chunks else []
         if self.offload is not None:
             self.offload.note_step(time.perf_counter() - t0)
-        return StepResult(plan.step_id, tokens, time.perf_counter() - t0)
+        return StepResult(plan.step_id, tokens, time.perf_counter() - t0) if sampler else None
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
