@@ -165,8 +165,6 @@ class LruPool:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.where: OrderedDict[str, tuple[int, int]] = OrderedDict()  # oldest use first
-        self.hits = 0
-        self.misses = 0
         self.evictions = 0
 
     def lookup(self, name: str) -> int | None:

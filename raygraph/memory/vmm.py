@@ -350,11 +350,15 @@ class VmmPool:
         reads. The caller must make sure no kernel touches the ranges meanwhile.
         """
         self._check_awake()
+        self._drop_physical()
+        self.asleep = True
+
+    def _drop_physical(self) -> None:
+        """Unmap every mapped chunk (one unmap per map), then release the chunks."""
         for addr, _ in self._mappings():
             self.backend.unmap(addr, self.chunk_size)
         for handle in reversed(self._chunks):
             self.backend.release_chunk(handle, self.chunk_size)
-        self.asleep = True
 
     def wake_up(self) -> None:
         """Create as many chunks as before and map them at the same addresses as before."""
@@ -379,10 +383,7 @@ class VmmPool:
         self._check_open()
         self._released = True
         if not self.asleep:  # asleep: already unmapped and released
-            for addr, _ in self._mappings():  # one unmap per cuMemMap'd chunk
-                self.backend.unmap(addr, self.chunk_size)
-            for handle in reversed(self._chunks):
-                self.backend.release_chunk(handle, self.chunk_size)
+            self._drop_physical()
         for space in self._spaces:
             self.backend.free_range(space.base, self.range_size)
         self._spaces.clear()
