@@ -36,13 +36,13 @@ class KeyReport(msgspec.Struct, frozen=True):
     difference: str | None = None
 
 
-def _describe(records: CaptureRecord) -> dict[str, Any]:
+def _describe(record: CaptureRecord) -> dict[str, Any]:
     """The fields that must be equal on every rank (addresses may differ across processes)."""
     return {
-        "key": records.key,
-        "pieces": records.pieces,
-        "nodes": records.nodes,
-        "buffers": [(b.name, b.shape) for b in records.buffers],
+        "key": record.key,
+        "pieces": record.pieces,
+        "nodes": record.nodes,
+        "buffers": [(b.name, b.shape) for b in record.buffers],
     }
 
 

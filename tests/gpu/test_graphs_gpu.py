@@ -20,6 +20,17 @@ from tests.conftest import make_checkpoint
 pytestmark = pytest.mark.gpu
 
 
+def decode_seqs(lens: list[int], blocks: int, bs: int) -> list[SeqChunk]:
+    """One decode token per sequence of the given kv lengths, on shuffled disjoint blocks."""
+    perm = torch.randperm(blocks).tolist()
+    seqs, used = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
+        used += nb
+    return seqs
+
+
 def test_triton_decode_matches_reference():
     from raygraph.model.triton_attention import paged_decode_attention
 
@@ -29,12 +40,7 @@ def test_triton_decode_matches_reference():
         kc = torch.randn(blocks + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         lens = [1, 17, 100, 250][: trial + 2]
-        perm = torch.randperm(blocks).tolist()
-        seqs, used = [], 0
-        for i, n in enumerate(lens):
-            nb = -(-n // bs)
-            seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
-            used += nb
+        seqs = decode_seqs(lens, blocks, bs)
         batch = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda"))
         q = torch.randn(len(lens), hkv * group, d, device="cuda", dtype=torch.bfloat16)
         md = batch.ctx.attn
@@ -55,12 +61,7 @@ def test_triton_decode_stores_new_kv_and_skips_padding_rows():
         kc = torch.randn(blocks + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         lens = random.Random(trial).sample(range(1, 600), 3)
-        perm = torch.randperm(blocks).tolist()
-        seqs, used = [], 0
-        for i, n in enumerate(lens):
-            nb = -(-n // bs)
-            seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
-            used += nb
+        seqs = decode_seqs(lens, blocks, bs)
         md = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda")).ctx.attn
         pad = 2  # two padding rows: kv length 0, an all-zero table row, slot -1
         tables = md.block_tables
