@@ -242,6 +242,10 @@ class GraphConfig(msgspec.Struct, frozen=True):
     capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
     pool: Literal["vmm", "torch", "private"] = "vmm"
     vmm_chunk_bytes: int = 2 << 20  # rounded up to the driver's granularity
+    # the VMM budget is the largest buckets' capture times (1 + this): a smaller bucket can
+    # need more (the caching allocator rounds 1-10 MiB blocks up to 20 MiB segments), and
+    # run-time keys are not measured at all. A fraction of a few hundred MiB, not of the cache.
+    vmm_headroom: float = 0.25
 
     def __post_init__(self) -> None:
         for sizes in (self.decode_sizes, self.prefill_sizes):
@@ -249,6 +253,8 @@ class GraphConfig(msgspec.Struct, frozen=True):
                 raise ConfigError(f"capture sizes must be positive integers, got {sizes}")
         if self.vmm_chunk_bytes < 1:
             raise ConfigError(f"vmm_chunk_bytes must be >= 1, got {self.vmm_chunk_bytes}")
+        if self.vmm_headroom < 0:
+            raise ConfigError(f"vmm_headroom must be >= 0, got {self.vmm_headroom}")
 
 
 BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -67,6 +67,7 @@ class Worker:
         self.model_cfg: ModelConfig | None = None
         self._fault: tuple[str, str, BucketKey | None] | None = None
         self.graph_budget: int | None = None  # VMM graph pool cap, measured in load()
+        self.graph_measured = 0  # what the largest buckets took when the budget was measured
         self.kv_cache_bytes = 0
 
     def address(self) -> tuple[str, int]:
@@ -146,8 +147,9 @@ class Worker:
 
         With the VMM pool, graph memory is the largest single capture: capture the largest
         bucket of each phase over a throwaway pool and cache, and cap the real pool at that
-        physical size (a capture needing more then fails loudly). The persistent input
-        buffers count too. torch pools cannot be measured before capture: 0 (unbudgeted).
+        physical size plus `vmm_headroom` (a capture needing more then fails loudly). The
+        persistent input buffers count too. torch pools cannot be measured before capture:
+        0 (unbudgeted).
         """
         g = self.cfg.executor_graph()
         if g.mode != "graph" or g.backend == "eager" or g.pool != "vmm":
@@ -162,7 +164,11 @@ class Worker:
                     largest[key.phase] = key
             for key in largest.values():
                 ex.capture(key)
-            self.graph_budget = ex.pool.held_bytes()
+            self.graph_measured = ex.pool.held_bytes()
+            chunk = ex.pool.vmm.chunk_size
+            self.graph_budget = -(-int(self.graph_measured * (1 + g.vmm_headroom)) // chunk) * chunk
+            log.info("graph budget %.1f MiB: largest buckets took %.1f MiB, headroom %.0f%%",
+                     self.graph_budget / 2**20, self.graph_measured / 2**20, 100 * g.vmm_headroom)
             return self.graph_budget + ex.input_buffer_bytes
         finally:
             ex.release()
