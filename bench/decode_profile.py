@@ -114,12 +114,13 @@ def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
     return fn
 
 
-def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]]) -> None:
+def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]],
+              ms: tuple[int, ...] = (1, 8)) -> None:
     from raygraph.model.triton_gemv import GemvConfig
 
     copies = max(2, -(-(256 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    for m in (1, 8):
+    for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         t = time_graph(_gemm_call(name, x, ws))
         row = {"gemm": name, "n": n, "k": k, "m": m, "cublas_us": round(1e6 * t, 2),
@@ -133,11 +134,11 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]
         print(json.dumps(row), flush=True)
 
 
-def gemm_table(configs: list[tuple[int, int, int, int]]) -> None:
+def gemm_table(configs: list[tuple[int, int, int, int]], ms: tuple[int, ...] = (1, 8)) -> None:
     shapes = {"qkv+rotary": (3072, 2048), "o": (2048, 2048), "gate_up+silu": (16384, 2048),
               "down": (2048, 8192), "lm_head": (32000, 2048)}
     for name, (n, k) in shapes.items():
-        gemm_rows(name, n, k, configs)
+        gemm_rows(name, n, k, configs, ms)
         torch.cuda.empty_cache()
 
 
@@ -146,11 +147,19 @@ def main() -> None:
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--cases", nargs="+", default=["1x128", "8x1024"])
     p.add_argument("--skip-gemm", action="store_true")
+    p.add_argument("--gemm-only", action="store_true")
+    p.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8], help="token rows")
+    p.add_argument("--gemm-configs", nargs="+", default=None,
+                   help="Triton configs to time, each block_n,block_k,num_warps,num_stages")
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases]
     if not a.skip_gemm:
-        gemm_table([(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4),
-                    (32, 128, 4, 6)])
+        configs = ([tuple(int(v) for v in c.split(",")) for c in a.gemm_configs]
+                   if a.gemm_configs else [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4),
+                                           (64, 128, 4, 4), (32, 128, 4, 6)])
+        gemm_table(configs, tuple(a.gemm_m))
+    if a.gemm_only:
+        return
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
     w = make_worker(model, "graph", max(b for b, _ in cases), max(c for _, c in cases), 16)
     w.capture_all()

@@ -12,6 +12,11 @@ disappears:
   d + D/2 of one head), written rotated (neox) for q and k heads, as they are for v heads.
 Rounding follows the unfused ops: the GEMM result is cast to the activation dtype before
 the epilogue arithmetic, as torch would have stored it.
+
+One token (M = 1, batch-1 decode) takes a second kernel with the same epilogues: no
+tensor-core tile to fill, so each program reduces 2-4 columns with FMAs and there are
+several programs per SM. More weight bytes are in flight, and the small GEMMs stream
+faster (bench/RESULTS.md, third decode pass).
 """
 
 from __future__ import annotations
@@ -95,6 +100,73 @@ def _gemv_kernel(
     tl.store(out, y, mask=smask)
 
 
+@triton.jit
+def _gemv1_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn, stride_c,
+    N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
+    reductions over K and tiles can be narrow: many programs, several per SM, keep more
+    weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
+    row sets: gate and up rows, or dims d and d + D/2 of a head."""
+    pid = tl.program_id(0)
+    if EPILOGUE == 2:
+        hb: tl.constexpr = BN // 2
+        half: tl.constexpr = HEAD_DIM // 2
+        per_head: tl.constexpr = half // hb
+        rows = (pid // per_head) * HEAD_DIM + (pid % per_head) * hb + tl.arange(0, hb)
+        partner = rows + half
+    else:
+        rows = pid * BN + tl.arange(0, BN)
+        partner = rows + N  # SILU_MUL: the up row beside gate row n
+    nmask = rows < N
+    rk = tl.arange(0, BK)
+    w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros([rows.shape[0], BK], tl.float32)
+    acc_b = tl.zeros([rows.shape[0], BK], tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
+        w = tl.load(w_a + k0, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x
+        if EPILOGUE != 0:
+            wb = tl.load(w_b + k0, eviction_policy="evict_first")
+            acc_b += wb.to(tl.float32) * x
+    y = tl.sum(acc, axis=1)
+    y_b = tl.sum(acc_b, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
+        if EPILOGUE == 2:
+            y_b += tl.load(b_ptr + partner).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if EPILOGUE == 0:
+        tl.store(out_ptr + rows, y.to(dtype), mask=nmask)
+    elif EPILOGUE == 1:  # rounded as the dot kernel (and torch) rounds
+        gate = y.to(dtype).to(tl.float32)
+        tl.store(out_ptr + rows, (gate * tl.sigmoid(gate)).to(dtype) * y_b.to(dtype),
+                 mask=nmask)
+    else:
+        a = y.to(dtype).to(tl.float32)
+        b = y_b.to(dtype).to(tl.float32)
+        pos = tl.load(pos_ptr)
+        d = rows % HEAD_DIM
+        cos = tl.load(cos_ptr + pos * stride_c + d)
+        sin = tl.load(sin_ptr + pos * stride_c + d)
+        rot = rows < ROT_ROWS
+        tl.store(out_ptr + rows, tl.where(rot, a * cos - b * sin, a).to(dtype))
+        tl.store(out_ptr + partner, tl.where(rot, b * cos + a * sin, b).to(dtype))
+
+
+def row_config(n: int, k: int) -> GemvConfig:
+    """M = 1 (the row kernel): narrow tiles, long K runs. Chosen from bench/decode_profile.py
+    on an H100 (llama-1b shapes): up to 4096 columns, 4 a program over K runs of 2048;
+    above, 2 a program over runs of 1024."""
+    if n <= 4096:
+        return GemvConfig(4, next(b for b in (2048, 1024, 512, 256, 128) if k % b == 0), 4, 1)
+    return GemvConfig(2, next(b for b in (1024, 512, 256, 128) if k % b == 0), 2, 1)
+
+
 def default_config(rows: int, k: int) -> GemvConfig:
     """Enough programs to cover the SMs, each streaming a long run of K. Chosen from
     bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8)."""
@@ -130,6 +202,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
             n: int, epilogue: int, programs: int, cfg: GemvConfig, rope=None,
             head_dim: int = 0, rot_rows: int = 0) -> torch.Tensor:
     pos, cos, sin = rope if rope is not None else (out, out, out)
+    if x.shape[0] == 1 and x.dtype != torch.float32:
+        _gemv1_kernel[(programs,)](
+            x, w, bias if bias is not None else w, out, pos, cos, sin, w.stride(0),
+            cos.stride(0), N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+            HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BN=cfg.block_n, BK=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     _gemv_kernel[(programs,)](
         x, w, bias if bias is not None else w, out, pos, cos, sin,
         x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
@@ -146,7 +226,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M."""
     n = w.shape[0]
-    cfg = cfg or default_config(n, w.shape[1])
+    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1 else default_config(n, w.shape[1]))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
@@ -155,7 +235,8 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor,
                   cfg: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
     n = w.shape[0] // 2
-    cfg = cfg or silu_mul_config(n, w.shape[1])
+    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
+                  else silu_mul_config(n, w.shape[1]))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -168,7 +249,8 @@ def gemv_rotary(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
     n = w.shape[0]
-    cfg = cfg or rotary_config(n, w.shape[1], head_dim)
+    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
+                  else rotary_config(n, w.shape[1], head_dim))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
