@@ -105,9 +105,16 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def num_splits(max_tokens: int, tile: int = TILE) -> int:
-    """Splits per sequence, from the block-table width (static per graph bucket)."""
-    return max(1, min(16, triton.next_power_of_2(-(-max_tokens // (4 * tile)))))
+FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
+
+
+def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TILE) -> int:
+    """Splits per sequence, from the block-table width and the batch (both static per graph
+    bucket): at least 4 tiles a split up to 16 splits, and more (down to one tile a split)
+    when the batch's (sequence, KV head) pairs alone leave most SMs idle."""
+    by_length = max(1, min(16, triton.next_power_of_2(-(-max_tokens // (4 * tile)))))
+    fill = triton.next_power_of_2(-(-FILL_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+    return max(by_length, min(fill, triton.next_power_of_2(-(-max_tokens // tile))))
 
 
 def paged_decode_attention(
@@ -120,7 +127,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    splits = num_splits(block_tables.shape[1] * block_size)
+    splits = num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads)
     ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
                       device=q.device)
