@@ -135,11 +135,10 @@ class GraphExecutor(Executor):
         if isinstance(runner, FullGraph):
             logits = runner.run(md)[: h.num_seqs]
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
-                logits = logits[torch.tensor(h.sample_idx, device=self.device)]
+                logits = logits[self.bufs.sample_idx[: len(h.sample_idx)]]
             return logits.float()
         hidden = runner.run(md, h.num_tokens)
-        rows = torch.tensor(h.sample_idx, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[self.bufs.sample_idx[: len(h.sample_idx)]]).float()
 
     def _forward(self, key: BucketKey, with_logits: bool):
         n = key.num_tokens

@@ -117,7 +117,8 @@ class InputBuffers:
     path of every step.
     """
 
-    ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row")
+    # sample_idx: the rows whose logits are sampled (a prefill step's last prompt tokens)
+    ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         lens_end = -(-max_seqs * 4 // 64) * 64  # the token rows start 8-byte aligned
@@ -160,6 +161,7 @@ class InputBuffers:
         tok = self._tok
         for row, values in enumerate((h.ids, h.positions, h.slots, h.token_seq, h.token_row)):
             tok[row, :n] = values
+        tok[5, : len(h.sample_idx)] = h.sample_idx
         tok[:, n:num_tokens] = 0
         tok[2, n:num_tokens] = -1  # padding slots
         # each padding token is its own padding sequence (decode), never a real one's row
