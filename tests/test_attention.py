@@ -182,6 +182,32 @@ def test_input_buffers_clear_what_a_longer_table_left() -> None:
     assert bufs.slot_mapping[:4].tolist() == [3 * BS + 1, 1 * BS + 1, -1, -1]
 
 
+def test_input_buffers_one_copy_moves_every_field() -> None:
+    """The device side is one byte buffer filled by one prefix copy: every field the graphs
+    read (tokens, positions, slots, rows, sampled rows, tables, lengths) arrives, padded, and
+    the views keep their addresses from step to step."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+
+    bufs = InputBuffers(16, 4, 3, torch.device("cpu"))
+    ptrs = [t.data_ptr() for t in (bufs.input_ids, bufs.sample_idx, bufs.block_tables,
+                                   bufs.seq_lens)]
+    plan = StepPlan(0, [SeqChunk(0, [5, 6, 7], 0, [4], True),
+                        SeqChunk(1, [8, 9], 5, [1, 2], False)])
+    h = host_inputs(plan, BS)
+    bufs.device_bytes.fill_(0x7F)  # stale bytes everywhere a field is not written
+    bufs.fill(h, 8, 3)
+    assert bufs.input_ids[:8].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert bufs.positions[:5].tolist() == [0, 1, 2, 5, 6]
+    assert bufs.slot_mapping[:8].tolist() == [4 * BS, 4 * BS + 1, 4 * BS + 2, 2 * BS + 1,
+                                              2 * BS + 2, -1, -1, -1]
+    assert bufs.token_seq[:5].tolist() == [0, 0, 0, 1, 1]
+    assert bufs.sample_idx[:1].tolist() == [2]  # only the first chunk samples
+    assert bufs.block_tables[:3].tolist() == [[4, 0, 0], [1, 2, 0], [0, 0, 0]]
+    assert bufs.seq_lens[:3].tolist() == [3, 7, 0]
+    assert ptrs == [t.data_ptr() for t in (bufs.input_ids, bufs.sample_idx, bufs.block_tables,
+                                           bufs.seq_lens)]
+
+
 def test_fused_linear_ops_equal_the_unfused_reference() -> None:
     """The CPU path of linear_rotary / linear_silu_and_mul is the unfused reference the GPU
     kernels are checked against: it must equal linear followed by rotary / silu_and_mul."""
