@@ -108,9 +108,9 @@ class InputBuffers:
     tokens were read back (a sync), so no copy is still in flight.
 
     Layout: one byte buffer, [seq lens | token rows | block tables], so a step's inputs are
-    one contiguous prefix (the tables' first rows end it) and move in one copy. A strided
-    copy_ of a row slice stages through pageable memory instead: ~30 us of host time each
-    on an H100 host, three per step.
+    one contiguous prefix (the tables' first rows end it) and move in one copy. Strided
+    copy_ calls of row slices stage through pageable memory instead: with three of them,
+    the fill took ~100 us a step on an H100 host (bench/RESULTS.md, third decode pass).
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
     from a list costs about a microsecond, a torch op several, and this runs on the critical
