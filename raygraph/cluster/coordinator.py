@@ -20,6 +20,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raygraph import setup_logging
 from raygraph.cluster.lockstep import CaptureError, KeyReport, LockstepCapture
 from raygraph.cluster.requests import (
     BadRequest,
@@ -59,7 +60,7 @@ class _Request:
 
 class Coordinator:
     def __init__(self, cfg: ServeConfig) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        setup_logging()
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         cfg.parallel.check_model(self.model_cfg)

@@ -185,7 +185,8 @@ class GraphExecutor(Executor):
             buffers=self.buffer_infos(), seconds=round(time.perf_counter() - t0, 4),
         )
         self.capture_log.append(record)
-        log.info("captured %s: %d graph(s), %s nodes, %d collectives in %.3fs, +%.1f MiB", key,
+        # per key at DEBUG: under a coordinator, its lockstep log already names every key once
+        log.debug("captured %s: %d graph(s), %s nodes, %d collectives in %.3fs, +%.1f MiB", key,
                  record.pieces, record.nodes, len(collectives), record.seconds,
                  record.pool_bytes / 2**20)
         return record

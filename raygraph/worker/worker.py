@@ -14,6 +14,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from raygraph import setup_logging
 from raygraph.config import ConfigError, ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
@@ -51,6 +52,7 @@ def free_address() -> tuple[str, int]:
 
 class Worker:
     def __init__(self, cfg: ServeConfig, rank: int) -> None:
+        setup_logging()
         self.cfg = cfg
         self.rank = rank
         self.world_size = cfg.parallel.world_size
