@@ -48,12 +48,8 @@ def emit(row: dict) -> dict:
 def capture(w: Worker, pool: str, budget: int | None, keys: list[BucketKey] | None = None):
     """A fresh executor over the worker's model and KV cache; captures `keys` (default: the
     whole schedule). Returns it with its figures."""
-    cfg = msgspec_replace(w.cfg.graph, pool=pool)
-    s, m = w.cfg.scheduler, w.model_cfg
     before = device_used()
-    ex = GraphExecutor(w.model, cfg, w.cfg.cache.block_size, s.max_num_seqs,
-                       s.max_num_batched_tokens, min(s.max_model_len, m.max_position_embeddings),
-                       budget)
+    ex = w._make_executor(budget, pool)
     t0 = time.perf_counter()
     for key in keys or ex.schedule():
         ex.capture(key)
@@ -71,12 +67,6 @@ def capture(w: Worker, pool: str, budget: int | None, keys: list[BucketKey] | No
         "largest_capture": largest[0], "largest_capture_mib": round(largest[1] / MiB, 1),
         "budget_mib": None if st.budget_bytes is None else round(st.budget_bytes / MiB, 1),
     }
-
-
-def msgspec_replace(cfg: GraphConfig, **kw) -> GraphConfig:
-    import msgspec
-
-    return msgspec.structs.replace(cfg, **kw)
 
 
 def replay(runner) -> torch.Tensor:

@@ -163,7 +163,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     import ray
 
     from raygraph.cluster.coordinator import start_coordinator
-    from raygraph.cluster.lockstep import format_table
+    from raygraph.cluster.lockstep import format_table, last_line
 
     cfg = serve_config(a)
     cfg = msgspec.structs.replace(
@@ -175,7 +175,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     try:
         ray.get(coord.capture_schedule.remote())
     except Exception as e:  # CaptureError, wrapped by Ray
-        failure = str(e).strip().splitlines()[-1]
+        failure = last_line(e)
     reports = ray.get(coord.capture_report.remote())
     print(format_table(reports))
     print(f"\n{len(reports)} keys on {cfg.parallel.world_size} rank(s) in "

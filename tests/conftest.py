@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,12 @@ def ray_session():
     ray.shutdown()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     """A tiny random HF checkpoint written with save_pretrained (float32)."""
     import transformers
@@ -45,6 +52,27 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     model = getattr(transformers, arch)(cfg_cls(**kw)).eval()
     model.save_pretrained(path)
     return path
+
+
+def make_gpu_llama(path: Path, num_key_value_heads: int = 2) -> Path:
+    """The GPU tests' Llama: big enough for the Triton kernels' tiles, small to build."""
+    return make_checkpoint(path, "LlamaForCausalLM", vocab_size=512, hidden_size=256,
+                           intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                           num_key_value_heads=num_key_value_heads)
+
+
+@pytest.fixture(scope="session")
+def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gpu_llama(tmp_path_factory.mktemp("gpu-llama"))
+
+
+def randomise_caches(workers, seed: int) -> None:
+    """The same random K/V contents in every worker's cache (graph and eager compared)."""
+    for w in workers:
+        torch.manual_seed(seed)
+        for layer in w.model.attention_layers():
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
 
 
 @pytest.fixture(scope="session")

@@ -229,5 +229,16 @@ def test_fused_linear_ops_equal_the_unfused_reference() -> None:
     assert torch.equal(q, rq) and torch.equal(k, rk)
     assert torch.equal(v, y[:, (hq + hk) * d:].view(5, hk, d))
     assert not torch.equal(q, y[:, : hq * d].view(5, hq, d))  # rotation happened
+    # and against HF's formula, written out independently: full-width tables, rotate_half
+    emb = torch.cat([freqs, freqs], dim=-1)[pos]  # [T, D]
+
+    def hf_rope(t: torch.Tensor) -> torch.Tensor:
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * emb.cos()[:, None] + torch.cat((-t2, t1), dim=-1) * emb.sin()[:, None]
+
+    torch.testing.assert_close(q, hf_rope(y[:, : hq * d].view(5, hq, d)))
+    torch.testing.assert_close(k, hf_rope(y[:, hq * d: (hq + hk) * d].view(5, hk, d)))
     gu = torch.randn(2 * 16, 32, generator=g)
     assert torch.equal(ops.linear_silu_and_mul(x, gu), ops.silu_and_mul(F.linear(x, gu)))
+    torch.testing.assert_close(ops.linear_silu_and_mul(x, gu),
+                               F.silu(x @ gu[:16].T) * (x @ gu[16:].T))

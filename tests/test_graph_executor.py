@@ -15,6 +15,7 @@ from raygraph.graph.executor import EagerExecutor, GraphExecutor
 from raygraph.graph.inputs import InputBuffers, host_inputs
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
+from tests.conftest import randomise_caches
 
 BS = 4
 NUM_BLOCKS = 64
@@ -84,14 +85,6 @@ def workers(tiny_llama):
         return w
 
     return make("graph"), make("eager")
-
-
-def randomise_caches(ws: tuple[Worker, ...], seed: int) -> None:
-    for w in ws:
-        torch.manual_seed(seed)
-        for layer in w.model.attention_layers():
-            layer.k_cache.normal_()
-            layer.v_cache.normal_()
 
 
 @pytest.mark.parametrize("trial", range(4))

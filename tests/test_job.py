@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(*cmd: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ different batches of different lengths, each idle for one step."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 from pathlib import Path
 
 import msgspec
@@ -22,7 +21,7 @@ from raygraph.model.loader import build_model
 from raygraph.model.moe import MoeForCausalLM, experts_dense, experts_grouped
 from raygraph.model.parallel import Comm
 from raygraph.protocol import SeqChunk, StepPlan
-from tests.conftest import make_checkpoint
+from tests.conftest import free_port, make_checkpoint
 from tests.hf_ref import hf_greedy
 
 CPU = torch.device("cpu")
@@ -218,15 +217,9 @@ def _idle_block_check(rank: int, path: Path, world: Comm) -> list[list[int]]:
     return [[int(ok)]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_tp2_dp2_ep2_and_tp2_ep2_match_hf(ckpts: dict[str, Path],
                                                      tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(_free_port(), ckpts, tmp_path), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), ckpts, tmp_path), nprocs=2, join=True)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for arch, path in ckpts.items():
         want = [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]

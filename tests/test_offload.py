@@ -208,6 +208,9 @@ def test_offloaded_worker_matches_all_resident(tiny_llama, reference, mode, grap
     for budget in (floor, floor + 3 * ALIGN * 64):
         w = make_worker(tiny_llama, OffloadConfig(budget_bytes=budget, mode=mode), graph)
         assert not any(p.device.type == "meta" for p in w.model.parameters())
+        # recorder, then engine: one reading class over the model's own, not one per install
+        assert not any(isinstance(vars(type(m).__mro__[1]).get("weight"), property)
+                       for m in w.offload.modules)
         got = run(w)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -217,6 +220,7 @@ def test_offloaded_worker_matches_all_resident(tiny_llama, reference, mode, grap
         w.execute(plans(0)[1])
         stats = w.offload_stats()
         assert stats.steps == 1 and stats.bytes_copied > 0 and stats.floor_bytes == floor
+        assert (stats.evictions > 0) == (mode == "lru")  # only the capped pool evicts
         msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=type(stats))
 
 

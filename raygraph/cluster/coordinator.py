@@ -189,9 +189,9 @@ class Coordinator:
     def _plans(self, step: int, outs: list[SchedulerOutput | None]) -> list[StepPlan]:
         """One plan per DP group, keyed. An idle group runs one padding token, so the MoE
         collectives still match; under EP every group pads to the same dispatch size."""
-        shapes = [(o.plan.num_tokens, len(o.plan.seqs),
-                   all(len(c.token_ids) == 1 for c in o.plan.seqs)) if o else (1, 1, True)
-                  for o in outs]
+        # decode: one token per chunk (every chunk has at least one)
+        shapes = [(o.plan.num_tokens, len(o.plan.seqs), o.plan.num_tokens == len(o.plan.seqs))
+                  if o else (1, 1, True) for o in outs]
         if self.buckets is None:  # eager mode: the dispatch size is the largest real batch
             comm = max(t for t, _, _ in shapes) if self.ep else 0
             keys = [None] * len(outs)
@@ -321,14 +321,14 @@ class Coordinator:
                 continue
             step = self.steps
             plans = self._plans(step, outs)
-            tp = self.cfg.parallel.tp
+            par = self.cfg.parallel
             try:
                 for key in dict.fromkeys(p.key for p in plans):  # new shapes: all ranks at once
                     if key is not None and key.phase != "eager" \
                             and key not in self.lockstep.captured:
                         await self._capture_key(key)
                 results = await asyncio.wait_for(
-                    asyncio.gather(*(w.execute.remote(plans[r // tp])
+                    asyncio.gather(*(w.execute.remote(plans[par.dp_rank(r)])
                                      for r, w in enumerate(self.workers))),
                     timeout=self.cfg.step_timeout_s,
                 )
@@ -340,7 +340,7 @@ class Coordinator:
             for group, out in enumerate(outs):
                 if out is not None:
                     self.preemptions += len(out.preempted)
-                    tokens = results[group * tp].token_ids  # the group's TP rank 0 sampled
+                    tokens = results[group * par.tp].token_ids  # its TP rank 0 sampled
                     for seq, _ in self.schedulers[group].update(out, tokens):
                         self._emit(seq)
 

@@ -88,7 +88,7 @@ async def _on_all(workers: Sequence[Any], method: str, key: BucketKey,
             t.cancel()
         rank, err = failed[0]
         raise CaptureError(f"{method} of {key} failed on rank {rank}: "
-                           f"{type(err).__name__}: {_first_line(err)}")
+                           f"{type(err).__name__}: {last_line(err)}")
     if pending:
         for t in pending:
             t.cancel()
@@ -98,7 +98,7 @@ async def _on_all(workers: Sequence[Any], method: str, key: BucketKey,
     return [t.result() for t in tasks]
 
 
-def _first_line(err: BaseException) -> str:
+def last_line(err: BaseException) -> str:
     """Ray wraps remote errors in long tracebacks; the cause's last line says what happened."""
     lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else repr(err)

@@ -80,12 +80,13 @@ class GraphExecutor(Executor):
 
     def __init__(self, model: LlamaForCausalLM, cfg: GraphConfig, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 graph_budget: int | None = None, ep: bool = False) -> None:
+                 graph_budget: int | None = None, ep: bool = False, rank: int = 0) -> None:
         super().__init__(model, block_size)
         self.cfg = cfg
+        self.rank = rank  # the worker's global rank, for capture records
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
         self.buckets = BucketPlan.from_config(cfg, max_num_seqs, max_num_batched_tokens, ep)
-        max_tokens = max(self.buckets.decode_sizes[-1], self.buckets.prefill_sizes[-1])
+        max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
                                  self.device)
@@ -136,7 +137,7 @@ class GraphExecutor(Executor):
             logits = runner.run(md)[: h.num_seqs]
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
                 logits = logits[self.bufs.sample_idx[: len(h.sample_idx)]]
-            return logits.float()
+            return logits  # already fp32: the cast is in the graph
         hidden = runner.run(md, h.num_tokens)
         return self.model.compute_logits(hidden[self.bufs.sample_idx[: len(h.sample_idx)]]).float()
 
@@ -179,7 +180,7 @@ class GraphExecutor(Executor):
                     runner.run(md, key.num_tokens)
         self.graphs[key] = runner
         record = CaptureRecord(
-            key=key, rank=self.comms[0].rank if self.comms else 0, pieces=runner.num_pieces,
+            key=key, rank=self.rank, pieces=runner.num_pieces,
             nodes=runner.num_nodes, collectives=collectives,
             pool_bytes=self.pool.last_growth if self.pool is not None else 0,
             buffers=self.buffer_infos(), seconds=round(time.perf_counter() - t0, 4),
@@ -268,8 +269,8 @@ class GraphExecutor(Executor):
 
 def make_executor(cfg: GraphConfig, model: LlamaForCausalLM, block_size: int,
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                  graph_budget: int | None = None, ep: bool = False) -> Executor:
+                  graph_budget: int | None = None, ep: bool = False, rank: int = 0) -> Executor:
     if cfg.mode == "eager":
         return EagerExecutor(model, block_size)
     return GraphExecutor(model, cfg, block_size, max_num_seqs, max_num_batched_tokens,
-                         max_model_len, graph_budget, ep)
+                         max_model_len, graph_budget, ep, rank)

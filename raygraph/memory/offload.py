@@ -104,13 +104,16 @@ def offload_targets(model: nn.Module) -> dict[str, nn.Module]:
 @functools.cache
 def _reading_class(cls: type[nn.Module]) -> type[nn.Module]:
     """`cls` with `weight` as a property that asks the offload engine for the tensor."""
-    return type(cls.__name__, (cls,), {"weight": property(lambda m: m.offload_read())})
+    return type(cls.__name__, (cls,), {"weight": property(lambda m: m.offload_read()),
+                                       "reads_offloaded": True})
 
 
 def install_reader(m: nn.Module, read: Callable[[], torch.Tensor]) -> None:
-    """Route every read of m.weight through `read` (the weight is no parameter any more)."""
+    """Route every read of m.weight through `read` (the weight is no parameter any more);
+    installing again (recorder, then engine) swaps `read`, not the class."""
     m._parameters.pop("weight", None)
-    m.__class__ = _reading_class(type(m)) if "offload_read" not in type(m).__dict__ else type(m)
+    if not getattr(type(m), "reads_offloaded", False):
+        m.__class__ = _reading_class(type(m))
     object.__setattr__(m, "offload_read", read)
 
 
@@ -147,8 +150,6 @@ class OffloadEngine:
     decoder stack), the rest (the LM head) after it, possibly as a separate eager call.
     """
 
-    graph_safe = True  # every forward puts each weight at the same address
-
     def __init__(self, body: nn.Module, targets: dict[str, nn.Module],
                  host: dict[str, torch.Tensor], order: list[str], body_len: int,
                  cfg: OffloadConfig, resident: int, device: torch.device) -> None:
@@ -158,17 +159,20 @@ class OffloadEngine:
         self.modules = [targets[n] for n in order]
         self.host = [host[n] for n in order]
         self.specs = [spec_of(n, host[n]) for n in order]
+        self.offloaded_bytes = sum(s.nbytes for s in self.specs)
         self.n, self.body_len = len(order), body_len
         self.resident = resident
         self.floor = compute_floor(self.specs, resident)
         self.budget = cfg.budget_bytes or 0
+        if cfg.check_floor:  # before any subclass takes device memory
+            self.floor.check(self.budget)
         self.streams = Streams(device, self.n)
         self.stall = StallTimer(self.streams.cuda)
         self.pos = 0
         self.in_body = False
         self.steps = 0
         self.step_seconds = 0.0
-        self.hits = self.misses = self.evictions = self.prefetch_skipped = 0
+        self.hits = self.misses = self.prefetch_skipped = 0
         self.open: int | None = None  # the last read; its kernel may not be enqueued yet
         self.views: list[torch.Tensor | None] = [None] * self.n
         self.hooks = [body.register_forward_pre_hook(lambda m, a: self._begin()),
@@ -239,7 +243,7 @@ class OffloadEngine:
 
     def copied_per_step(self) -> int:
         """Bytes one step copies (static modes: every offloaded weight, every step)."""
-        return sum(s.nbytes for s in self.specs)
+        return self.offloaded_bytes
 
     def copied_total(self) -> int:
         """Bytes copied over all steps so far."""
@@ -255,14 +259,18 @@ class OffloadEngine:
         lookups = self.hits + self.misses
         return OffloadStats(
             mode=self.cfg.mode, budget_bytes=self.budget, floor_bytes=self.floor.bytes,
-            resident_bytes=self.resident, offloaded_bytes=sum(s.nbytes for s in self.specs),
+            resident_bytes=self.resident, offloaded_bytes=self.offloaded_bytes,
             steps=self.steps, bytes_copied=copied,
             bytes_per_step=copied / self.steps if self.steps else 0.0,
             h2d_gbps=copied / self.step_seconds / 1e9 if self.step_seconds else 0.0,
             stall_s=self.stall.collect() if self.stall.measured else None,
             hits=self.hits, misses=self.misses, hit_rate=self.hits / lookups if lookups else 0.0,
-            evictions=self.evictions, prefetch_skipped=self.prefetch_skipped,
+            evictions=self.evicted(), prefetch_skipped=self.prefetch_skipped,
         )
+
+    def evicted(self) -> int:
+        """Weights evicted so far (only a capped pool evicts)."""
+        return 0
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -289,9 +297,7 @@ class LruEngine(OffloadEngine):
     """A capped pool of per-weight allocations: hits reuse the resident copy, misses evict
     the least recently used weights, and the next weight in the recorded order is
     prefetched on the copy stream while this one's kernel runs. Addresses change from step
-    to step, so this mode never runs inside a graph."""
-
-    graph_safe = False
+    to step, so this mode never runs inside a graph (`ServeConfig.uses_graphs`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -302,6 +308,9 @@ class LruEngine(OffloadEngine):
         self.index = {n: j for j, n in enumerate(self.names)}
         self.bytes_copied = 0
 
+    def evicted(self) -> int:
+        return self.pool.evictions
+
     def copied_total(self) -> int:
         return self.bytes_copied
 
@@ -310,7 +319,6 @@ class LruEngine(OffloadEngine):
         if placed is None:
             return None
         off, evicted = placed
-        self.evictions += len(evicted)
         self.streams.copy_in(region_view(self.region, off, self.specs[j]), self.host[j], j,
                              [self.index[n] for n in evicted])
         self.bytes_copied += self.specs[j].nbytes
@@ -403,13 +411,11 @@ def apply_offload(model: nn.Module, body: nn.Module, cfg: OffloadConfig, device:
     model.to(device)
     resident = sum(aligned(p.numel() * p.element_size()) for p in model.parameters())
     order, body_len = record_order(model, body, targets, host, device, forward)
-    floor = compute_floor([spec_of(n, host[n]) for n in order], resident)
-    if cfg.check_floor:
-        floor.check(cfg.budget_bytes or 0)
     engine = engine_class(cfg.mode)(body, targets, host, order, body_len, cfg, resident,
                                     device)
+    floor = engine.floor
     log.info("offload %s: %d weights (%.1f MiB) in host memory, budget %.1f MiB, floor "
              "%.1f MiB (%s + %s), %.1f MiB resident, alignment %d", cfg.mode, len(order),
-             sum(s.nbytes for s in engine.specs) / 2**20, engine.budget / 2**20,
+             engine.offloaded_bytes / 2**20, engine.budget / 2**20,
              floor.bytes / 2**20, *floor.pair, resident / 2**20, ALIGN)
     return engine

@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding over a precomputed fp32 cos/sin table."""
+    """The neox-style rotary tables, precomputed in fp32: q|k|v's GEMM (ops.linear_rotary)
+    applies them."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
         super().__init__()
@@ -45,11 +46,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary(q, k, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):

@@ -55,11 +55,11 @@ class Comm:
         if self.world_size == 1:
             return x
         self._note("reduce_scatter", x)
-        out = torch.empty((x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype,
-                          device=x.device)
         if x.device.type == "cpu":  # gloo has no reduce_scatter_tensor
             dist.all_reduce(x, group=self.group)
             return x.chunk(self.world_size, dim=0)[self.rank].clone()
+        out = torch.empty((x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
         dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
         return out
 
@@ -126,9 +126,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.local_sizes[part]
         start = sum(self.local_sizes[:part])
         param.data[start : start + size].copy_(full.narrow(0, self.comm.rank * size, size))
-
-    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
-        return list(y.split(self.local_sizes, dim=-1))
 
 
 class RowParallelLinear(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from raygraph import setup_logging
-from raygraph.config import ConfigError, ModelConfig, ServeConfig
+from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats
@@ -56,6 +56,7 @@ class Worker:
         self.cfg = cfg
         self.rank = rank
         self.world_size = cfg.parallel.world_size
+        self.samples = cfg.parallel.tp_rank(rank) == 0  # one sampler per DP group
         if cfg.device == "cuda":
             self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor
             torch.cuda.set_device(self.device)
@@ -71,6 +72,7 @@ class Worker:
         self.graph_budget: int | None = None  # VMM graph pool cap, measured in load()
         self.graph_measured = 0  # what the largest buckets took when the budget was measured
         self.kv_cache_bytes = 0
+        self.weight_bytes = 0  # set by load()
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -97,12 +99,11 @@ class Worker:
                                      ep_comm)
             self.offload = apply_offload(self.model, self.model.model, self.cfg.offload,
                                          self.device, self._one_token_forward)
-            if self.cfg.uses_graphs and not self.offload.graph_safe:
-                raise ConfigError(f"offload mode {self.cfg.offload.mode!r} cannot run in graphs")
             if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:
                 log.warning("rank %d: offload mode %r moves weights between steps; running "
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = weight_bytes = sum(p.numel() * p.element_size()
+                                               for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
         num_blocks = self.cfg.cache.num_blocks or max(1, self._kv_budget(weight_bytes) // per_block)
         load_s = time.perf_counter() - t0
@@ -160,10 +161,8 @@ class Worker:
         ex = self._make_executor(None)
         try:
             largest: dict[str, BucketKey] = {}
-            for key in ex.schedule():
-                best = largest.get(key.phase)
-                if key.phase != "eager" and (best is None or key.num_tokens > best.num_tokens):
-                    largest[key.phase] = key
+            for key in ex.schedule():  # largest first within each phase
+                largest.setdefault(key.phase, key)
             for key in largest.values():
                 ex.capture(key)
             self.graph_measured = ex.pool.held_bytes()
@@ -223,12 +222,16 @@ class Worker:
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
         return self.kv_cache_bytes
 
-    def _make_executor(self, graph_budget: int | None):
+    def _make_executor(self, graph_budget: int | None, pool: str | None = None):
+        """The executor the config asks for (`pool` overrides the graph pool: benchmarks)."""
         s, m = self.cfg.scheduler, self.model_cfg
         max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
-        return make_executor(self.cfg.executor_graph(), self.model, self.cfg.cache.block_size,
+        g = self.cfg.executor_graph()
+        if pool is not None:
+            g = msgspec.structs.replace(g, pool=pool)
+        return make_executor(g, self.model, self.cfg.cache.block_size,
                              s.max_num_seqs, s.max_num_batched_tokens, max_len, graph_budget,
-                             ep=self.cfg.parallel.ep > 1)
+                             ep=self.cfg.parallel.ep > 1, rank=self.rank)
 
     def memory_stats(self) -> MemoryStats:
         """Weights, KV cache, input buffers and graph pool; also logged (call it after the
@@ -239,7 +242,7 @@ class Worker:
             ex.log_memory()
         return MemoryStats(
             rank=self.rank, device=str(self.device),
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            weight_bytes=self.weight_bytes,
             kv_cache_bytes=self.kv_cache_bytes,
             input_buffer_bytes=ex.input_buffer_bytes if graphs else 0,
             graph=ex.pool_stats() if graphs else None,
@@ -277,8 +280,7 @@ class Worker:
     def capture(self, key: BucketKey) -> CaptureRecord:
         """Capture one key; every rank of the group is capturing the same key right now."""
         self._maybe_fault("capture", key)
-        record = self.executor.capture(key)
-        return msgspec.structs.replace(record, rank=self.rank)
+        return self.executor.capture(key)
 
     def inject_fault(self, kind: str, phase: str = "capture", key: BucketKey | None = None) -> None:
         """Fault injection for tests and drills: at `phase` ("prepare" | "capture") of `key`
@@ -306,7 +308,7 @@ class Worker:
             logits = self.executor.logits(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
-        sampler = self.cfg.parallel.tp_rank(self.rank) == 0  # one per DP group
+        sampler = self.samples
         chunks = [s for s in plan.seqs if s.sample] if sampler else []
         tokens = sample(logits, chunks, self.generator) if chunks else []
         if self.offload is not None:

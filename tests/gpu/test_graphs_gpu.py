@@ -15,7 +15,7 @@ from raygraph.memory.pages import BlockPool
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import make_checkpoint
+from tests.conftest import randomise_caches
 
 pytestmark = pytest.mark.gpu
 
@@ -116,10 +116,8 @@ def test_skinny_gemv_kernels_match_torch_reference(m):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("gpu-llama"), "LlamaForCausalLM",
-                           vocab_size=512, hidden_size=256, intermediate_size=512,
-                           num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+def ckpt(gpu_llama):
+    return gpu_llama
 
 
 def worker(ckpt, mode: str, dtype: str) -> Worker:
@@ -154,11 +152,7 @@ def test_graph_replay_equals_eager(ckpt, decode):
     rng = random.Random(int(decode))
     for trial in range(6):
         plan = random_plan(rng, decode)
-        for w in (g, e):  # the same random KV contents in both caches
-            torch.manual_seed(trial)
-            for layer in w.model.attention_layers():
-                layer.k_cache.normal_()
-                layer.v_cache.normal_()
+        randomise_caches((g, e), trial)
         got, ref = g.executor.logits(plan), e.executor.logits(plan)
         assert g.executor.last_key is not None and g.executor.last_key.phase == (
             "decode" if decode else "prefill")

@@ -61,16 +61,14 @@ from raygraph.graph.executor import EagerExecutor  # noqa: E402
 from raygraph.graph.runners import FullGraph  # noqa: E402
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan  # noqa: E402
 from raygraph.worker.worker import Worker  # noqa: E402
-from tests.conftest import make_checkpoint  # noqa: E402
+from tests.conftest import randomise_caches  # noqa: E402
 
 BS = 16
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("vmm-llama"), "LlamaForCausalLM",
-                           vocab_size=512, hidden_size=256, intermediate_size=512,
-                           num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+def ckpt(gpu_llama):
+    return gpu_llama
 
 
 def vmm_worker(ckpt, pool: str = "vmm") -> Worker:
@@ -116,18 +114,11 @@ def check_all_keys(w: Worker, rng: random.Random) -> None:
                                    msg=lambda m, k=key: f"{k}: {m}")
 
 
-def randomize_kv(w: Worker) -> None:
-    torch.manual_seed(0)
-    for layer in w.model.attention_layers():
-        layer.k_cache.normal_()
-        layer.v_cache.normal_()
-
-
 def test_every_vmm_graph_replays_right_after_all_were_captured(ckpt) -> None:
     w = vmm_worker(ckpt)
     w.allocate_kv_cache(256)
     w.capture_all()
-    randomize_kv(w)
+    randomise_caches([w], 0)
     ex = w.executor
     s = ex.pool_stats()
     assert s.kind == "vmm" and s.spaces == len(ex.graphs) == len(ex.schedule())
@@ -148,7 +139,7 @@ def test_sleep_releases_graph_memory_and_wake_replays_without_recapture(ckpt) ->
     w = vmm_worker(ckpt)
     w.allocate_kv_cache(256)
     w.capture_all()
-    randomize_kv(w)
+    randomise_caches([w], 0)
     ex = w.executor
     graphs = dict(ex.graphs)
     held = ex.pool.held_bytes()
@@ -201,6 +192,6 @@ def test_graph_budget_is_measured_enforced_and_loud(ckpt) -> None:
     small.executor.release()  # the process is still usable: capture anew, no budget
     small.executor = small._make_executor(None)
     small.executor.capture_all()
-    randomize_kv(small)
+    randomise_caches([small], 0)
     check_all_keys(small, random.Random(3))
     small.shutdown()

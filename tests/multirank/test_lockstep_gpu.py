@@ -14,7 +14,7 @@ from raygraph.cluster.lockstep import LockstepCapture
 from raygraph.config import CacheConfig, GraphConfig, ParallelConfig, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import make_checkpoint
+from tests.conftest import make_gpu_llama
 from tests.gpu.test_graphs_gpu import random_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
@@ -23,9 +23,7 @@ BLOCKS = 256
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tp-llama"), "LlamaForCausalLM",
-                           vocab_size=512, hidden_size=256, intermediate_size=512,
-                           num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
+    return make_gpu_llama(tmp_path_factory.mktemp("tp-llama"), num_key_value_heads=4)  # TP=4
 
 
 def cfg(ckpt, tp: int, mode: str, dtype: str, name: str = "gpu-tp") -> ServeConfig:
