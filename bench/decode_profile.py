@@ -73,6 +73,37 @@ def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> d
     return {k: round(statistics.median(v), 1) for k, v in times.items()}
 
 
+def host_timeline(worker: Worker, batch: int, context: int, steps: int = 30) -> dict:
+    """Where a whole `Worker.execute` step waits on the host, from one profiler trace: host
+    time before the step's first kernel starts (exposed), GPU busy span, host time after
+    its last kernel ends (exposed), and the CPU-side calls that cost most per step."""
+    plans = [decode_plan(batch, context, 16, i) for i in range(steps)]
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for plan in plans:
+            with torch.profiler.record_function("raygraph_step"):
+                worker.execute(plan)
+    events = prof.events()
+    cpu = torch.autograd.DeviceType.CPU
+    marks = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == "raygraph_step" and e.device_type == cpu)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    phases = collections.defaultdict(list)
+    for start, end in marks[3:]:  # the first steps carry profiler start-up
+        ks = [k for k in kernels if start <= k[0] <= end]
+        if not ks:
+            continue
+        phases["pre_us"].append(ks[0][0] - start)
+        phases["gpu_us"].append(max(k[1] for k in ks) - ks[0][0])
+        phases["post_us"].append(end - max(k[1] for k in ks))
+        phases["step_us"].append(end - start)
+    calls = sorted(((e.self_cpu_time_total / steps, e.count / steps, e.key)
+                    for e in prof.key_averages()), reverse=True)[:14]
+    return {**{k: round(statistics.median(v), 1) for k, v in phases.items()},
+            "cpu_self_us_per_step": [(n[:40], round(us, 1), c) for us, c, n in calls]}
+
+
 def time_graph(fn, reps: int = 20) -> float:
     """Seconds per call of fn() inside a CUDA graph of `reps` calls."""
     fn(0)
@@ -169,6 +200,7 @@ def main() -> None:
         print(json.dumps({"batch": b, "context": c, **kernel_table(w, b)}), flush=True)
         print(json.dumps({"batch": b, "context": c, "host_us": host_phases(w, b, c)}),
               flush=True)
+        print(json.dumps({"batch": b, "context": c, **host_timeline(w, b, c)}), flush=True)
 
 
 if __name__ == "__main__":
