@@ -102,7 +102,7 @@ class InputBuffers:
     """One set of persistent device buffers at the max shape, shared by every bucket.
 
     Each step writes the real prefix and safe padding into a pinned host mirror, then one
-    async copy moves it over; graphs read slice views of the bucket's size. NOTE: padding
+    async driver copy moves it over; graphs read slice views of the bucket's size. NOTE: padding
     slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and an
     all-zero block table row. The host mirror is rewritten only after the previous step's
     tokens were read back (a sync), so no copy is still in flight.
@@ -142,8 +142,14 @@ class InputBuffers:
         for i, name in enumerate(self.ROWS):
             setattr(self, name, self.tokens[i])
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        self._widths = np.zeros(max_seqs, dtype=np.int64)  # table row lengths last written
+        self._widths = [0] * max_seqs  # table row lengths last written
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._streams: dict[int, object] = {}  # raw stream handle -> its driver CUstream
+        self._driver = None
+        if device.type == "cuda":
+            from cuda.bindings import driver  # GPU-only import
+
+            self._driver = driver
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +157,27 @@ class InputBuffers:
 
     def fill(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
         """Write h into the buffers; pad tokens up to num_tokens and seqs up to num_seqs."""
+        self.upload(self.write(h, num_tokens, num_seqs))
+
+    def upload(self, end: int) -> None:
+        """The host mirror's first `end` bytes to the device, in one async copy on the
+        current stream. On CUDA it is one driver call: torch's copy_ (slicing, dispatch, a
+        pinned-memory event) cost 3x as much host time (bench/RESULTS.md, fifth pass)."""
+        driver = self._driver
+        if driver is None:
+            self.device_bytes[:end].copy_(self.host[:end])
+            return
+        raw = torch.cuda.current_stream(self.device_bytes.device).cuda_stream
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = driver.CUstream(raw)
+        (err,) = driver.cuMemcpyHtoDAsync(self.device_bytes.data_ptr(), self.host.data_ptr(),
+                                          end, stream)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"input upload of {end} bytes failed: {err}")
+
+    def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> int:
+        """fill's host half: h into the pinned mirror; returns the bytes a step must move."""
         n, b = h.num_tokens, h.num_seqs
         if n > num_tokens or b > num_seqs or num_seqs > self.max_seqs:
             raise ValueError(f"batch of {n} tokens / {b} seqs does not fit bucket "
@@ -158,27 +185,30 @@ class InputBuffers:
         width = max(len(t) for t in h.tables)
         if width > self.max_blocks:
             raise ValueError(f"a sequence needs {width} blocks; buffers hold {self.max_blocks}")
+        # few numpy calls: each costs microseconds on a busy host, on every step's critical path
         tok = self._tok
-        for row, values in enumerate((h.ids, h.positions, h.slots, h.token_seq, h.token_row)):
-            tok[row, :n] = values
+        tok[:5, :n] = (h.ids, h.positions, h.slots, h.token_seq, h.token_row)
         tok[5, : len(h.sample_idx)] = h.sample_idx
-        tok[:, n:num_tokens] = 0
-        tok[2, n:num_tokens] = -1  # padding slots
-        # each padding token is its own padding sequence (decode), never a real one's row
-        tok[3, n:num_tokens] = self._arange[n:num_tokens]
+        if n < num_tokens:
+            tok[:, n:num_tokens] = 0
+            tok[2, n:num_tokens] = -1  # padding slots
+            # each padding token is its own padding sequence (decode), never a real one's row
+            tok[3, n:num_tokens] = self._arange[n:num_tokens]
         tables, widths = self._tables, self._widths
         for i, t in enumerate(h.tables):
-            tables[i, : len(t)] = t
-            if widths[i] > len(t):  # clear what a longer table left in this row
-                tables[i, len(t) : widths[i]] = 0
-            widths[i] = len(t)
-        stale = int(widths[b:num_seqs].max(initial=0))
-        tables[b:num_seqs, :stale] = 0
-        widths[b:num_seqs] = 0
+            w = len(t)
+            tables[i, :w] = t
+            if widths[i] > w:  # clear what a longer table left in this row
+                tables[i, w : widths[i]] = 0
+            widths[i] = w
         self._lens[:b] = h.seq_lens
-        self._lens[b:num_seqs] = 0
-        end = self._tables_at + num_seqs * self.max_blocks * 4
-        self.device_bytes[:end].copy_(self.host[:end], non_blocking=True)
+        if b < num_seqs:
+            stale = max(widths[b:num_seqs])
+            if stale:
+                tables[b:num_seqs, :stale] = 0
+                widths[b:num_seqs] = [0] * (num_seqs - b)
+            self._lens[b:num_seqs] = 0
+        return self._tables_at + num_seqs * self.max_blocks * 4
 
     def metadata(self, num_tokens: int, num_seqs: int, max_q_len: int, max_kv_len: int,
                  decode: bool) -> AttentionMetadata:
