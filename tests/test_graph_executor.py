@@ -103,6 +103,24 @@ def test_graph_executor_equals_eager(workers, trial):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mid_prompt", [False, True])
+def test_decode_step_returns_the_argmax_it_took(workers, mid_prompt):
+    """Decode graphs take the greedy argmax on the device; it must be the logits' argmax,
+    row for row, also when a one-token chunk mid-prompt samples nothing."""
+    g, _ = workers
+    rng = random.Random(21)
+    plan = plan_of([(rng.randrange(0, 40), 1) for _ in range(5)], rng)
+    if mid_prompt:
+        plan = msgspec.structs.replace(plan, seqs=[
+            msgspec.structs.replace(c, sample=i not in (1, 3)) for i, c in enumerate(plan.seqs)])
+    randomise_caches((g,), 21)
+    logits, greedy = g.executor.step(plan)
+    assert g.executor.last_key.phase == "decode"
+    assert logits.shape[0] == greedy.shape[0] == sum(s.sample for s in plan.seqs)
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+    assert g.executor.step(plan_of([(0, 3)], rng))[1] is None  # prefill: the sampler's argmax
+
+
 def test_above_the_largest_bucket_runs_eagerly(workers):
     g, e = workers
     plan = plan_of([(0, 20), (0, 20)], random.Random(9))  # 40 tokens > 32

@@ -36,6 +36,19 @@ def test_greedy_rows_mixed_with_sampled_rows() -> None:
     assert [out[0], out[2]] == logits[[0, 2]].argmax(-1).tolist()
 
 
+def test_device_greedy_ids_are_used_and_left_unwritten() -> None:
+    """A graph's argmax output is taken as the greedy tokens; sampled rows go to a copy
+    (the tensor is the graph's static output, rewritten by the next replay only)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 50, generator=g)
+    greedy = torch.tensor([7, 8, 9])  # not logits' argmax: proves which one is read
+    chunks = [chunk(temperature=0.0), chunk(seed=1, temperature=5.0), chunk(temperature=0.0)]
+    out = sample(logits, chunks, g, greedy)
+    assert [out[0], out[2]] == [7, 9]
+    assert out[1] == sample(logits, chunks, g)[1]  # the seeded row draws the same either way
+    assert greedy.tolist() == [7, 8, 9]
+
+
 def test_top_k_1_is_argmax_at_any_temperature() -> None:
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(3))
     chunks = [chunk(seed=i, temperature=3.0, top_k=1) for i in range(8)]

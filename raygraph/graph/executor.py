@@ -47,8 +47,12 @@ class Executor(ABC):
         self.device = next(model.parameters()).device
 
     @abstractmethod
+    def step(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 logits [S, vocab], one row per sampling sequence, in plan order, and
+        their argmax [S] where the step already took it on the device (else None)."""
+
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """Float32 logits [S, vocab], one row per sampling sequence, in plan order."""
+        return self.step(plan)[0]
 
     def scratch_block(self) -> int:
         """The block the worker allocates past the usable ones: padding may write there."""
@@ -62,8 +66,8 @@ class Executor(ABC):
 
 
 class EagerExecutor(Executor):
-    def logits(self, plan: StepPlan) -> torch.Tensor:
-        return self.run(self.inputs(plan), plan.num_comm_tokens)
+    def step(self, plan: StepPlan) -> tuple[torch.Tensor, None]:
+        return self.run(self.inputs(plan), plan.num_comm_tokens), None
 
     @torch.inference_mode()
     def run(self, h: HostInputs, comm: int = 0) -> torch.Tensor:
@@ -111,7 +115,7 @@ class GraphExecutor(Executor):
         return self.buckets.schedule()
 
     @torch.inference_mode()
-    def logits(self, plan: StepPlan) -> torch.Tensor:
+    def step(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.inputs(plan)
         key = self.key_for(h, plan.num_comm_tokens)
         self.last_key = key
@@ -123,7 +127,7 @@ class GraphExecutor(Executor):
                               f"rank's batch ({h.num_tokens} tokens, {h.num_seqs} seqs) "
                               f"gives {key}")
         if key.phase == "eager":
-            return self.eager.run(h, plan.num_comm_tokens)
+            return self.eager.run(h, plan.num_comm_tokens), None
         num_seqs = key.num_tokens if key.phase == "decode" else h.num_seqs
         self.bufs.fill(h, key.num_tokens, num_seqs)
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.max_q_len, max(h.seq_lens),
@@ -134,23 +138,29 @@ class GraphExecutor(Executor):
             self.capture(key, md)
         runner = self.graphs[key]
         if isinstance(runner, FullGraph):
-            logits = runner.run(md)[: h.num_seqs]
+            logits, greedy = (t[: h.num_seqs] for t in runner.run(md))
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
-                logits = logits[self.bufs.sample_idx[: len(h.sample_idx)]]
-            return logits  # already fp32: the cast is in the graph
+                rows = self.bufs.sample_idx[: len(h.sample_idx)]
+                logits, greedy = logits[rows], greedy[rows]
+            return logits, greedy  # already fp32: the cast is in the graph
         hidden = runner.run(md, h.num_tokens)
-        return self.model.compute_logits(hidden[self.bufs.sample_idx[: len(h.sample_idx)]]).float()
+        rows = self.bufs.sample_idx[: len(h.sample_idx)]
+        return self.model.compute_logits(hidden[rows]).float(), None
 
     def _forward(self, key: BucketKey, with_logits: bool):
         n = key.num_tokens
         ids, pos = self.bufs.input_ids[:n], self.bufs.positions[:n]
 
-        def forward(ctx: ForwardContext) -> torch.Tensor:
+        def forward(ctx: ForwardContext):
             ctx.num_comm_tokens = key.num_comm_tokens  # the EP dispatch size is in the key
             with forward_context(ctx):
                 hidden = self.model(ids, pos)
-            # the fp32 cast inside the graph: one launch fewer on the step's host path
-            return self.model.compute_logits(hidden).float() if with_logits else hidden
+            if not with_logits:
+                return hidden
+            # the fp32 cast and the greedy argmax inside the graph: launches off the step's
+            # host path (a sampler with temperature still reads the logits)
+            logits = self.model.compute_logits(hidden).float()
+            return logits, logits.argmax(dim=-1)
 
         return forward
 

@@ -150,6 +150,8 @@ class InputBuffers:
             from cuda.bindings import driver  # GPU-only import
 
             self._driver = driver
+            self._device_index = (device.index if device.index is not None
+                                  else torch.cuda.current_device())
 
     @property
     def nbytes(self) -> int:
@@ -167,7 +169,8 @@ class InputBuffers:
         if driver is None:
             self.device_bytes[:end].copy_(self.host[:end])
             return
-        raw = torch.cuda.current_stream(self.device_bytes.device).cuda_stream
+        # the raw handle, as inductor's generated code reads it: a Stream object costs more
+        raw = torch._C._cuda_getCurrentRawStream(self._device_index)
         stream = self._streams.get(raw)
         if stream is None:
             stream = self._streams[raw] = driver.CUstream(raw)

@@ -20,7 +20,7 @@ import torch
 from raygraph.model.context import AttentionMetadata, ForwardContext
 from raygraph.model.ops import paged_attention
 
-Forward = Callable[[ForwardContext], torch.Tensor]
+Forward = Callable[[ForwardContext], Any]  # hidden states, or (logits, greedy ids) for decode
 
 
 @functools.cache
@@ -83,7 +83,7 @@ class FullGraph:
         self.forward = forward
         self.md = md
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
+        self.out: Any = None  # what forward returns (tensors the replay rewrites)
         self.num_nodes: int | None = None
         if cuda:
             device = md.slot_mapping.device
@@ -102,7 +102,7 @@ class FullGraph:
     def num_pieces(self) -> int:
         return 0 if self.graph is None else 1
 
-    def run(self, md: AttentionMetadata) -> torch.Tensor:
+    def run(self, md: AttentionMetadata) -> Any:
         if self.graph is not None:
             self.graph.replay()
             return self.out

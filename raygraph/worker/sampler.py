@@ -27,11 +27,15 @@ def _filter_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator) -> list[int]:
-    # logits: [S, vocab] float32, one row per chunk (all chunks here sample)
-    out = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
+           greedy: torch.Tensor | None = None) -> list[int]:
+    """logits: [S, vocab] float32, one row per chunk (all chunks here sample); greedy: their
+    argmax when the step already took it (a graph's output: read, never written)."""
+    out = logits.argmax(dim=-1) if greedy is None else greedy
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if rows:
+        if greedy is not None:
+            out = out.clone()
         dev = logits.device
         sel = torch.tensor(rows, device=dev)
         temp = torch.tensor([chunks[i].temperature for i in rows], device=dev)

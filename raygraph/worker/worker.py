@@ -305,12 +305,12 @@ class Worker:
         """Run one step; rank 0 samples and returns the tokens, other ranks return None."""
         t0 = time.perf_counter()
         try:
-            logits = self.executor.logits(plan)
+            logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
         sampler = self.samples
         chunks = [s for s in plan.seqs if s.sample] if sampler else []
-        tokens = sample(logits, chunks, self.generator) if chunks else []
+        tokens = sample(logits, chunks, self.generator, greedy) if chunks else []
         if self.offload is not None:
             self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, tokens, time.perf_counter() - t0) if sampler else None

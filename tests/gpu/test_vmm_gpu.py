@@ -125,7 +125,7 @@ def test_every_vmm_graph_replays_right_after_all_were_captured(ckpt) -> None:
     peaks = list(s.capture_bytes.values())
     assert s.held_bytes == -(-max(peaks) // s.chunk_size) * s.chunk_size < sum(peaks)
     # one range per capture: each decode graph's output lies in a range of its own
-    bases = sorted({r.out.data_ptr() // ex.pool.vmm.range_size for r in ex.graphs.values()
+    bases = sorted({r.out[0].data_ptr() // ex.pool.vmm.range_size for r in ex.graphs.values()
                     if isinstance(r, FullGraph)})
     assert len(bases) == sum(isinstance(r, FullGraph) for r in ex.graphs.values())
     rng = random.Random(0)
