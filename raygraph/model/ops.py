@@ -62,6 +62,16 @@ def linear_rotary(
             v.view(t, num_k_heads, head_dim))
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: the argmax of each row of [N, vocab] logits (first index on ties;
+    a NaN is not taken on the GPU path)."""
+    if x.is_cuda and x.dim() == 2:
+        from raygraph.model.triton_ops import argmax as fused
+
+        return fused(x)
+    return x.argmax(dim=-1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight."""
     if x.is_cuda:
@@ -191,6 +201,6 @@ def paged_attention(
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      k, v)
+                                      k, v, md.semaphores)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
     return paged_attention_ref(q, k_cache, v_cache, md, scale)

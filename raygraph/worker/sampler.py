@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from raygraph.model import ops
 from raygraph.protocol import SeqChunk
 
 
@@ -31,7 +32,7 @@ def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Genera
            greedy: torch.Tensor | None = None) -> list[int]:
     """logits: [S, vocab] float32, one row per chunk (all chunks here sample); greedy: their
     argmax when the step already took it (a graph's output: read, never written)."""
-    out = logits.argmax(dim=-1) if greedy is None else greedy
+    out = ops.argmax(logits) if greedy is None else greedy
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if rows:
         if greedy is not None:
