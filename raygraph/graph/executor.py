@@ -93,9 +93,9 @@ class GraphExecutor(Executor):
         self.buckets = BucketPlan.from_config(cfg, max_num_seqs, max_num_batched_tokens, ep)
         max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
-        attn = model.attention_layers()[0]
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
-                                 self.device, attn.num_kv_heads)
+                                 self.device)
+        attn = model.attention_layers()[0]
         dtype = next(model.parameters()).dtype
         # one attention output buffer serves every layer and bucket: pieces run in order
         self.attn_out = torch.zeros(max_tokens, attn.num_heads, attn.head_dim, dtype=dtype,
@@ -206,8 +206,7 @@ class GraphExecutor(Executor):
     def buffer_infos(self) -> list[BufferInfo]:
         """The persistent buffers every graph reads: one set, so the same on every key."""
         named = {"tokens": self.bufs.tokens, "block_tables": self.bufs.block_tables,
-                 "seq_lens": self.bufs.seq_lens, "semaphores": self.bufs.semaphores,
-                 "attn_out": self.attn_out}
+                 "seq_lens": self.bufs.seq_lens, "attn_out": self.attn_out}
         return [BufferInfo(n, t.data_ptr(), list(t.shape)) for n, t in named.items()]
 
     def _dummy(self, key: BucketKey):

@@ -120,8 +120,7 @@ class InputBuffers:
     # sample_idx: the rows whose logits are sampled (a prefill step's last prompt tokens)
     ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx")
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 kv_heads: int = 1):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         lens_end = -(-max_seqs * 4 // 64) * 64  # the token rows start 8-byte aligned
         self._tables_at = lens_end + len(self.ROWS) * max_tokens * 8
         size = self._tables_at + max_seqs * max_blocks * 4
@@ -145,8 +144,6 @@ class InputBuffers:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self._widths = [0] * max_seqs  # table row lengths last written
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        # the decode attention kernel's counters: zeroed once, left at 0 by every launch
-        self.semaphores = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=device)
         self._streams: dict[int, object] = {}  # raw stream handle -> its driver CUstream
         self._driver = None
         if device.type == "cuda":
@@ -158,7 +155,7 @@ class InputBuffers:
 
     @property
     def nbytes(self) -> int:
-        return self.device_bytes.numel() + 4 * self.semaphores.numel()
+        return self.device_bytes.numel()
 
     def fill(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
         """Write h into the buffers; pad tokens up to num_tokens and seqs up to num_seqs."""
@@ -226,4 +223,4 @@ class InputBuffers:
                      self.token_seq[:num_tokens], self.token_row[:num_tokens])
             self._views[(num_tokens, num_seqs)] = views
         return AttentionMetadata(*views, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                                 decode=decode, semaphores=self.semaphores)
+                                 decode=decode)

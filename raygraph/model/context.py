@@ -26,9 +26,6 @@ class AttentionMetadata:
     max_q_len: int
     max_kv_len: int
     decode: bool = False  # every sequence has exactly one query token
-    # decode attention's arrival counters, one per (sequence, KV head), all 0 between steps:
-    # persistent for graphs (None: the kernel allocates zeros)
-    semaphores: torch.Tensor | None = None
 
 
 # (q, k, v, k_cache, v_cache, scale) -> attention output; set by a piecewise executor

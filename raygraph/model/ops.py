@@ -201,6 +201,6 @@ def paged_attention(
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      k, v, md.semaphores)
+                                      k, v)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
     return paged_attention_ref(q, k_cache, v_cache, md, scale)

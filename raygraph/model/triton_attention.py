@@ -3,11 +3,7 @@
 Programs are (sequence, KV head, split); each split walks its share of the sequence's
 tokens up to `seq_lens[b]`, read from device memory, so the launch shape depends only on
 the batch bucket and the block-table width: one captured graph serves every batch that
-fits it. The last split of a (sequence, KV head) to finish merges all of them: each split
-stores its partials, then takes a ticket from a per-(sequence, KV head) counter; the one
-holding the last ticket reads the others' partials, writes the output and resets the
-counter to 0 (split-K "fixup" with a semaphore, as in CUTLASS), so there is no second
-kernel. Rows with seq_len 0 (padding) produce zeros.
+fits it. A second kernel merges the splits. Rows with seq_len 0 (padding) produce zeros.
 
 The query heads of one KV head go through tensor cores together (the group padded to 16
 rows), so K and V are read once per KV head. With `k_new`/`v_new` given, the step's own
@@ -27,10 +23,9 @@ TILE = 64
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, sem_ptr,
-    out_ptr, scale,
+    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kb, stride_ks, stride_ch, stride_bt, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -89,26 +84,25 @@ def _decode_split_kernel(
     tl.store(ml_ptr + row * 2, m, mask=gmask)
     tl.store(ml_ptr + row * 2 + 1, l_sum, mask=gmask)
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    # every thread's partials are issued before the one release below publishes them
-    tl.debug_barrier()
-    sem = sem_ptr + b * (NUM_HEADS // GROUP) + kvh
-    if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        tl.store(sem, 0)  # the next launch finds it at 0 (kernel boundaries order this)
-        s = tl.arange(0, SPLITS)
-        for i in tl.static_range(GROUP):
-            rows = (b * NUM_HEADS + kvh * GROUP + i) * SPLITS + s
-            # .cg: read at L2, where the other SMs' partials are; this SM's L1 may hold a
-            # previous launch's lines at these addresses
-            m_s = tl.load(ml_ptr + rows * 2, cache_modifier=".cg")
-            l_s = tl.load(ml_ptr + rows * 2 + 1, cache_modifier=".cg")
-            a_s = tl.load(acc_ptr + rows[:, None] * D + d[None, :], cache_modifier=".cg")
-            m_max = tl.max(m_s, axis=0)
-            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-            w = tl.where(l_s > 0, tl.exp(m_s - m_max), 0.0)
-            total = tl.sum(l_s * w, axis=0)
-            o = tl.sum(a_s * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-            tl.store(out_ptr + b * stride_ot + (kvh * GROUP + i) * stride_oh + d,
-                     o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
+                         D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    row = (b * NUM_HEADS + h) * SPLITS + s
+    m = tl.load(ml_ptr + row * 2)
+    l_sum = tl.load(ml_ptr + row * 2 + 1)
+    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :])
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(l_sum > 0, tl.exp(m - m_max), 0.0)
+    total = tl.sum(l_sum * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
@@ -126,10 +120,9 @@ def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TI
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None, semaphores: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
-    semaphores: int32, at least B * Hkv, all 0 (left 0); None allocates zeros."""
+    """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -139,22 +132,20 @@ def paged_decode_attention(
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
                       device=q.device)
     out = torch.empty_like(q)
-    if semaphores is None:
-        semaphores = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
-    elif semaphores.numel() < num_seqs * num_kv_heads or semaphores.dtype != torch.int32:
-        raise ValueError(f"need {num_seqs * num_kv_heads} int32 semaphores, got "
-                         f"{semaphores.numel()} {semaphores.dtype}")
     store = k_new is not None
     kn, vn = (k_new, v_new) if store else (q, q)
     if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must be contiguous and alike")
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, ml, acc, semaphores, out, scale,
+        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, ml, acc, scale,
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=TILE, SPLITS=splits, NUM_HEADS=num_heads, STORE=store,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        ml, acc, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
+        NUM_HEADS=num_heads, num_warps=1,
     )
     return out
