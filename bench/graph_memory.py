@@ -70,8 +70,9 @@ def capture(w: Worker, pool: str, budget: int | None, keys: list[BucketKey] | No
 
 
 def replay(runner) -> torch.Tensor:
+    """One replay on the capture batch; its logits (decode) or hidden states (prefill)."""
     if isinstance(runner, FullGraph):
-        return runner.run(runner.md)
+        return runner.run(runner.md)[0]
     return runner.run(runner.md, runner.md.slot_mapping.shape[0])
 
 

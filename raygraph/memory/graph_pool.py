@@ -45,12 +45,13 @@ class GraphPool(ABC):
         before = self.held_bytes()
         with self._scope() as (pool, footprint):
             yield pool
-        self.capture_bytes[key_name(key)] = footprint()
         self.last_growth = self.held_bytes() - before
+        self.capture_bytes[key_name(key)] = self.last_growth if footprint is None else footprint()
 
     @abstractmethod
     def _scope(self) -> Any:
-        """Context manager yielding (pool for capture_begin, () -> bytes this capture holds)."""
+        """Context manager yielding (pool for capture_begin, () -> bytes this capture holds,
+        or None: what the capture added to the pool)."""
 
     @abstractmethod
     def held_bytes(self) -> int:
@@ -89,9 +90,8 @@ class TorchGraphPool(GraphPool):
 
     @contextmanager
     def _scope(self) -> Iterator[tuple[Any, Any]]:
-        before = self.held_bytes()
         # shared: a capture's own footprint is unknowable; what it added is the honest figure
-        yield self.handle, lambda: self.held_bytes() - before
+        yield self.handle, None
 
     def held_bytes(self) -> int:
         return _segment_bytes(self.device, {tuple(self.handle)})

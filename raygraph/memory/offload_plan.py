@@ -174,9 +174,10 @@ class LruPool:
         self.where.move_to_end(name)
         return self.where[name][0]
 
-    def _hole(self, size: int) -> int | None:
+    def _hole(self, size: int, gone: set[str]) -> int | None:
+        """First offset with `size` free bytes if the weights in `gone` were evicted."""
         cursor = 0
-        for off, n in sorted(self.where.values()):
+        for off, n in sorted(v for k, v in self.where.items() if k not in gone):
             if off - cursor >= size:
                 return cursor
             cursor = max(cursor, off + n)
@@ -189,15 +190,18 @@ class LruPool:
         if size > self.capacity:
             raise OffloadBudgetError(self.capacity, size,
                                      f"weight {name!r} alone does not fit the pool")
-        saved = OrderedDict(self.where)
+        # choose the victims first, evict only once the weight fits: a refusal changes nothing
+        victims = (n for n in self.where if n not in pinned)  # oldest use first
         evicted: list[str] = []
-        while (off := self._hole(size)) is None:
-            victim = next((n for n in self.where if n not in pinned), None)
-            if victim is None:  # nothing was overwritten yet: keep every weight
-                self.where = saved
+        gone: set[str] = set()
+        while (off := self._hole(size, gone)) is None:
+            victim = next(victims, None)
+            if victim is None:
                 return None
-            del self.where[victim]
             evicted.append(victim)
+            gone.add(victim)
+        for victim in evicted:
+            del self.where[victim]
         self.where[name] = (off, size)
         self.evictions += len(evicted)
         return off, evicted

@@ -58,6 +58,7 @@ class StallTimer:
         self.seconds = 0.0
         self.measured = False
         self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.free: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # collected: reusable
 
     @contextmanager
     def measure(self) -> Iterator[None]:
@@ -70,7 +71,8 @@ class StallTimer:
         if torch.cuda.is_current_stream_capturing():
             yield
             return
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = self.free.pop() if self.free else (torch.cuda.Event(enable_timing=True),
+                                                  torch.cuda.Event(enable_timing=True))
         a.record()
         yield
         b.record()
@@ -83,5 +85,6 @@ class StallTimer:
         for a, b in self.pending:
             b.synchronize()
             self.seconds += a.elapsed_time(b) / 1e3
+        self.free += self.pending
         self.pending.clear()
         return self.seconds

@@ -41,6 +41,21 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """ROTARY: the first row program `pid` owns. A program holds HB rotation pairs of one
+    head: dims base.. of its first half and their partners base + D/2.."""
+    per_head: tl.constexpr = HEAD_DIM // 2 // HB
+    return (pid // per_head) * HEAD_DIM + (pid % per_head) * HB
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    """SwiGLU rounded as the unfused ops round: gate and up already in the output dtype."""
+    g = gate.to(tl.float32)
+    return (g * tl.sigmoid(g)).to(gate.dtype) * up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_om, stride_c,
@@ -55,9 +70,7 @@ def _gemv_kernel(
         # partners j + D/2..: each program holds whole rotation pairs
         hb: tl.constexpr = BN // 2
         half: tl.constexpr = HEAD_DIM // 2
-        per_head: tl.constexpr = half // hb
-        rows = (pid // per_head) * HEAD_DIM + (pid % per_head) * hb + cols % hb \
-            + (cols // hb) * half
+        rows = _pair_base(pid, hb, HEAD_DIM) + cols % hb + (cols // hb) * half
     else:
         rows = pid * BN + cols
     nmask = rows < N
@@ -83,8 +96,7 @@ def _gemv_kernel(
     out = out_ptr + rm[:, None] * stride_om + rows[None, :]
     smask = mmask[:, None] & nmask[None, :]
     if EPILOGUE == 1:
-        gate = y.to(tl.float32)
-        y = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
+        y = _silu_mul(y, acc_up.to(dtype))
     elif EPILOGUE == 2:
         # each column's partner through a 0/1 permutation matrix: exact in fp32 accumulation
         swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(dtype)
@@ -112,11 +124,8 @@ def _gemv1_kernel(
     row sets: gate and up rows, or dims d and d + D/2 of a head."""
     pid = tl.program_id(0)
     if EPILOGUE == 2:
-        hb: tl.constexpr = BN // 2
-        half: tl.constexpr = HEAD_DIM // 2
-        per_head: tl.constexpr = half // hb
-        rows = (pid // per_head) * HEAD_DIM + (pid % per_head) * hb + tl.arange(0, hb)
-        partner = rows + half
+        rows = _pair_base(pid, BN // 2, HEAD_DIM) + tl.arange(0, BN // 2)
+        partner = rows + HEAD_DIM // 2
     else:
         rows = pid * BN + tl.arange(0, BN)
         partner = rows + N  # SILU_MUL: the up row beside gate row n
@@ -142,10 +151,8 @@ def _gemv1_kernel(
     dtype = out_ptr.dtype.element_ty
     if EPILOGUE == 0:
         tl.store(out_ptr + rows, y.to(dtype), mask=nmask)
-    elif EPILOGUE == 1:  # rounded as the dot kernel (and torch) rounds
-        gate = y.to(dtype).to(tl.float32)
-        tl.store(out_ptr + rows, (gate * tl.sigmoid(gate)).to(dtype) * y_b.to(dtype),
-                 mask=nmask)
+    elif EPILOGUE == 1:
+        tl.store(out_ptr + rows, _silu_mul(y.to(dtype), y_b.to(dtype)), mask=nmask)
     else:
         a = y.to(dtype).to(tl.float32)
         b = y_b.to(dtype).to(tl.float32)
