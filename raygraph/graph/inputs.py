@@ -104,8 +104,10 @@ class InputBuffers:
     Each step writes the real prefix and safe padding into a pinned host mirror, then one
     async driver copy moves it over; graphs read slice views of the bucket's size. NOTE: padding
     slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and an
-    all-zero block table row. The host mirror is rewritten only after the previous step's
-    tokens were read back (a sync), so no copy is still in flight.
+    all-zero block table row. NOTE: the host mirror is rewritten only once the previous
+    step's copy has run. The sampling rank reads its tokens back (a sync); a rank that does
+    not sample gets its next plan only after the sampling rank's step ended, and their
+    collectives tie that step to its own, which ran after its copy.
 
     Layout: one byte buffer, [seq lens | token rows | block tables], so a step's inputs are
     one contiguous prefix (the tables' first rows end it) and move in one copy. Strided
