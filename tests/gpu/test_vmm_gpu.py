@@ -83,6 +83,15 @@ def vmm_worker(ckpt, pool: str = "vmm") -> Worker:
     return w
 
 
+def captured_worker(ckpt) -> Worker:
+    """A VMM-pool worker with the whole schedule captured over random KV contents."""
+    w = vmm_worker(ckpt)
+    w.allocate_kv_cache(256)
+    w.capture_all()
+    randomise_caches([w], 0)
+    return w
+
+
 def plan_for(key: BucketKey, rng: random.Random) -> StepPlan:
     """A batch that lands exactly in `key`, over random contexts in disjoint blocks."""
     n = key.num_tokens
@@ -115,10 +124,7 @@ def check_all_keys(w: Worker, rng: random.Random) -> None:
 
 
 def test_every_vmm_graph_replays_right_after_all_were_captured(ckpt) -> None:
-    w = vmm_worker(ckpt)
-    w.allocate_kv_cache(256)
-    w.capture_all()
-    randomise_caches([w], 0)
+    w = captured_worker(ckpt)
     ex = w.executor
     s = ex.pool_stats()
     assert s.kind == "vmm" and s.spaces == len(ex.graphs) == len(ex.schedule())
@@ -136,10 +142,7 @@ def test_every_vmm_graph_replays_right_after_all_were_captured(ckpt) -> None:
 
 
 def test_sleep_releases_graph_memory_and_wake_replays_without_recapture(ckpt) -> None:
-    w = vmm_worker(ckpt)
-    w.allocate_kv_cache(256)
-    w.capture_all()
-    randomise_caches([w], 0)
+    w = captured_worker(ckpt)
     ex = w.executor
     graphs = dict(ex.graphs)
     held = ex.pool.held_bytes()
