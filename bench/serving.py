@@ -1,0 +1,238 @@
+"""What a client of the served path sees, against the same work run in-process without Ray.
+
+Per batch size: `batch` concurrent greedy requests (random token prompts, ignore_eos) through
+`coordinator.generate`, and the same requests through a Scheduler + Worker in this process.
+ratio = served ms per step / in-process ms per step: what Ray, the coordinator's loop and its
+messages add to each step. Also the msgpack size and codec time of the StepPlans, and the
+inter-token gap a batch-1 `generate_stream` client sees.
+
+    python -m bench.serving [--batches 1 8 64 256] [--prompt-len 8] [--max-tokens 256]
+                            [--model DIR | --preset llama-1b] [--tp N] [--device auto|cpu|cuda]
+
+The in-process phase runs first and frees its memory before Ray starts, so the two never
+share the device. With --tp > 1 there is no in-process engine: engine_ms_per_step is the
+coordinator's `worker_step_ms` (rank 0's time inside Worker.execute), see engine_source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import msgspec
+import ray
+import torch
+
+from bench.checkpoints import make_random_checkpoint
+from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.scheduler import Scheduler, Sequence
+from raygraph.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    GraphConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
+from raygraph.graph.buckets import BucketPlan
+from raygraph.memory.pages import BlockPool
+from raygraph.protocol import SamplingParams, StepPlan
+from raygraph.worker.worker import Worker
+
+Prompts = list[list[int]]
+
+
+def make_cfg(a: argparse.Namespace, model: str) -> ServeConfig:
+    """One config for both phases, resolved as start_coordinator would. The KV block count is
+    pinned (the largest batch at full length, plus a margin) so neither phase profiles memory
+    and both run with the same pool."""
+    bs, top = 16, max(a.batches)
+    blocks = top * -(-(a.prompt_len + a.max_tokens) // bs) + 16
+    cfg = ServeConfig(
+        model=model, device=a.device, parallel=ParallelConfig(tp=a.tp),
+        cache=CacheConfig(block_size=bs, num_blocks=blocks),
+        scheduler=SchedulerConfig(max_num_seqs=top, max_num_batched_tokens=(
+            a.max_num_batched_tokens or max(512, top * a.prompt_len))),
+        graph=GraphConfig(mode=a.mode),
+    )
+    return cfg.resolved(torch.cuda.device_count())
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int) -> Prompts:
+    """Random token ids, seeded by batch size: both phases see the same prompts."""
+    rng = random.Random(batch)
+    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
+               execute: Callable[[StepPlan], list[int]]) -> dict:
+    """The coordinator's loop in this process: schedule, key the plan as the coordinator does,
+    execute, update. Step time leaves out the msgpack round trip, timed on its own."""
+    s, m = cfg.scheduler, ModelConfig.from_pretrained(cfg.model)
+    n, bs = cfg.cache.num_blocks or 0, cfg.cache.block_size
+    max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings, n * bs)
+    sched = Scheduler(BlockPool(n, bs), s.max_num_seqs, s.max_num_batched_tokens, max_len,
+                      m.eos_token_ids)
+    buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs, s.max_num_batched_tokens)
+               if cfg.uses_graphs else None)
+    seqs = [Sequence(i, p, params) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
+    steps = decode_steps = nbytes = 0
+    busy = exec_s = enc_s = dec_s = 0.0
+    while True:
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        if out is None:
+            break
+        t, ns = out.plan.num_tokens, len(out.plan.seqs)
+        key = buckets.key(t, ns, t == ns) if buckets else None
+        plan = StepPlan(out.plan.step_id, out.plan.seqs, key=key)
+        t1 = time.perf_counter()
+        msg = enc.encode(plan)
+        t2 = time.perf_counter()
+        dec.decode(msg)
+        t3 = time.perf_counter()
+        tokens = execute(plan)
+        t4 = time.perf_counter()
+        sched.update(out, tokens)
+        busy += (t1 - t0) + (time.perf_counter() - t3)
+        exec_s += t4 - t3
+        enc_s, dec_s = enc_s + t2 - t1, dec_s + t3 - t2
+        steps, decode_steps, nbytes = steps + 1, decode_steps + (t == ns), nbytes + len(msg)
+    return {"steps": steps, "decode_steps": decode_steps, "seconds": busy,
+            "execute_ms_per_step": round(1e3 * exec_s / steps, 3),
+            "msg_bytes_per_step": round(nbytes / steps),
+            "encode_us_per_step": round(1e6 * enc_s / steps, 2),
+            "decode_us_per_step": round(1e6 * dec_s / steps, 2),
+            "tokens": [seq.output_token_ids for seq in seqs]}
+
+
+def engine_phase(cfg: ServeConfig, a: argparse.Namespace, vocab: int) -> dict[int, dict]:
+    """Per batch, the in-process run (tp 1: a Worker built as the coordinator builds it; tp > 1:
+    the scheduler alone with dummy tokens, for the message figures). Frees the device after."""
+    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=min(4, a.max_tokens), ignore_eos=True)
+    if cfg.parallel.world_size > 1:
+        def fake(plan: StepPlan) -> list[int]:
+            return [3] * sum(s.sample for s in plan.seqs)
+        return {b: run_engine(cfg, make_prompts(b, a.prompt_len, vocab), params, fake)
+                for b in a.batches}
+    worker = Worker(cfg, 0)
+    worker.load(("127.0.0.1", 0))
+    worker.allocate_kv_cache(cfg.cache.num_blocks or 0)
+    worker.capture_all()  # what the coordinator's start-up schedule captures
+
+    def execute(plan: StepPlan) -> list[int]:
+        return worker.execute(plan).token_ids  # ends in a host read of the tokens
+
+    rows = {}
+    for b in a.batches:
+        prompts = make_prompts(b, a.prompt_len, vocab)
+        run_engine(cfg, prompts, warm, execute)  # keys first seen at run time are captured
+        rows[b] = run_engine(cfg, prompts, params, execute)
+    worker.shutdown()
+    del worker, execute
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def served_run(coord: ray.actor.ActorHandle, prompts: Prompts, params: SamplingParams
+               ) -> dict:
+    """One generate call carrying every prompt, so all arrive in the same step, as in-process.
+    Steps and rank 0's time inside Worker.execute are deltas of the coordinator's stats."""
+    before = ray.get(coord.stats.remote())
+    t0 = time.perf_counter()
+    results = ray.get(coord.generate.remote(prompts, params))
+    wall = time.perf_counter() - t0
+    after = ray.get(coord.stats.remote())
+    steps = after["steps"] - before["steps"]
+    worker_ms = (after["worker_step_ms"] * after["steps"]
+                 - before["worker_step_ms"] * before["steps"]) / steps
+    return {"seconds": wall, "steps": steps, "worker_ms": worker_ms,
+            "tokens": [r.token_ids for r in results]}
+
+
+def stream_gaps(coord: ray.actor.ActorHandle, prompt: list[int], params: SamplingParams
+                ) -> tuple[float, float]:
+    """(time to the first delta, median gap between deltas) in ms, as a streaming client sees
+    them; the first delta carries the prefill, so it opens the gaps but is not one."""
+    t0 = time.perf_counter()
+    arrivals = []
+    for ref in coord.generate_stream.options(num_returns="streaming").remote(prompt, params):
+        ray.get(ref)
+        arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return 1e3 * (arrivals[0] - t0), 1e3 * statistics.median(gaps) if gaps else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--preset", default=None, help="random-weight checkpoint (bench/checkpoints.py)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: max(512, largest batch x prompt length)")
+    p.add_argument("--mode", choices=["graph", "eager"], default="graph")
+    a = p.parse_args()
+    model = a.model or DEFAULT_MODEL
+    if a.preset:
+        model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    cfg = make_cfg(a, model)
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    engine = engine_phase(cfg, a, vocab)  # first: alone on the device
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(include_dashboard=False, log_to_driver=False)
+    coord = start_coordinator(cfg)
+    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=min(4, a.max_tokens), ignore_eos=True)
+    stream_prompt = make_prompts(1, a.prompt_len, vocab)[0]
+    stream_gaps(coord, stream_prompt, warm)
+    ttft_ms, itl_ms = stream_gaps(coord, stream_prompt, params)
+    name = a.preset or os.path.basename(os.path.normpath(model))
+    for b in a.batches:
+        prompts = make_prompts(b, a.prompt_len, vocab)
+        ray.get(coord.generate.remote(prompts, warm))  # this shape's keys, before timing
+        served, eng = served_run(coord, prompts, params), engine[b]
+        e2e_ms = 1e3 * served["seconds"] / served["steps"]
+        in_process = cfg.parallel.world_size == 1
+        eng_ms = 1e3 * eng["seconds"] / eng["steps"] if in_process else served["worker_ms"]
+        print(json.dumps({
+            "batch": b, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
+            "e2e_ms_per_step": round(e2e_ms, 3), "engine_ms_per_step": round(eng_ms, 3),
+            "ratio": round(e2e_ms / eng_ms, 2),
+            "out_tok_s": round(b * a.max_tokens / served["seconds"], 1),
+            "msg_bytes_per_step": eng["msg_bytes_per_step"],
+            "encode_us_per_step": eng["encode_us_per_step"],
+            "decode_us_per_step": eng["decode_us_per_step"],
+            "engine_execute_ms_per_step": eng["execute_ms_per_step"] if in_process else None,
+            "served_worker_ms_per_step": round(served["worker_ms"], 3),
+            "stream_itl_ms": round(itl_ms, 3), "stream_ttft_ms": round(ttft_ms, 3),
+            "steps": served["steps"], "engine_steps": eng["steps"],
+            "decode_steps": eng["decode_steps"],
+            "engine_source": "in-process Worker" if in_process
+            else "coordinator worker_step_ms (rank 0 in Worker.execute)",
+            "tokens_match": served["tokens"] == eng["tokens"] if in_process else None,
+            "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
+            "model": name,
+        }), flush=True)
+    ray.get(coord.shutdown.remote())
+
+
+if __name__ == "__main__":
+    main()
