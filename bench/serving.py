@@ -140,7 +140,8 @@ def engine_phase(cfg: ServeConfig, a: argparse.Namespace, vocab: int) -> dict[in
         run_engine(cfg, prompts, warm, execute)  # keys first seen at run time are captured
         rows[b] = run_engine(cfg, prompts, params, execute)
     worker.shutdown()
-    del worker, execute
+    worker = None  # the closure in execute holds it: drop both before freeing the device
+    del execute
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

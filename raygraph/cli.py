@@ -1,4 +1,5 @@
-"""`raygraph demo | serve | generate | stop`."""
+"""`raygraph demo | serve | generate | check-capture | stop`: one line per error, exit 2 for
+bad input and 1 for a runtime failure (`--verbose` shows the traceback)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 import msgspec
 
+from raygraph.cluster.connect import (
+    ClusterError,
+    connect,
+    first_line,
+    get_coordinator,
+    start_coordinator,
+)
+from raygraph.cluster.requests import BadRequest
 from raygraph.config import (
     CacheConfig,
     ConfigError,
@@ -18,38 +28,57 @@ from raygraph.config import (
     load_toml,
     parse_bytes,
 )
+from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams
 
 DEMO_PROMPTS = ["The import statement", "A class definition", "The for statement",
                 "Exceptions can be raised"]
 
 
+D = ServeConfig()  # the defaults the flags fall back to (or a --config file's values)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir (default: the built-in model)")
     p.add_argument("--config", default=None, help="a TOML ServeConfig; flags override it")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--tp", type=int, default=None,
+                   help=f"tensor-parallel size (default: {D.parallel.tp})")
     p.add_argument("--dp", type=int, default=None,
-                   help="attention data-parallel groups (MoE models; needs --ep tp*dp)")
+                   help="attention data-parallel groups (MoE models; needs --ep tp*dp) "
+                        f"(default: {D.parallel.dp})")
     p.add_argument("--ep", type=int, default=None,
-                   help="expert-parallel size: 1 (experts TP-split) or tp*dp (MoE models)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+                   help="expert-parallel size: 1 (experts TP-split) or tp*dp (MoE models) "
+                        f"(default: {D.parallel.ep})")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help=f"auto: cuda when the cluster has a GPU per rank (default: {D.device})")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help=f"auto: bfloat16 on cuda, float32 on cpu (default: {D.dtype})")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block (default: {D.cache.block_size})")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per rank (default: sized from free memory)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"running sequences at most (default: {D.scheduler.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a step (chunked prefill) "
+                        f"(default: {D.scheduler.max_num_batched_tokens})")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--eager", action="store_true",
                    help="run every step eagerly (no graphs): the reference path, for debugging")
     p.add_argument("--graph-pool", choices=["vmm", "torch", "private"], default=None,
                    help="graph memory: vmm (a virtual range per capture over shared physical "
-                        "memory; default), torch (one shared pool), private (a pool per graph)")
+                        "memory), torch (one shared pool), private (a pool per graph) "
+                        f"(default: {D.graph.pool})")
     p.add_argument("--offload-budget", type=parse_bytes, default=None,
                    help="keep weights in host memory with at most this much of them on the GPU "
-                        "(bytes, or e.g. 1.5GiB, 800MB); fails at load below the floor")
+                        "(bytes, or e.g. 1.5GiB, 800MB); fails at load below the floor "
+                        "(default: off)")
     p.add_argument("--offload-mode", choices=["ring", "lru", "sync"], default=None,
-                   help="ring: fixed slots, copies inside the graphs (default); lru: capped "
-                        "pool with LRU and prefetch (eager); sync: copy before each kernel")
+                   help="ring: fixed slots, copies inside the graphs; lru: capped pool with "
+                        "LRU and prefetch (eager); sync: copy before each kernel "
+                        f"(default: {D.offload.mode})")
 
 
 def serve_config(a: argparse.Namespace) -> ServeConfig:
@@ -85,26 +114,12 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
     )
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> None:
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address:
-        ray.init(address=address, namespace="raygraph")
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="raygraph")
-
-
 def cmd_demo(a: argparse.Namespace) -> int:
     import ray
 
-    from raygraph.cluster.coordinator import start_coordinator
-
     cfg = serve_config(a)
-    init_ray(None, num_cpus=max(2, cfg.parallel.world_size + 1))
-    t0 = time.perf_counter()
-    coord = start_coordinator(cfg)
-    print(f"serving {cfg.model} (tp={cfg.parallel.tp}) after {time.perf_counter() - t0:.1f}s")
+    connect(None, num_cpus=max(2, cfg.parallel.world_size + 1), log_to_driver=a.verbose)
+    coord = start_coordinator(cfg, progress=True)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
     t0 = time.perf_counter()
     results = ray.get(coord.generate.remote(DEMO_PROMPTS, params))
@@ -119,33 +134,43 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from raygraph.cluster.coordinator import start_coordinator
+    import ray
+    from ray.exceptions import RayActorError
 
     cfg = serve_config(a)
-    init_ray(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1)
-    coord = start_coordinator(cfg, detached=a.detach)
-    print(f"coordinator {cfg.coordinator_name!r} serving {cfg.model}", flush=True)
+    if a.detach and not a.address:
+        raise ConfigError(
+            "--detach needs a Ray cluster that outlives this command: start one with "
+            "`ray start --head` and pass --address auto (or the head's address)")
+    addr = connect(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1,
+                   log_to_driver=a.verbose)
+    coord = start_coordinator(cfg, detached=a.detach, progress=True)
+    print(f"coordinator {cfg.coordinator_name!r} serving {cfg.model} on the Ray cluster at "
+          f"{addr}", flush=True)
+    print(f"clients: raygraph generate --address {addr} \"The import statement\"; "
+          f"stop: raygraph stop --address {addr}"
+          + ("" if a.detach else " (or Ctrl-C here)"), flush=True)
     if a.detach:
         return 0
-    import ray
-
     try:
         while True:
             time.sleep(10)
             ray.get(coord.ping.remote())
     except KeyboardInterrupt:
         ray.get(coord.shutdown.remote())
+    except RayActorError:  # `raygraph stop` from another shell
+        print("coordinator stopped")
     return 0
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     import ray
 
-    from raygraph.cluster.coordinator import get_coordinator
-
-    init_ray(a.address or "auto")
+    connect(a.address or "auto", log_to_driver=False)
     coord = get_coordinator()
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed, stop=a.stop or [],
+                            ignore_eos=a.ignore_eos)
     if a.stream:
         print(a.prompt, end="", flush=True)
         for ref in coord.generate_stream.options(num_returns="streaming").remote(a.prompt, params):
@@ -162,13 +187,13 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     exit non-zero if any key's records disagree (or a rank fails)."""
     import ray
 
-    from raygraph.cluster.coordinator import start_coordinator
     from raygraph.cluster.lockstep import format_table, last_line
 
     cfg = serve_config(a)
     cfg = msgspec.structs.replace(
         cfg, graph=msgspec.structs.replace(cfg.graph, mode="graph", capture_at_start=False))
-    init_ray(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1)
+    connect(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1,
+            log_to_driver=a.verbose)
     coord = start_coordinator(cfg)
     t0 = time.perf_counter()
     failure = None
@@ -182,7 +207,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
           f"{time.perf_counter() - t0:.1f}s")
     ray.get(coord.shutdown.remote())
     if failure or not all(r.agree for r in reports):
-        print(f"FAILED: {failure}", file=sys.stderr)
+        print(f"raygraph: error: {failure or 'ranks disagree'}", file=sys.stderr)
         return 1
     print("all ranks agree on every key")
     return 0
@@ -191,9 +216,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
 def cmd_stop(a: argparse.Namespace) -> int:
     import ray
 
-    from raygraph.cluster.coordinator import get_coordinator
-
-    init_ray(a.address or "auto")
+    connect(a.address or "auto", log_to_driver=False)
     coord = get_coordinator()
     ray.get(coord.shutdown.remote())
     ray.kill(coord)
@@ -201,38 +224,82 @@ def cmd_stop(a: argparse.Namespace) -> int:
     return 0
 
 
+# bad input (exit 2): the request or configuration cannot work as given
+BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError,
+                                              NotADirectoryError, OffloadBudgetError,
+                                              msgspec.ValidationError)
+
+
+def explain(err: BaseException) -> tuple[int, str]:
+    """(exit code, one line) for an error, looking through Ray's wrappers to the cause."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    while isinstance(err, RayTaskError) and err.cause is not None and err.cause is not err:
+        err = err.cause
+    if isinstance(err, RayActorError):  # the cause survives only as its traceback text
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        causes = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+        return 1, causes[-1] if causes else lines[0]
+    code = 2 if isinstance(err, BAD_INPUT) else 1
+    if isinstance(err, (ConfigError, ClusterError, BadRequest)) or code == 2:
+        return code, first_line(err)
+    return code, f"{type(err).__name__}: {first_line(err)}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="raygraph", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(
+        prog="raygraph", description="LLM serving on GPUs with Ray, in graph mode.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show tracebacks and the workers' logs")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="serve the built-in model locally and generate")
     add_serve_args(demo)
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (default: 48)")
+    demo.add_argument("--temperature", type=float, default=0.0,
+                      help="0 is greedy (default: 0.0)")
     serve = sub.add_parser("serve", help="start the named coordinator on a Ray cluster")
     add_serve_args(serve)
-    serve.add_argument("--address", default=None, help="Ray address to join ('auto' for local)")
-    serve.add_argument("--detach", action="store_true", help="leave it running and exit")
+    serve.add_argument("--address", default=None,
+                       help="Ray cluster to join ('auto': the local one) (default: start a "
+                            "private one that lives as long as this command)")
+    serve.add_argument("--detach", action="store_true",
+                       help="leave the coordinator serving on the cluster and exit "
+                            "(needs --address)")
     gen = sub.add_parser("generate", help="a client: send a prompt to the running coordinator")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default=None)
-    gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--address", default=None,
+                     help="the Ray address `raygraph serve` printed (default: auto, the "
+                          "local cluster)")
+    gen.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 is off (default: 0)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request seed (default: none)")
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop string, repeatable (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     check = sub.add_parser("check-capture",
                            help="capture the schedule in lockstep and check the ranks agree")
     add_serve_args(check)
-    check.add_argument("--address", default=None, help="Ray address to join (default: local)")
+    check.add_argument("--address", default=None,
+                       help="Ray cluster to join (default: a private local one)")
     stop = sub.add_parser("stop", help="shut the named coordinator down")
-    stop.add_argument("--address", default=None)
+    stop.add_argument("--address", default=None,
+                      help="the Ray address `raygraph serve` printed (default: auto)")
     a = parser.parse_args(argv)
     handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate,
                 "check-capture": cmd_check_capture, "stop": cmd_stop}
     try:
         return handlers[a.cmd](a)
-    except ConfigError as e:  # an impossible layout or setting: say why, no traceback
-        print(f"raygraph: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if a.verbose:
+            traceback.print_exc()
+        code, line = explain(e)
+        print(f"raygraph: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

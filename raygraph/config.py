@@ -73,7 +73,21 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise FileNotFoundError(f"model path {path!r} is not a directory")
         if not cfg_file.is_file():
             raise FileNotFoundError(f"model path {path!r} has no config.json")
-        hf = json.loads(cfg_file.read_text())
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from None
+        try:
+            return ModelConfig._from_hf(str(path), cfg_file, hf)
+        except ConfigError:
+            raise
+        except KeyError as e:
+            raise ConfigError(f"{cfg_file} lacks the field {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type
+            raise ConfigError(f"{cfg_file}: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def _from_hf(path: str, cfg_file: Path, hf: dict) -> ModelConfig:
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -326,4 +340,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
 
 def load_toml(path: str | os.PathLike[str]) -> ServeConfig:
     """A ServeConfig from a TOML file (same field names as the Structs)."""
-    return msgspec.toml.decode(Path(path).read_bytes(), type=ServeConfig)
+    try:
+        return msgspec.toml.decode(Path(path).read_bytes(), type=ServeConfig)
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {str(path)!r}: {e.strerror}") from None
+    except msgspec.MsgspecError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -128,3 +128,10 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     weight_bytes: int
     kv_bytes_per_block: int
     load_s: float
+
+
+class StartupProgress(msgspec.Struct, frozen=True):
+    """(done, total) of each start-up phase; total 0: not started or nothing to do."""
+
+    load: tuple[int, int] = (0, 0)  # checkpoint tensors read by rank 0
+    capture: tuple[int, int] = (0, 0)  # capture-schedule keys

@@ -35,7 +35,14 @@ from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.buckets import BucketPlan
 from raygraph.memory.pages import BlockPool
 from raygraph.memory.stats import MemoryStats
-from raygraph.protocol import BucketKey, GenerateResult, StepPlan, StreamDelta, WorkerInfo
+from raygraph.protocol import (
+    BucketKey,
+    GenerateResult,
+    StartupProgress,
+    StepPlan,
+    StreamDelta,
+    WorkerInfo,
+)
 from raygraph.worker.worker import Worker
 
 log = logging.getLogger("raygraph.coordinator")
@@ -91,6 +98,7 @@ class Coordinator:
                         if graph else None)
         self.lockstep: LockstepCapture | None = None
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
+        self._progress = StartupProgress()
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -130,7 +138,9 @@ class Coordinator:
         addr = await self.workers[0].address.remote()
         log.info("loading %s on %d %s worker(s) (tp=%d)", cfg.model, world, cfg.device,
                  cfg.parallel.tp)
-        self.infos = await asyncio.gather(*(w.load.remote(addr) for w in self.workers))
+        me = ray.get_runtime_context().current_actor
+        self.infos = await asyncio.gather(*(w.load.remote(addr, me if r == 0 else None)
+                                            for r, w in enumerate(self.workers)))
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
         self.lockstep = LockstepCapture(self.workers, cfg.graph.capture_timeout_s)
@@ -160,15 +170,21 @@ class Coordinator:
         for i, key in enumerate(keys, 1):
             if key not in self.lockstep.captured:
                 r = await self._capture_key(key)
-                log.info("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, %d collectives, "
-                         "%.1f MiB, %.2fs", i, len(keys), key, r.pieces, r.nodes, r.collectives,
-                         r.pool_bytes / 2**20, r.seconds)
+                log.debug("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, "
+                          "%d collectives, %.1f MiB, %.2fs", i, len(keys), key, r.pieces,
+                          r.nodes, r.collectives, r.pool_bytes / 2**20, r.seconds)
+            self._progress = msgspec.structs.replace(self._progress, capture=(i, len(keys)))
         self.capture_s += time.perf_counter() - t0
         self.memory = await asyncio.gather(*(w.memory_stats.remote() for w in self.workers))
         reports = self.lockstep.reports
-        log.info("capture schedule: %d buckets, %d graphs, %.1f MiB of graph pool in %.2fs",
-                 len(reports), sum(r.pieces for r in reports),
-                 sum(r.pool_bytes for r in reports) / 2**20, self.capture_s)
+        graphs = sum(r.pieces for r in reports)
+        if graphs:
+            log.info("capture schedule: %d buckets, %d graphs, %.1f MiB of graph pool in %.2fs",
+                     len(reports), graphs, sum(r.pool_bytes for r in reports) / 2**20,
+                     self.capture_s)
+        else:  # the eager backend (CPU): the protocol ran, nothing was captured
+            log.info("capture schedule: %d keys checked in lockstep in %.2fs (eager backend: "
+                     "no graphs)", len(reports), self.capture_s)
         return reports
 
     async def _capture_key(self, key: BucketKey) -> KeyReport:
@@ -181,6 +197,13 @@ class Coordinator:
             self._serving.clear()
             await self._stop_workers()
             raise
+
+    def report_progress(self, phase: str, done: int, total: int) -> None:
+        """Workers report start-up progress here (rank 0's weight load)."""
+        self._progress = msgspec.structs.replace(self._progress, **{phase: (done, total)})
+
+    def progress(self) -> StartupProgress:
+        return self._progress
 
     def capture_report(self) -> list[KeyReport]:
         """The per-key capture table so far (also after a failed capture)."""
@@ -407,25 +430,6 @@ class Coordinator:
         return list(self.workers)
 
 
-def start_coordinator(cfg: ServeConfig, detached: bool = False) -> Any:
-    """Create the named coordinator actor on the connected Ray cluster and wait until it serves."""
-    cfg = cfg.resolved(ray.cluster_resources().get("GPU", 0))
-    opts: dict[str, Any] = {"name": cfg.coordinator_name, "namespace": cfg.namespace, "num_cpus": 0}
-    if detached:
-        opts["lifetime"] = "detached"
-    handle = ray.remote(Coordinator).options(**opts).remote(cfg)
-    ray.get(handle.start.remote())
-    return handle
-
-
-def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygraph") -> Any:
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        raise RuntimeError(
-            f"no coordinator named {name!r} in namespace {namespace!r}: start one with "
-            "`raygraph serve`"
-        ) from None
-
+from raygraph.cluster.connect import get_coordinator, start_coordinator  # noqa: E402
 
 __all__ = ["BadRequest", "Coordinator", "WorkerFailure", "get_coordinator", "start_coordinator"]

@@ -26,6 +26,10 @@ class OffloadBudgetError(OffloadError):
                          f"bytes are needed ({detail})")
         self.budget = budget
         self.floor = floor
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:  # crosses actors: rebuilt from its own arguments
+        return type(self), (self.budget, self.floor, self.detail)
 
 
 class OffloadOrderError(OffloadError):
@@ -61,7 +65,7 @@ class Floor:
             raise OffloadBudgetError(
                 budget, self.bytes,
                 f"{self.resident} resident + weights {self.pair[0]!r} and {self.pair[1]!r} "
-                "on the GPU together")
+                "in the budget together")
 
 
 def compute_floor(order: Sequence[WeightSpec], resident: int) -> Floor:

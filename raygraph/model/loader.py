@@ -4,12 +4,12 @@ each rank reading only its own slice of every tensor."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm import tqdm
 
 from raygraph.config import ModelConfig, check_ep
 from raygraph.model.llama import LlamaForCausalLM
@@ -41,7 +41,7 @@ def checkpoint_files(path: str) -> list[Path]:
 
 def build_model(
     cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.device,
-    ep_comm: Comm | None = None,
+    ep_comm: Comm | None = None, progress: Callable[[int, int], None] | None = None,
 ) -> nn.Module:
     """Construct the model on `device` and load this rank's shard of the checkpoint.
 
@@ -58,7 +58,7 @@ def build_model(
     for module in model.modules():  # rotary tables stay fp32
         if hasattr(module, "cos"):
             module.float()
-    load_weights(model, cfg.path, comm)
+    load_weights(model, cfg.path, comm, progress)
     return model.eval()
 
 
@@ -115,13 +115,23 @@ def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[st
     return out
 
 
-def load_weights(model: nn.Module, path: str, comm: Comm) -> None:
+def load_weights(model: nn.Module, path: str, comm: Comm,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+    """`progress(tensors read, tensors in the checkpoint)` is called after each tensor."""
     params = dict(model.named_parameters())  # tied weights appear once
     loaded: set[tuple[str, Part]] = set()
     files = checkpoint_files(path)
-    for file in tqdm(files, desc="loading weights", disable=comm.rank != 0 or len(files) < 2):
+    names: list[list[str]] = []
+    for file in files:  # headers only: the total for progress
         with safe_open(str(file), framework="pt") as f:
-            for ckpt_name in f.keys():
+            names.append(list(f.keys()))
+    total, done = sum(len(n) for n in names), 0
+    for file, keys in zip(files, names):
+        with safe_open(str(file), framework="pt") as f:
+            for ckpt_name in keys:
+                done += 1
+                if progress is not None:
+                    progress(done, total)
                 if ckpt_name.endswith(IGNORED_SUFFIXES):
                     continue
                 name, part = _target(ckpt_name)

@@ -8,7 +8,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import msgspec
 import torch
@@ -50,6 +52,20 @@ def free_address() -> tuple[str, int]:
     return ip, port
 
 
+def _throttled(reporter: Any, every_s: float = 0.2) -> Callable[[int, int], None]:
+    """A progress callback that tells `reporter` at most every `every_s`, and at the end."""
+    last = 0.0
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if done == total or now - last >= every_s:
+            last = now
+            reporter.report_progress.remote("load", done, total)
+
+    return report
+
+
 class Worker:
     def __init__(self, cfg: ServeConfig, rank: int) -> None:
         setup_logging()
@@ -77,9 +93,12 @@ class Worker:
     def address(self) -> tuple[str, int]:
         return free_address()
 
-    def load(self, dist_addr: tuple[str, int]) -> WorkerInfo:
-        """Join the process group, load this rank's shard and measure what the KV cache may take."""
+    def load(self, dist_addr: tuple[str, int], reporter: Any = None) -> WorkerInfo:
+        """Join the process group, load this rank's shard and measure what the KV cache may
+        take. `reporter` (an actor with `report_progress`, rank 0 only) hears how far the
+        weights are."""
         t0 = time.perf_counter()
+        progress = _throttled(reporter) if reporter is not None else None
         comm, ep_comm = Comm(), None
         if self.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -93,10 +112,11 @@ class Worker:
         self.cfg.parallel.check_model(self.model_cfg)
         self.offload: OffloadEngine | None = None
         if self.cfg.offload.budget_bytes is None:
-            self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm)
+            self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm,
+                                     progress)
         else:  # weights stay in host memory; the engine moves the rest to the device
             self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"),
-                                     ep_comm)
+                                     ep_comm, progress)
             self.offload = apply_offload(self.model, self.model.model, self.cfg.offload,
                                          self.device, self._one_token_forward)
             if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:

@@ -1,0 +1,165 @@
+"""The driver's side of the cluster: connect to Ray, start or find the named coordinator.
+
+Every entry point (the CLI, deploy/, benchmarks) goes through here, so they all reach a
+cluster the same way: with Ray's token authentication where the cluster has it, and with
+errors that name the cluster they reached.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from raygraph.config import ConfigError, ModelConfig, ServeConfig
+from raygraph.protocol import StartupProgress
+
+
+class ClusterError(RuntimeError):
+    """No Ray cluster, or no coordinator on it, where the client looked."""
+
+
+def auth_token_available() -> bool:
+    """Whether this machine holds a Ray auth token (the places Ray itself reads)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return Path(path).is_file()
+
+
+def _enable_token_auth() -> None:
+    """Ray (2.52+) turns token auth on for `address="auto"` when a token exists locally, but
+    not for an explicit address, nor for `ray job submit`. Apply the same rule to every
+    address; a cluster without auth ignores the token. RAY_AUTH_MODE set by hand wins."""
+    if "RAY_AUTH_MODE" in os.environ or not auth_token_available():
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token auth
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def connect(address: str | None, namespace: str = "raygraph", num_cpus: int | None = None,
+            log_to_driver: bool = True) -> str:
+    """Join the cluster at `address` ("auto": the local one), or start a private instance
+    when None. Returns the GCS address reached, the one clients pass as --address."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    if address is None:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
+                 log_to_driver=log_to_driver)
+    else:
+        _enable_token_auth()
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+        except Exception as e:  # ConnectionError, AuthenticationError, RuntimeError from the GCS
+            hint = ""
+            if os.environ.get("RAY_AUTH_MODE", "disabled") != "token" or "uthentic" in str(e):
+                hint = ("; if the cluster uses token auth, copy the head's ~/.ray/auth_token "
+                        "here or set RAY_AUTH_TOKEN")
+            where = "a local Ray cluster" if address == "auto" else f"a Ray cluster at {address}"
+            raise ClusterError(f"cannot reach {where}: {first_line(e)}{hint}") from None
+    return ray.get_runtime_context().gcs_address
+
+
+def first_line(err: BaseException) -> str:
+    """The message of an error without Ray's traceback."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygraph") -> Any:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        addr = ray.get_runtime_context().gcs_address
+        raise ClusterError(
+            f"no coordinator named {name!r} in namespace {namespace!r} on the Ray cluster at "
+            f"{addr}: start one with `raygraph serve`, or pass the --address it printed"
+        ) from None
+
+
+def check_startup(cfg: ServeConfig) -> ModelConfig:
+    """The checks that need no worker, run in the driver: a bad model path, config.json or
+    layout is reported at once, not as an actor that died."""
+    model = ModelConfig.from_pretrained(cfg.model)
+    cfg.parallel.check_model(model)
+    return model
+
+
+def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool = False) -> Any:
+    """Create the named coordinator on the connected cluster and wait until it serves.
+
+    `progress` shows bars for model load and the capture schedule (on a terminal) and
+    prints one summary line. A failed start removes the coordinator, so a retry can take
+    its name.
+    """
+    from raygraph.cluster.coordinator import Coordinator
+
+    cfg = cfg.resolved(ray.cluster_resources().get("GPU", 0))
+    check_startup(cfg)
+    opts: dict[str, Any] = {"name": cfg.coordinator_name, "namespace": cfg.namespace,
+                            "num_cpus": 0}
+    if detached:
+        opts["lifetime"] = "detached"
+    try:
+        handle = ray.remote(Coordinator).options(**opts).remote(cfg)
+    except ValueError as e:  # the name is taken
+        raise ClusterError(f"{first_line(e)}: stop it first (`raygraph stop`)") from None
+    t0 = time.perf_counter()
+    ref = handle.start.remote()
+    try:
+        info = _wait_with_progress(handle, ref) if progress else ray.get(ref)
+    except BaseException:
+        ray.kill(handle)
+        raise
+    if progress:
+        print(summary_line(info, time.perf_counter() - t0), flush=True)
+    return handle
+
+
+def summary_line(info: dict, seconds: float) -> str:
+    graphs = (f"{info['buckets_captured']} buckets captured ({info['graphs_captured']} graphs, "
+              f"{info['graph_pool_bytes'] / 2**20:.1f} MiB graph pool)"
+              if info["graphs_captured"] else f"{info['graph_mode']} mode, no graphs")
+    return (f"ready in {seconds:.1f}s: {info['model']} on {info['tp'] * info['dp']} "
+            f"{info['device']} worker(s), {info['dtype']}, "
+            f"{sum(info['weight_bytes_per_rank']) / 2**20:.1f} MiB of weights, "
+            f"{info['num_kv_blocks']} KV blocks, max_model_len {info['max_model_len']}, {graphs}")
+
+
+def _wait_with_progress(handle: Any, ref: Any) -> dict:
+    """Poll the coordinator's start-up progress and draw it until `ref` is ready."""
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+    labels = {"load": "loading weights (rank 0)", "capture": "capture schedule"}
+    enabled = sys.stderr.isatty()
+    try:
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.2)
+            p: StartupProgress = ray.get(handle.progress.remote())
+            for phase, (done, total) in (("load", p.load), ("capture", p.capture)):
+                if total and enabled:
+                    bar = bars.get(phase)
+                    if bar is None:
+                        bar = bars[phase] = tqdm(total=total, desc=labels[phase],
+                                                 unit="tensor" if phase == "load" else "key",
+                                                 leave=True, file=sys.stderr)
+                    bar.update(done - bar.n)
+            if ready:
+                return ray.get(ref)
+    finally:
+        for bar in bars.values():
+            bar.close()
+
+
+__all__ = ["ClusterError", "ConfigError", "connect", "get_coordinator", "start_coordinator"]
