@@ -15,7 +15,7 @@ from raygraph.graph.executor import EagerExecutor, GraphExecutor
 from raygraph.graph.inputs import InputBuffers, host_inputs
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import randomise_caches
+from tests.conftest import assert_close_across_shapes, randomise_caches
 
 BS = 4
 NUM_BLOCKS = 64
@@ -100,7 +100,8 @@ def test_graph_executor_equals_eager(workers, trial):
         ref = e.executor.logits(plan)
         assert g.executor.last_key.phase == phase
         assert g.executor.last_key.num_tokens >= plan.num_tokens
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        # a padded bucket vs the exact batch: different GEMM shapes, so rounding noise
+        assert_close_across_shapes(got, ref)
 
 
 @pytest.mark.parametrize("mid_prompt", [False, True])
@@ -128,7 +129,8 @@ def test_above_the_largest_bucket_runs_eagerly(workers):
     got = g.executor.logits(plan)
     assert g.executor.last_key == BucketKey("eager", 40)
     randomise_caches((g, e), 9)
-    torch.testing.assert_close(got, e.executor.logits(plan))
+    # the eager path on the real 40 tokens, as the eager worker runs them: bit for bit
+    assert torch.equal(got, e.executor.logits(plan))
 
 
 def test_piecewise_instruction_sequence(workers):
@@ -192,7 +194,7 @@ def test_decode_graph_returns_rows_only_for_sampling_sequences(workers):
     randomise_caches((g, e), 3)
     got, want = g.executor.logits(plan), e.executor.logits(plan)
     assert g.executor.last_key.phase == "decode" and got.shape[0] == 2
-    torch.testing.assert_close(got, want)
+    assert_close_across_shapes(got, want)  # 3 decode rows padded to the bucket of 4
 
 
 def test_capture_and_idle_padding_point_only_at_the_scratch_block(workers):

@@ -21,7 +21,7 @@ from raygraph.model.loader import build_model
 from raygraph.model.moe import MoeForCausalLM, experts_dense, experts_grouped
 from raygraph.model.parallel import Comm
 from raygraph.protocol import SeqChunk, StepPlan
-from tests.conftest import free_port, make_checkpoint
+from tests.conftest import assert_close_across_shapes, free_port, make_checkpoint
 from tests.hf_ref import hf_greedy
 
 CPU = torch.device("cpu")
@@ -153,7 +153,11 @@ def test_padding_rows_do_not_change_real_tokens(ckpts: dict[str, Path], arch: st
     t = sum(len(c.token_ids) for c in chunks)
     exact = run_step(model, chunks, t)
     for pad in (1, 13):
-        assert torch.equal(run_step(model, chunks, t + pad), exact), pad
+        # padding rows change the expert GEMMs' M (t vs t + pad rows), and with it their
+        # reduction order on some CPUs: equal to the dtype's rounding noise, not bitwise.
+        # Padding leaking into a real row, or the wrong rows coming back, is far above it.
+        assert_close_across_shapes(run_step(model, chunks, t + pad), exact,
+                                   msg=lambda m, pad=pad: f"pad={pad}: {m}")
     with pytest.raises(ValueError, match="num_comm_tokens"):
         run_step(model, chunks, t - 1)
 
