@@ -30,7 +30,7 @@ import ray
 import torch
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import (
     DEFAULT_MODEL,

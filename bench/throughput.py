@@ -14,7 +14,7 @@ import time
 import ray
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
     GraphConfig,

@@ -9,7 +9,7 @@ import argparse
 
 import ray
 
-from raygraph.cluster.coordinator import get_coordinator
+from raygraph.cluster.connect import connect, get_coordinator
 from raygraph.protocol import SamplingParams
 
 
@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--address", default="auto")
     p.add_argument("--max-tokens", type=int, default=32)
     a = p.parse_args()
-    ray.init(address=a.address, namespace="raygraph")
+    connect(a.address)  # finds this machine's Ray auth token if the cluster needs one
     coord = get_coordinator()
     params = SamplingParams(max_tokens=a.max_tokens)
     # one call with every prompt: they are batched together on the cluster

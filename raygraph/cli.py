@@ -13,6 +13,8 @@ import msgspec
 
 from raygraph.cluster.connect import (
     ClusterError,
+    auth_token_available,
+    check_startup,
     connect,
     first_line,
     get_coordinator,
@@ -118,6 +120,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     import ray
 
     cfg = serve_config(a)
+    check_startup(cfg)  # a bad model or layout fails here, before Ray starts
     connect(None, num_cpus=max(2, cfg.parallel.world_size + 1), log_to_driver=a.verbose)
     coord = start_coordinator(cfg, progress=True)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
@@ -138,6 +141,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from ray.exceptions import RayActorError
 
     cfg = serve_config(a)
+    check_startup(cfg)  # a bad model or layout fails here, before Ray starts
     if a.detach and not a.address:
         raise ConfigError(
             "--detach needs a Ray cluster that outlives this command: start one with "
@@ -190,6 +194,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     from raygraph.cluster.lockstep import format_table, last_line
 
     cfg = serve_config(a)
+    check_startup(cfg)  # a bad model or layout fails here, before Ray starts
     cfg = msgspec.structs.replace(
         cfg, graph=msgspec.structs.replace(cfg.graph, mode="graph", capture_at_start=False))
     connect(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1,
@@ -222,6 +227,24 @@ def cmd_stop(a: argparse.Namespace) -> int:
     ray.kill(coord)
     print("coordinator stopped")
     return 0
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    """`ray job submit` of deploy/job.py. Ray's job CLI sends the auth token only when
+    RAY_AUTH_MODE=token; set it when this machine holds a token (a cluster without auth
+    ignores it), as `connect` does for the other clients."""
+    import shutil
+    import subprocess
+
+    env = dict(os.environ)
+    if "RAY_AUTH_MODE" not in env and auth_token_available():
+        env["RAY_AUTH_MODE"] = "token"
+    local = os.path.join(os.path.dirname(sys.executable), "ray")
+    ray_bin = local if os.path.exists(local) else shutil.which("ray") or "ray"
+    args = a.serve_args[1:] if a.serve_args[:1] == ["--"] else a.serve_args
+    cmd = [ray_bin, "job", "submit", "--address", a.address, "--working-dir", a.working_dir,
+           "--", a.python, "deploy/job.py", *args]
+    return subprocess.run(cmd, env=env).returncode
 
 
 # bad input (exit 2): the request or configuration cannot work as given
@@ -284,12 +307,22 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(check)
     check.add_argument("--address", default=None,
                        help="Ray cluster to join (default: a private local one)")
+    job = sub.add_parser("submit", help="submit the serving job to a Ray cluster (`ray job "
+                         "submit` of deploy/job.py, with this machine's auth token if any)")
+    job.add_argument("--address", required=True,
+                     help="the cluster's dashboard address, e.g. http://HEAD:8265")
+    job.add_argument("--working-dir", default=".",
+                     help="the raygraph checkout uploaded with the job (default: .)")
+    job.add_argument("--python", default="python",
+                     help="the Python that runs the job on the cluster (default: python)")
+    job.add_argument("serve_args", nargs=argparse.REMAINDER,
+                     help="`-- raygraph serve` flags for the job, e.g. -- --model DIR --tp 8")
     stop = sub.add_parser("stop", help="shut the named coordinator down")
     stop.add_argument("--address", default=None,
                       help="the Ray address `raygraph serve` printed (default: auto)")
     a = parser.parse_args(argv)
     handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate,
-                "check-capture": cmd_check_capture, "stop": cmd_stop}
+                "check-capture": cmd_check_capture, "submit": cmd_submit, "stop": cmd_stop}
     try:
         return handlers[a.cmd](a)
     except KeyboardInterrupt:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.config import CacheConfig, ParallelConfig, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams
 from tests.hf_ref import hf_greedy

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.cluster.requests import BadRequest
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams

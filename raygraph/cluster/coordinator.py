@@ -430,6 +430,4 @@ class Coordinator:
         return list(self.workers)
 
 
-from raygraph.cluster.connect import get_coordinator, start_coordinator  # noqa: E402
-
-__all__ = ["BadRequest", "Coordinator", "WorkerFailure", "get_coordinator", "start_coordinator"]
+__all__ = ["BadRequest", "Coordinator", "WorkerFailure"]

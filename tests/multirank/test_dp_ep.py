@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     ConfigError,

@@ -9,7 +9,7 @@ import time
 import msgspec
 import pytest
 
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.cluster.lockstep import CaptureError, LockstepCapture, first_difference
 from raygraph.config import (
     CacheConfig,

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from raygraph.cluster.coordinator import start_coordinator
+from raygraph.cluster.connect import start_coordinator
 from raygraph.cluster.lockstep import LockstepCapture
 from raygraph.config import CacheConfig, GraphConfig, ParallelConfig, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams, StepPlan

@@ -1,0 +1,75 @@
+"""The CLI as a user meets it: one line per error, exit 2 for bad input, 1 for a failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raygraph.config import DEFAULT_MODEL
+
+RAYGRAPH = str(Path(sys.executable).parent / "raygraph")
+
+
+def raygraph(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([RAYGRAPH, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(p: subprocess.CompletedProcess) -> str:
+    """The error line; nothing on stderr looks like a traceback."""
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert not any("Traceback" in ln or ln.startswith("  File ") for ln in lines), p.stderr
+    errors = [ln for ln in lines if ln.startswith("raygraph: error: ")]
+    assert len(errors) == 1, p.stderr
+    return errors[0]
+
+
+@pytest.fixture
+def bad_models(tmp_path: Path) -> dict[str, Path]:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    return {"broken": broken, "gpt2": gpt2, "missing": tmp_path / "nope"}
+
+
+@pytest.mark.parametrize("case, args, cause", [
+    ("missing", ["--model", "{missing}"], "is not a directory"),
+    ("broken", ["--model", "{broken}"], "config.json is not valid JSON"),
+    ("gpt2", ["--model", "{gpt2}"], "unsupported architecture ['GPT2LMHeadModel']"),
+    ("tp", ["--tp", "3"], "tp=3 must divide num_heads=4"),
+    ("detach", ["--detach"], "--detach needs a Ray cluster"),
+])
+def test_bad_startup_input_is_one_line_exit_2(bad_models, case, args, cause):
+    args = [a.format(**{k: str(v) for k, v in bad_models.items()}) for a in args]
+    p = raygraph("serve", *args)
+    assert p.returncode == 2, p.stderr
+    line = one_error_line(p)
+    assert cause in line
+    if case in bad_models:
+        assert str(bad_models[case]) in line  # the file or directory is named
+
+
+def test_offload_budget_below_floor_is_one_line_exit_2():
+    """This one is found by a worker after loading: the cause crosses two actors."""
+    p = raygraph("serve", "--offload-budget", "1000", "--model", DEFAULT_MODEL)
+    assert p.returncode == 2, p.stderr
+    line = one_error_line(p)
+    assert "offload budget 1000 bytes is below the floor: at least" in line
+    assert "GPU" not in line  # a CPU run is not told about a GPU
+
+
+def test_help_lists_every_command_and_shows_defaults():
+    top = raygraph("--help").stdout
+    for cmd in ("demo", "serve", "generate", "check-capture", "submit", "stop"):
+        assert cmd in top
+    serve = raygraph("serve", "--help").stdout
+    assert "(default: 1)" in serve and "(default: 16)" in serve  # --tp, --block-size
+    gen = raygraph("generate", "--help").stdout
+    for flag in ("--top-p", "--top-k", "--stop", "--seed", "--stream"):
+        assert flag in gen
