@@ -12,7 +12,6 @@ figure is rank 0's median.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import time
@@ -21,7 +20,7 @@ import ray
 
 from bench.checkpoints import make_random_checkpoint
 from bench.decode_step import decode_plan
-from raygraph.cluster.lockstep import LockstepCapture
+from raygraph.cluster.lockstep import LockstepCapture, remote_call_all
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
@@ -53,11 +52,11 @@ def start(model: str, par: ParallelConfig, mode: str, max_batch: int, context: i
                                            par.ep > 1)
 
 
-async def capture(workers, buckets: BucketPlan) -> tuple[float, int, int]:
-    lock = LockstepCapture(workers, timeout_s=600)
+def capture(workers, buckets: BucketPlan) -> tuple[float, int, int]:
+    lock = LockstepCapture(len(workers))
     t0 = time.perf_counter()
     for key in buckets.schedule():
-        await lock.capture(key)
+        lock.capture(key, remote_call_all(workers, timeout=600))
     return (time.perf_counter() - t0, len(lock.reports), sum(r.pieces for r in lock.reports))
 
 
@@ -96,7 +95,7 @@ def main() -> None:
     for mode in ("graph", "eager"):
         workers, buckets = start(model, par, mode, max(a.batches), a.context, bs)
         if mode == "graph":
-            secs, keys, graphs = asyncio.run(capture(workers, buckets))
+            secs, keys, graphs = (capture(workers, buckets))
             print(json.dumps({"layout": layout, "lockstep_capture_s": round(secs, 2),
                               "keys": keys, "graphs": graphs}), flush=True)
         for b in a.batches:

@@ -96,6 +96,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     top_p: float = 1.0
     seed: int | None = None
     num_generated: int = 0
+    feed: int = -1  # >= 0: the token is this row of the previous step's sampled tokens
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -111,6 +112,54 @@ class StepPlan(msgspec.Struct, frozen=True):
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+
+class NewSeq(msgspec.Struct, frozen=True, array_like=True):
+    """A sequence the workers start tracking (admitted, or readmitted after preemption)."""
+
+    seq_id: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    num_generated: int = 0  # outputs already known (a recompute after preemption)
+
+
+class SeqStep(msgspec.Struct, frozen=True, array_like=True):
+    """Tokens of one tracked sequence to compute this step (a prefill chunk, a recompute, or a
+    decode whose token the coordinator already knows)."""
+
+    seq_id: int
+    token_ids: list[int]
+    sample: bool
+
+
+class StepDelta(msgspec.Struct, frozen=True):
+    """One step for one DP group, as a change to the state the workers keep.
+
+    The batch is `feed` then `chunks`, in order. `feed` ids decode one token each: the token
+    they sampled in the previous step, which stays on the device. `blocks` appends KV blocks
+    (seq id, block) before the step; `new` starts tracking sequences, `drop` stops (finished,
+    aborted, preempted) before anything else.
+    """
+
+    step_id: int
+    feed: list[int] = []
+    chunks: list[SeqStep] = []
+    new: list[NewSeq] = []
+    blocks: list[tuple[int, int]] = []
+    drop: list[int] = []
+    key: BucketKey | None = None
+    num_comm_tokens: int = 0
+
+
+class StepOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A finished step's sampled tokens (one per sampling sequence, in batch order), from the
+    group's first TP rank; step_id -1: no step was pending."""
+
+    step_id: int
+    token_ids: list[int]
+    forward_s: float = 0.0
 
 
 class StepResult(msgspec.Struct, frozen=True):
@@ -135,3 +184,13 @@ class StartupProgress(msgspec.Struct, frozen=True):
 
     load: tuple[int, int] = (0, 0)  # checkpoint tensors read by rank 0
     capture: tuple[int, int] = (0, 0)  # capture-schedule keys
+
+
+class WorkerCall(msgspec.Struct, frozen=True):
+    """A worker method call over the coordinator's compiled graph (lockstep capture, stats,
+    sleep/wake, fault drills): while the graph is up the actor runs its loop, so a plain
+    `.remote()` call would wait for the graph to be torn down."""
+
+    method: str
+    args: tuple = ()
+    rank: int = -1  # >= 0: only this rank runs it (the others answer None)

@@ -1,17 +1,22 @@
 """The coordinator: a named async Ray actor that owns the scheduler and drives the workers.
 
-Clients call `generate` (or `generate_stream`) concurrently; one step loop batches all
-requests, sends each StepPlan to every worker and applies rank 0's sampled tokens.
+Clients call `generate` (or `generate_stream`) concurrently on the actor's event loop. The
+step loop runs on its own thread and does only the step: drain new requests, schedule,
+send the deltas over the compiled graph (cluster/group.py), apply the tokens of the step
+before. Detokenization, stop strings and stream fan-out run on the event loop, beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
+import queue
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +26,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raygraph import setup_logging
-from raygraph.cluster.lockstep import CaptureError, KeyReport, LockstepCapture
+from raygraph.cluster.engine import EngineCore
+from raygraph.cluster.group import WorkerGroup
+from raygraph.cluster.lockstep import (
+    CaptureError,
+    KeyReport,
+    LockstepCapture,
+    last_line,
+    remote_call_all,
+)
 from raygraph.cluster.requests import (
     BadRequest,
     Detokenizer,
@@ -30,16 +43,17 @@ from raygraph.cluster.requests import (
     parse_params,
     split_prompts,
 )
-from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
+from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.buckets import BucketPlan
 from raygraph.memory.pages import BlockPool
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
+    FinishReason,
     GenerateResult,
     StartupProgress,
-    StepPlan,
+    StepOutput,
     StreamDelta,
     WorkerInfo,
 )
@@ -58,10 +72,14 @@ class WorkerFailure(RuntimeError):
 
 @dataclass
 class _Request:
-    seq: Sequence
+    """A client request, as the event loop sees it (the step thread owns its Sequence)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
     detok: Detokenizer
-    group: int  # the DP group that serves it
+    token_ids: list[int] = field(default_factory=list)
     deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
+    finish_reason: FinishReason | None = None
     error: str | None = None
 
 
@@ -76,10 +94,16 @@ class Coordinator:
         self.pg = None
         self.infos: list[WorkerInfo] = []
         self.schedulers: list[Scheduler] = []  # one per DP group, each with its own KV pool
-        self.requests: dict[int, _Request] = {}
+        self.core: EngineCore | None = None
+        self.group: WorkerGroup | None = None
+        self.requests: dict[int, _Request] = {}  # event loop side
+        self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self._ids = itertools.count()
-        self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.healthy = False
         self.unhealthy_reason: str | None = None
         self.recovering = False
@@ -88,14 +112,13 @@ class Coordinator:
         self.steps = 0
         self.tokens_generated = 0
         self.preemptions = 0
-        self.forward_s = 0.0  # rank 0's time inside Worker.execute, summed over steps
+        self.forward_s = 0.0  # rank 0's time per step in the worker, summed over steps
         self.capture_s = 0.0
-        graph = cfg.uses_graphs
         s = cfg.scheduler
         self.ep = cfg.parallel.ep > 1
         self.buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs,
                                                s.max_num_batched_tokens, self.ep)
-                        if graph else None)
+                        if cfg.uses_graphs else None)
         self.lockstep: LockstepCapture | None = None
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
         self._progress = StartupProgress()
@@ -104,9 +127,12 @@ class Coordinator:
     async def start(self) -> dict:
         """Place and start the workers, load the model, size the KV cache, start the loop."""
         t0 = time.perf_counter()
+        self.loop = asyncio.get_running_loop()
         await self._start_workers()
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._step_thread, name="raygraph-steps",
+                                            daemon=True)
+            self._thread.start()
         self.healthy = True
         self._serving.set()
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
@@ -143,9 +169,10 @@ class Coordinator:
                                             for r, w in enumerate(self.workers)))
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
-        self.lockstep = LockstepCapture(self.workers, cfg.graph.capture_timeout_s)
+        self.lockstep = LockstepCapture(world)
+        self.group = WorkerGroup(self.workers, cfg.parallel)
         if self.buckets is not None and cfg.graph.capture_at_start:
-            await self.capture_schedule()
+            await asyncio.to_thread(self._capture_schedule)
         bs = cfg.cache.block_size
         limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
         max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
@@ -155,6 +182,8 @@ class Coordinator:
                       self.model_cfg.eos_token_ids)
             for _ in range(cfg.parallel.dp)
         ]
+        self.core = EngineCore(self.schedulers, self.buckets, self.ep)
+        self._seqs = {}
 
     async def capture_schedule(self) -> list[KeyReport]:
         """Capture the whole schedule in lockstep, largest first; returns the per-key table.
@@ -163,19 +192,22 @@ class Coordinator:
         blocked in a collective) and CaptureError names the key and rank; `start()` may then
         be called again.
         """
+        return await self._on_step_thread(self._capture_schedule)
+
+    def _capture_schedule(self) -> list[KeyReport]:
         if self.lockstep is None or self.buckets is None:
             raise RuntimeError("no graph-mode worker group to capture on")
         keys = self.buckets.schedule()
         t0 = time.perf_counter()
         for i, key in enumerate(keys, 1):
             if key not in self.lockstep.captured:
-                r = await self._capture_key(key)
+                r = self._capture_key(key)
                 log.debug("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, "
                           "%d collectives, %.1f MiB, %.2fs", i, len(keys), key, r.pieces,
                           r.nodes, r.collectives, r.pool_bytes / 2**20, r.seconds)
             self._progress = msgspec.structs.replace(self._progress, capture=(i, len(keys)))
         self.capture_s += time.perf_counter() - t0
-        self.memory = await asyncio.gather(*(w.memory_stats.remote() for w in self.workers))
+        self.memory = self._call("memory_stats")
         reports = self.lockstep.reports
         graphs = sum(r.pieces for r in reports)
         if graphs:
@@ -187,16 +219,48 @@ class Coordinator:
                      "no graphs)", len(reports), self.capture_s)
         return reports
 
-    async def _capture_key(self, key: BucketKey) -> KeyReport:
+    def _capture_key(self, key: BucketKey) -> KeyReport:
         try:
-            return await self.lockstep.capture(key)
+            return self.lockstep.capture(key, self._capture_call)
         except CaptureError as e:
             log.error("%s; stopping the worker group", e)
             self.healthy = False
             self.unhealthy_reason = str(e)
-            self._serving.clear()
-            await self._stop_workers()
+            self._clear_serving()
+            self._stop_workers()
             raise
+
+    def _capture_call(self, method: str, key: BucketKey) -> list[Any]:
+        """One lockstep phase on every rank: over the compiled graph once it is up."""
+        timeout = self.cfg.graph.capture_timeout_s
+        if self.group is None or not self.group.compiled:
+            return remote_call_all(self.workers, timeout)(method, key)
+        try:
+            return self.group.call(method, key, timeout=timeout)
+        except Exception as e:
+            raise CaptureError(f"{method} of {key} failed: {type(e).__name__}: "
+                               f"{last_line(e)}") from None
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """A worker method on every rank, from the step thread (or before it runs)."""
+        if self.group is not None and self.group.compiled:
+            return self.group.call(method, *args, timeout=self.cfg.step_timeout_s)
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers],
+                       timeout=self.cfg.step_timeout_s)
+
+    async def _on_step_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run fn where the workers may be called: on the step thread, between steps (it
+        owns the compiled graph), or on a helper thread before the loop starts."""
+        if self._thread is None or not self._thread.is_alive():
+            return await asyncio.to_thread(fn)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    def capture_report(self) -> list[KeyReport]:
+        """The per-key capture table so far (also after a failed capture)."""
+        return list(self.lockstep.reports) if self.lockstep else []
 
     def report_progress(self, phase: str, done: int, total: int) -> None:
         """Workers report start-up progress here (rank 0's weight load)."""
@@ -204,25 +268,6 @@ class Coordinator:
 
     def progress(self) -> StartupProgress:
         return self._progress
-
-    def capture_report(self) -> list[KeyReport]:
-        """The per-key capture table so far (also after a failed capture)."""
-        return list(self.lockstep.reports) if self.lockstep else []
-
-    def _plans(self, step: int, outs: list[SchedulerOutput | None]) -> list[StepPlan]:
-        """One plan per DP group, keyed. An idle group runs one padding token, so the MoE
-        collectives still match; under EP every group pads to the same dispatch size."""
-        # decode: one token per chunk (every chunk has at least one)
-        shapes = [(o.plan.num_tokens, len(o.plan.seqs), o.plan.num_tokens == len(o.plan.seqs))
-                  if o else (1, 1, True) for o in outs]
-        if self.buckets is None:  # eager mode: the dispatch size is the largest real batch
-            comm = max(t for t, _, _ in shapes) if self.ep else 0
-            keys = [None] * len(outs)
-        else:
-            comm = self.buckets.comm_tokens(shapes) if self.ep else 0
-            keys = [self.buckets.key(t, n, d, comm) for t, n, d in shapes]
-        return [StepPlan(step, o.plan.seqs if o else [], key=k, num_comm_tokens=comm)
-                for o, k in zip(outs, keys)]
 
     def describe(self) -> dict:
         reports = self.capture_report()
@@ -247,6 +292,8 @@ class Coordinator:
             "restarts": self.restarts,
             "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
+            "msg_bytes_per_step": round(self.core.msg_bytes / max(1, self.core.step_id))
+            if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
             "kv_utilization": max((s.pool.utilization for s in ss), default=0.0),
         }
@@ -254,11 +301,21 @@ class Coordinator:
     async def worker_stats(self) -> list[dict]:
         """Per rank: memory (weights, KV, input buffers, graph pool) and, when weights are
         offloaded, the offload engine's copy figures."""
-        mem, off = await asyncio.gather(
-            asyncio.gather(*(w.memory_stats.remote() for w in self.workers)),
-            asyncio.gather(*(w.offload_stats.remote() for w in self.workers)))
+        mem, off = await self._on_step_thread(
+            lambda: (self._call("memory_stats"), self._call("offload_stats")))
         return [{"memory": msgspec.to_builtins(m), "offload": msgspec.to_builtins(o)}
                 for m, o in zip(mem, off)]
+
+    async def inject_fault(self, rank: int, kind: str, phase: str = "capture",
+                           key: BucketKey | None = None) -> None:
+        """Fault drills: arm `Worker.inject_fault` on one rank (through the step loop)."""
+        def arm() -> None:
+            if self.group is not None and self.group.compiled:
+                self.group.call("inject_fault", kind, phase, key, only=rank,
+                                timeout=self.cfg.step_timeout_s)
+            else:
+                ray.get(self.workers[rank].inject_fault.remote(kind, phase, key))
+        await self._on_step_thread(arm)
 
     # ---- client API -------------------------------------------------------------------
     async def generate(self, prompts: Any, params: Any = None) -> list[GenerateResult]:
@@ -309,17 +366,12 @@ class Coordinator:
         reqs = []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp)
-            group = min(range(len(self.schedulers)), key=self._load)  # least-loaded DP group
-            req = _Request(seq, Detokenizer(self.tokenizer, sp.stop), group)
-            self.schedulers[group].add(seq)
+            req = _Request(seq.seq_id, ids, Detokenizer(self.tokenizer, sp.stop))
             self.requests[seq.seq_id] = req
+            self._inbox.put(("add", seq))
             reqs.append(req)
         self._wake.set()
         return reqs
-
-    def _load(self, group: int) -> int:
-        s = self.schedulers[group]
-        return len(s.running) + len(s.waiting)
 
     async def _collect(self, req: _Request) -> GenerateResult:
         while True:
@@ -328,72 +380,140 @@ class Coordinator:
                 break
         if req.error:
             raise WorkerFailure(req.error)
-        seq = req.seq
-        return GenerateResult(
-            seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids),
-            req.detok.text if self.tokenizer else None, seq.finish_reason,
-        )
+        return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
+                              req.detok.text if self.tokenizer else None, req.finish_reason)
 
-    # ---- the step loop ----------------------------------------------------------------
-    async def _step_loop(self) -> None:
-        while True:
-            outs = [s.schedule() for s in self.schedulers] if self.healthy else []
-            if all(o is None for o in outs):
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            step = self.steps
-            plans = self._plans(step, outs)
-            par = self.cfg.parallel
+    def _emit(self, items: list[tuple[int, int, FinishReason | None]]) -> None:
+        """On the event loop: one step's tokens to their requests (text, stop strings)."""
+        for seq_id, token, reason in items:
+            req = self.requests.get(seq_id)
+            if req is None:
+                continue  # already finished (a stop string): a token past the stop
+            req.token_ids.append(token)
+            text, stopped = req.detok.update(req.token_ids)
+            if stopped and reason is None:
+                reason = "stop"
+                self._inbox.put(("finish", seq_id))
+                self._wake.set()
+            req.deltas.put_nowait(StreamDelta(seq_id, [token],
+                                              text if self.tokenizer else None, reason))
+            if reason is not None:
+                req.finish_reason = reason
+                del self.requests[seq_id]
+
+    def _fail_requests(self, msg: str) -> None:
+        """On the event loop: every request in flight ends with the error."""
+        for req in self.requests.values():
+            req.error = msg
+            req.finish_reason = "error"
+            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error"))
+        self.requests.clear()
+
+    # ---- the step loop (its own thread) -------------------------------------------------
+    def _step_thread(self) -> None:
+        while not self._stopping:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
             try:
-                for key in dict.fromkeys(p.key for p in plans):  # new shapes: all ranks at once
-                    if key is not None and key.phase != "eager" \
-                            and key not in self.lockstep.captured:
-                        await self._capture_key(key)
-                results = await asyncio.wait_for(
-                    asyncio.gather(*(w.execute.remote(plans[par.dp_rank(r)])
-                                     for r, w in enumerate(self.workers))),
-                    timeout=self.cfg.step_timeout_s,
-                )
+                while self._drain_inbox() and not self._stopping:
+                    if not self._step():
+                        break
             except Exception as e:  # actor death, a raised step, a hang past the timeout
-                await self._on_failure(step, e)
-                continue
+                self._on_failure(e)
+
+    def _drain_inbox(self) -> bool:
+        """New requests, stop-string finishes and calls from the event loop; False when the
+        group is not serving (the step is skipped)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return self.healthy and self.core is not None
+            kind = item[0]
+            if kind == "add":
+                seq: Sequence = item[1]
+                if not self.healthy or self.core is None:
+                    continue  # failed with the group; its request was told
+                group = min(range(len(self.schedulers)), key=self._load)
+                self.schedulers[group].add(seq)
+                self._seqs[seq.seq_id] = (group, seq)
+            elif kind == "finish":
+                entry = self._seqs.pop(item[1], None)
+                if entry is not None:
+                    self.schedulers[entry[0]].finish(entry[1], "stop")
+            else:  # a call: nothing in flight while it runs
+                fn, fut = item[1], item[2]
+                try:
+                    self._flush()
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    def _load(self, group: int) -> int:
+        s = self.schedulers[group]
+        return len(s.running) + len(s.waiting)
+
+    def _step(self) -> bool:
+        """Schedule and send one step, apply the one before; False when there is no work."""
+        core = self.core
+        planned = core.schedule()
+        if planned is None:
+            if core.in_flight is None:
+                return False
+            self._flush()
+            return True
+        outs, keys, comm = planned
+        for key in dict.fromkeys(keys):  # new shapes: all ranks at once, nothing in flight
+            if key is not None and key.phase != "eager" and key not in self.lockstep.captured:
+                self._flush()
+                self._capture_key(key)
+        for o in outs:
+            if o is not None:
+                self.preemptions += len(o.preempted)
+        emitted = core.apply(self._dispatch(core.encode(outs, keys, comm)))
+        core.in_flight = outs
+        self._deliver(emitted)
+        return True
+
+    def _dispatch(self, msgs: list[bytes]) -> list[StepOutput]:
+        outputs = self.group.step(msgs, timeout=self.cfg.step_timeout_s)
+        if outputs[0].step_id >= 0:
             self.steps += 1
-            self.forward_s += results[0].forward_s
-            for group, out in enumerate(outs):
-                if out is not None:
-                    self.preemptions += len(out.preempted)
-                    tokens = results[group * par.tp].token_ids  # its TP rank 0 sampled
-                    for seq, _ in self.schedulers[group].update(out, tokens):
-                        self._emit(seq)
+            self.forward_s += outputs[0].forward_s
+        return outputs
 
-    def _emit(self, seq: Sequence) -> None:
-        req = self.requests[seq.seq_id]
-        self.tokens_generated += 1
-        text, stopped = req.detok.update(seq.output_token_ids)
-        if stopped:
-            self.schedulers[req.group].finish(seq, "stop")
-        reason = seq.finish_reason
-        req.deltas.put_nowait(StreamDelta(
-            seq.seq_id, [seq.output_token_ids[-1]], text if self.tokenizer else None, reason,
-        ))
-        if reason is not None:
-            del self.requests[seq.seq_id]
+    def _flush(self) -> None:
+        if self.core is not None and self.core.in_flight is not None:
+            self._deliver(self.core.flush(self._dispatch))
 
-    async def _on_failure(self, step: int, e: BaseException) -> None:
-        """Fail every request in flight, then restart the worker group."""
-        msg = f"step {step} failed on a worker: {type(e).__name__}: {e}"
+    def _deliver(self, emitted: list[list[tuple[Sequence, int]]]) -> None:
+        items = []
+        for pairs in emitted:
+            for seq, token in pairs:
+                items.append((seq.seq_id, token, seq.finish_reason))
+                if seq.finish_reason is not None:
+                    self._seqs.pop(seq.seq_id, None)
+        if items:
+            self.tokens_generated += len(items)
+            self.loop.call_soon_threadsafe(self._emit, items)
+
+    def _on_failure(self, e: BaseException) -> None:
+        """Fail every request in flight, then restart the worker group (on the event loop;
+        this thread waits for it)."""
+        msg = f"step {self.core.step_id if self.core else 0} failed on a worker: " \
+              f"{type(e).__name__}: {last_line(e)}"
         log.error(msg)
         self.healthy = False
         self.recovering = True
-        self._serving.clear()
         self.unhealthy_reason = msg
-        for req in self.requests.values():
-            req.error = msg
-            req.seq.finish_reason = "error"
-            req.deltas.put_nowait(StreamDelta(req.seq.seq_id, [], None, "error"))
-        self.requests.clear()
-        await self._stop_workers()
+        self._seqs.clear()
+        self.core = None
+        self.loop.call_soon_threadsafe(self._serving.clear)
+        self.loop.call_soon_threadsafe(self._fail_requests, msg)
+        asyncio.run_coroutine_threadsafe(self._restart(msg), self.loop).result()
+
+    async def _restart(self, msg: str) -> None:
+        self._stop_workers()
         try:
             await self._start_workers()
             self.healthy = True
@@ -407,18 +527,29 @@ class Coordinator:
         finally:
             self.recovering = False
 
-    async def _stop_workers(self) -> None:
+    def _clear_serving(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._serving.clear)
+
+    def _stop_workers(self) -> None:
         for w in self.workers:
             ray.kill(w)
+        if self.group is not None:
+            self.group.teardown()
+            self.group = None
         self.workers = []
+        self.core = None
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        await self._stop_workers()
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+        self._stop_workers()
         self.healthy = False
         self.unhealthy_reason = "shut down"
 

@@ -9,12 +9,12 @@ that dies or stalls is reported within the timeout instead of hanging the group.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+import ray
 
 from raygraph.protocol import BucketKey, BufferInfo, CaptureRecord
 
@@ -73,29 +73,33 @@ def moved_buffers(first: list[BufferInfo], now: list[BufferInfo]) -> str | None:
     return None
 
 
-async def _on_all(workers: Sequence[Any], method: str, key: BucketKey,
-                  timeout: float) -> list[Any]:
-    """Call `method(key)` on every rank at once; the first failure or the timeout is a
-    CaptureError naming the ranks (the others may be blocked in a collective: the caller
-    tears the group down)."""
-    tasks = [asyncio.ensure_future(getattr(w, method).remote(key)) for w in workers]
-    done, pending = await asyncio.wait(tasks, timeout=timeout,
-                                       return_when=asyncio.FIRST_EXCEPTION)
-    failed = [(rank, t.exception()) for rank, t in enumerate(tasks)
-              if t in done and t.exception() is not None]
-    if failed:
-        for t in pending:
-            t.cancel()
-        rank, err = failed[0]
-        raise CaptureError(f"{method} of {key} failed on rank {rank}: "
-                           f"{type(err).__name__}: {last_line(err)}")
-    if pending:
-        for t in pending:
-            t.cancel()
-        stalled = [rank for rank, t in enumerate(tasks) if t in pending]
-        raise CaptureError(f"{method} of {key}: rank(s) {stalled} did not finish within "
-                           f"{timeout:.0f}s (stalled or blocked in a collective)")
-    return [t.result() for t in tasks]
+CallAll = Callable[[str, BucketKey], list[Any]]  # method, key -> one result per rank
+
+
+def remote_call_all(workers: Sequence[Any], timeout: float) -> CallAll:
+    """Call `method(key)` on every rank with plain actor calls (before the step loop's
+    compiled graph exists). The first rank to fail, or the timeout, is a CaptureError naming
+    the ranks (the others may be blocked in a collective: the caller tears the group down)."""
+
+    def call(method: str, key: BucketKey) -> list[Any]:
+        refs = [getattr(w, method).remote(key) for w in workers]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        remaining, deadline = list(refs), time.monotonic() + timeout
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1,
+                                        timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                stalled = sorted(rank_of[r] for r in remaining)
+                raise CaptureError(f"{method} of {key}: rank(s) {stalled} did not finish within "
+                                   f"{timeout:.0f}s (stalled or blocked in a collective)")
+            try:
+                ray.get(ready[0])
+            except Exception as err:
+                raise CaptureError(f"{method} of {key} failed on rank {rank_of[ready[0]]}: "
+                                   f"{type(err).__name__}: {last_line(err)}") from None
+        return ray.get(refs)
+
+    return call
 
 
 def last_line(err: BaseException) -> str:
@@ -107,18 +111,18 @@ def last_line(err: BaseException) -> str:
 class LockstepCapture:
     """Drives capture key by key over one group of workers and keeps the per-key table."""
 
-    def __init__(self, workers: Sequence[Any], timeout_s: float) -> None:
-        self.workers = list(workers)
-        self.timeout_s = timeout_s
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
         self.reports: list[KeyReport] = []
         self.captured: set[BucketKey] = set()
         self._buffers: dict[int, list[BufferInfo]] = {}  # rank -> buffers at its first key
 
-    async def capture(self, key: BucketKey) -> KeyReport:
+    def capture(self, key: BucketKey, call_all: CallAll) -> KeyReport:
+        """Capture `key` on every rank through `call_all` (plain actor calls at start-up,
+        the step loop's compiled graph afterwards)."""
         t0 = time.perf_counter()
-        await _on_all(self.workers, "prepare_capture", key, self.timeout_s)  # the barrier
-        records: list[CaptureRecord] = await _on_all(self.workers, "capture", key,
-                                                     self.timeout_s)
+        call_all("prepare_capture", key)  # the barrier
+        records: list[CaptureRecord] = call_all("capture", key)
         diff = first_difference(records)
         for r in records:
             diff = diff or moved_buffers(self._buffers.setdefault(r.rank, r.buffers), r.buffers)

@@ -4,6 +4,15 @@ Every step spends a token budget: running sequences first (decode = 1 token, or 
 chunk of a long prompt), then waiting ones in arrival order. When blocks run out the most
 recently admitted running sequence is preempted: its blocks are freed and it goes back to
 the front of the queue to recompute prompt + output so far.
+
+The served loop sends step N+1 before step N's tokens are back, so a sequence may have one
+token *pending*: sampled on the workers, unknown here. Its next decode is sent as "feed"
+(the workers use the token they hold on the device); stop conditions are applied when the
+token arrives, one step later, and a token computed past a stop is discarded. Limits known
+in advance (max_tokens, the context) are never overshot: such a sequence is not scheduled.
+
+Each step is described as a change to what the workers hold (new sequences, appended
+blocks, dropped ids), so its message and cost grow with what changed, not with the batch.
 """
 
 from __future__ import annotations
@@ -12,22 +21,26 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from raygraph.memory.pages import BlockPool
-from raygraph.protocol import FinishReason, SamplingParams, SeqChunk, StepPlan
+from raygraph.protocol import FinishReason, NewSeq, SamplingParams, SeqStep
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0  # tokens sent for computing (their KV is, or will be, cached)
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_pending: int = 0  # sampled on the workers, not known here yet (0 or 1)
+    sent_blocks: int = 0  # blocks of block_table the workers have
+    tracked: bool = False  # the workers keep its state
 
     @property
     def token_ids(self) -> list[int]:
+        """The known tokens (a pending one is not among them)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
@@ -40,14 +53,39 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Known tokens plus the pending one."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
 
 @dataclass
 class SchedulerOutput:
-    plan: StepPlan
-    seqs: list[Sequence]  # in plan order
+    """One step of one scheduler: the batch is `feed` then `chunks`, in that order."""
+
+    feed: list[Sequence]  # decode the token each sampled last step (on the workers)
+    chunks: list[tuple[Sequence, SeqStep]]  # tokens sent explicitly
+    new: list[NewSeq]
+    blocks: list[tuple[int, int]]
+    drop: list[int]
     preempted: list[Sequence]
+    num_tokens: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.feed) + len(self.chunks)
+
+    @property
+    def decode(self) -> bool:
+        """Every sequence computes one token (the graph executor's decode phase)."""
+        return self.num_tokens == self.num_seqs
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences whose tokens this step returns, in order."""
+        return self.feed + [seq for seq, c in self.chunks if c.sample]
 
 
 class Scheduler:
@@ -62,7 +100,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._step = 0
+        self._drop: list[int] = []  # tracked sequences to forget with the next step
 
     def check_prompt(self, num_tokens: int) -> None:
         """Refuse a prompt that leaves no room for one generated token."""
@@ -88,22 +126,31 @@ class Scheduler:
                     return seq
         return None
 
+    def _at_limit(self, seq: Sequence) -> bool:
+        """Its last token is already sampled: max_tokens or the context is reached."""
+        return (seq.num_outputs >= seq.params.max_tokens
+                or seq.num_tokens >= self.max_model_len)
+
     def schedule(self) -> SchedulerOutput | None:
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int]] = []
-        preempted: list[Sequence] = []
+        out = SchedulerOutput([], [], [], [], self._drop, [], 0)
+        self._drop = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, n, preempted):
-                break  # seq itself was preempted (it was the last one running)
-            chosen.append((seq, n))
-            budget -= n
             i += 1
-        while (self.waiting and budget > 0 and not preempted
+            if seq.num_pending and self._at_limit(seq):
+                continue  # finishes when its last token arrives
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, n, out):
+                break  # seq itself was preempted (it was the last one running)
+            budget -= n
+            self._take(seq, n, out)
+        while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with a token in flight: readmitted once it is known
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
             if need > self.pool.num_free:
@@ -111,53 +158,66 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_table += self.pool.allocate(need)
             self.running.append(seq)
-            chosen.append((seq, n))
             budget -= n
-        if not chosen:
+            self._take(seq, n, out)
+        if not out.feed and not out.chunks:
+            self._drop = out.drop + self._drop  # nothing to send them with yet
             return None
-        self._step += 1
-        chunks = [self._chunk(seq, n) for seq, n in chosen]
-        return SchedulerOutput(StepPlan(self._step, chunks), [s for s, _ in chosen], preempted)
+        return out
 
-    def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+    def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Put n tokens of seq into the step and account for them."""
+        if not seq.tracked:
+            p = seq.params
+            out.new.append(NewSeq(seq.seq_id, p.temperature, p.top_k, p.top_p, p.seed,
+                                  len(seq.output_token_ids)))
+            seq.tracked = True
+        if seq.sent_blocks < len(seq.block_table):
+            out.blocks += ((seq.seq_id, b) for b in seq.block_table[seq.sent_blocks:])
+            seq.sent_blocks = len(seq.block_table)
+        start = seq.num_computed
+        sample = start + n == seq.num_tokens
+        if seq.num_pending:  # n == 1: the pending token is the one to compute
+            out.feed.append(seq)
+        else:
+            out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
+        seq.num_computed += n
+        seq.num_pending += sample
+        out.num_tokens += n
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for n more tokens of seq, preempting from the back of the running list."""
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
         while need > self.pool.num_free:
             victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
+            self._preempt(victim, out)
+            out.preempted.append(victim)
             if victim is seq:
                 return False
         seq.block_table += self.pool.allocate(need)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.sent_blocks = 0
         seq.num_preemptions += 1
+        if seq.tracked:  # NOTE: never in this step yet: victims come from the back of running
+            out.drop.append(seq.seq_id)
+            seq.tracked = False
         self.waiting.appendleft(seq)
 
-    @staticmethod
-    def _chunk(seq: Sequence, n: int) -> SeqChunk:
-        start = seq.num_computed
-        p = seq.params
-        return SeqChunk(
-            seq_id=seq.seq_id, token_ids=seq.token_slice(start, n), start_pos=start,
-            block_table=list(seq.block_table), sample=start + n == seq.num_tokens,
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-            num_generated=len(seq.output_token_ids),
-        )
-
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Apply one step's results; returns (seq, new token) pairs. Finished sequences leave."""
-        tokens = iter(sampled)
+        """Apply one step's tokens (one per `out.sampled`, in order); returns the (seq, token)
+        pairs to emit. A token past a stop is discarded; finished sequences leave."""
         new: list[tuple[Sequence, int]] = []
-        for seq, chunk in zip(out.seqs, out.plan.seqs):
-            seq.num_computed += len(chunk.token_ids)
-            if not chunk.sample:
-                continue
-            token = next(tokens)
+        seqs = out.sampled
+        if len(seqs) != len(sampled):
+            raise RuntimeError(f"step returned {len(sampled)} tokens for {len(seqs)} sequences")
+        for seq, token in zip(seqs, sampled):
+            if seq.finish_reason is not None:
+                continue  # it stopped at the previous step: this token is past the stop
+            seq.num_pending -= 1
             seq.output_token_ids.append(token)
             new.append((seq, token))
             reason = self._stop_reason(seq, token)
@@ -169,17 +229,25 @@ class Scheduler:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (len(seq.output_token_ids) >= p.max_tokens
+                or len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
             return "length"
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.finish_reason is not None:
             return
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)  # preempted, then its pending token stopped it
         self._release(seq, reason)
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.sent_blocks = 0
         seq.finish_reason = reason
+        if seq.tracked:
+            self._drop.append(seq.seq_id)
+            seq.tracked = False

@@ -21,6 +21,7 @@ from raygraph.graph.inputs import (
     HostInputs,
     InputBuffers,
     batch_from,
+    feed_tokens,
     host_inputs,
     padding_inputs,
 )
@@ -42,10 +43,13 @@ class KeyMismatch(RuntimeError):
 
 
 class Executor(ABC):
-    def __init__(self, model: LlamaForCausalLM, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, max_seqs: int = 1) -> None:
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        # the previous step's sampled tokens, which fed tokens read (the worker writes it);
+        # graphs capture its address, so it is allocated once
+        self.prev_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
 
     @abstractmethod
     def step(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,8 +78,11 @@ class EagerExecutor(Executor):
     def run(self, h: HostInputs, comm: int = 0) -> torch.Tensor:
         batch = batch_from(h, self.device)
         batch.ctx.num_comm_tokens = comm
+        ids = batch.input_ids
+        if batch.feed is not None:
+            ids = feed_tokens(ids, batch.feed, self.prev_tokens)
         with forward_context(batch.ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.model(ids, batch.positions)
         return self.model.compute_logits(hidden[batch.sample_idx]).float()
 
 
@@ -86,7 +93,7 @@ class GraphExecutor(Executor):
     def __init__(self, model: LlamaForCausalLM, cfg: GraphConfig, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  graph_budget: int | None = None, ep: bool = False, rank: int = 0) -> None:
-        super().__init__(model, block_size)
+        super().__init__(model, block_size, max_num_seqs)
         self.cfg = cfg
         self.rank = rank  # the worker's global rank, for capture records
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
@@ -105,6 +112,7 @@ class GraphExecutor(Executor):
             if self.cuda else None)
         self.graphs: dict[BucketKey, FullGraph | PiecewiseGraph] = {}
         self.eager = EagerExecutor(model, block_size)
+        self.eager.prev_tokens = self.prev_tokens  # one buffer, whichever path runs the step
         self.capture_log: list[CaptureRecord] = []
         self.last_key: BucketKey | None = None
         self.comms = comms_of(model)
@@ -150,12 +158,13 @@ class GraphExecutor(Executor):
 
     def _forward(self, key: BucketKey, with_logits: bool):
         n = key.num_tokens
-        ids, pos = self.bufs.input_ids[:n], self.bufs.positions[:n]
+        ids, pos, feed = (self.bufs.input_ids[:n], self.bufs.positions[:n],
+                          self.bufs.feed[:n])
 
         def forward(ctx: ForwardContext):
             ctx.num_comm_tokens = key.num_comm_tokens  # the EP dispatch size is in the key
             with forward_context(ctx):
-                hidden = self.model(ids, pos)
+                hidden = self.model(feed_tokens(ids, feed, self.prev_tokens), pos)
             if not with_logits:
                 return hidden
             # the fp32 cast and the greedy argmax inside the graph: launches off the step's
@@ -282,6 +291,6 @@ def make_executor(cfg: GraphConfig, model: LlamaForCausalLM, block_size: int,
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                   graph_budget: int | None = None, ep: bool = False, rank: int = 0) -> Executor:
     if cfg.mode == "eager":
-        return EagerExecutor(model, block_size)
+        return EagerExecutor(model, block_size, max_num_seqs)
     return GraphExecutor(model, cfg, block_size, max_num_seqs, max_num_batched_tokens,
                          max_model_len, graph_budget, ep, rank)

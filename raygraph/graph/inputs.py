@@ -24,6 +24,9 @@ class HostInputs:
     sample_idx: list[int]
     max_q_len: int
     decode: bool
+    # per token: -1, or the row of the previous step's sampled tokens (on the device) that
+    # is this token; None: no token is fed
+    feed: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +48,9 @@ def padding_inputs(n: int, scratch_block: int) -> HostInputs:
 
 def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
     h = HostInputs([], [], [], [], [], [], [], [], 0, True)
+    if any(s.feed >= 0 for s in plan.seqs):
+        h.feed = [f for s in plan.seqs for f in ([s.feed] if len(s.token_ids) == 1
+                                                 else [-1] * len(s.token_ids))]
     for b, s in enumerate(plan.seqs):
         n = len(s.token_ids)
         end = s.start_pos + n
@@ -72,6 +78,14 @@ class Batch:
     positions: torch.Tensor  # [T]
     ctx: ForwardContext
     sample_idx: torch.Tensor  # [S]: rows of the hidden states whose logits are sampled
+    feed: torch.Tensor | None = None  # [T]: see HostInputs.feed
+
+
+def feed_tokens(ids: torch.Tensor, feed: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """ids with each fed token replaced by its row of `prev` (the previous step's sampled
+    tokens, still on the device): the served loop sends a decode step before the host has
+    seen the token it decodes. Branch-free, so graphs capture it."""
+    return torch.where(feed >= 0, prev[feed.clamp(min=0)], ids)
 
 
 def _padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
@@ -95,7 +109,8 @@ def batch_from(h: HostInputs, device: torch.device) -> Batch:
         token_row=t(h.token_row), max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
         decode=h.decode,
     )
-    return Batch(t(h.ids), positions, ForwardContext(attn=md), t(h.sample_idx))
+    return Batch(t(h.ids), positions, ForwardContext(attn=md), t(h.sample_idx),
+                 t(h.feed) if h.feed is not None else None)
 
 
 class InputBuffers:
@@ -105,9 +120,8 @@ class InputBuffers:
     async driver copy moves it over; graphs read slice views of the bucket's size. NOTE: padding
     slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and an
     all-zero block table row. NOTE: the host mirror is rewritten only once the previous
-    step's copy has run. The sampling rank reads its tokens back (a sync); a rank that does
-    not sample gets its next plan only after the sampling rank's step ended, and their
-    collectives tie that step to its own, which ran after its copy.
+    step's copy has run: the served loop sends step N+1 while step N runs, so write() waits
+    on an event recorded after the last upload (it has nearly always run by then).
 
     Layout: one byte buffer, [seq lens | token rows | block tables], so a step's inputs are
     one contiguous prefix (the tables' first rows end it) and move in one copy. Strided
@@ -120,7 +134,9 @@ class InputBuffers:
     """
 
     # sample_idx: the rows whose logits are sampled (a prefill step's last prompt tokens)
-    ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx")
+    # feed: HostInputs.feed (-1: none)
+    ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx",
+            "feed")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         lens_end = -(-max_seqs * 4 // 64) * 64  # the token rows start 8-byte aligned
@@ -139,8 +155,8 @@ class InputBuffers:
         self._tok, self._tables, self._lens = (t.numpy() for t in (
             self.host_tokens, self.host_tables, self.host_lens))
         self._arange = np.arange(max(max_tokens, max_seqs), dtype=np.int64)
-        self._tok[2] = -1
-        self.tokens[2].fill_(-1)
+        self._tok[[2, 6]] = -1
+        self.tokens[[2, 6]] = -1
         for i, name in enumerate(self.ROWS):
             setattr(self, name, self.tokens[i])
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
@@ -154,6 +170,7 @@ class InputBuffers:
             self._driver = driver
             self._device_index = (device.index if device.index is not None
                                   else torch.cuda.current_device())
+            self._uploaded = torch.cuda.Event()  # the last upload; the mirror waits for it
 
     @property
     def nbytes(self) -> int:
@@ -180,9 +197,12 @@ class InputBuffers:
                                           end, stream)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"input upload of {end} bytes failed: {err}")
+        self._uploaded.record()
 
     def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> int:
         """fill's host half: h into the pinned mirror; returns the bytes a step must move."""
+        if self._driver is not None:  # the previous step's copy may still be reading it
+            self._uploaded.synchronize()
         n, b = h.num_tokens, h.num_seqs
         if n > num_tokens or b > num_seqs or num_seqs > self.max_seqs:
             raise ValueError(f"batch of {n} tokens / {b} seqs does not fit bucket "
@@ -194,9 +214,10 @@ class InputBuffers:
         tok = self._tok
         tok[:5, :n] = (h.ids, h.positions, h.slots, h.token_seq, h.token_row)
         tok[5, : len(h.sample_idx)] = h.sample_idx
+        tok[6, :n] = -1 if h.feed is None else h.feed
         if n < num_tokens:
             tok[:, n:num_tokens] = 0
-            tok[2, n:num_tokens] = -1  # padding slots
+            tok[[2, 6], n:num_tokens] = -1  # padding slots, nothing fed
             # each padding token is its own padding sequence (decode), never a real one's row
             tok[3, n:num_tokens] = self._arange[n:num_tokens]
         tables, widths = self._tables, self._widths

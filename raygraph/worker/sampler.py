@@ -30,8 +30,16 @@ def _filter_top_k_top_p(
 
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
            greedy: torch.Tensor | None = None) -> list[int]:
-    """logits: [S, vocab] float32, one row per chunk (all chunks here sample); greedy: their
-    argmax when the step already took it (a graph's output: read, never written)."""
+    return sample_tokens(logits, chunks, generator, greedy).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
+                  greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens [S] on the logits' device, no host sync on the greedy path (the served loop
+    keeps them there for the next step). logits: [S, vocab] float32, one row per chunk (all
+    chunks here sample); greedy: their argmax when the step already took it (a graph's
+    output: read, never written). NOTE: temperature rows build small index tensors from host
+    lists, a synchronous copy on CUDA."""
     out = ops.argmax(logits) if greedy is None else greedy
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if rows:
@@ -53,4 +61,4 @@ def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Genera
                 gen.manual_seed(hash((seed, chunks[i].num_generated)) & 0x7FFF_FFFF_FFFF_FFFF)
             noise[j].exponential_(generator=gen)
         out[sel] = (probs / noise).argmax(dim=-1)  # exponential race == multinomial draw
-    return out.tolist()
+    return out

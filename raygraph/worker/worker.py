@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,11 +28,15 @@ from raygraph.protocol import (
     BucketKey,
     CaptureRecord,
     SeqChunk,
+    StepDelta,
+    StepOutput,
     StepPlan,
     StepResult,
+    WorkerCall,
     WorkerInfo,
 )
-from raygraph.worker.sampler import sample
+from raygraph.worker.sampler import sample_tokens
+from raygraph.worker.state import SeqTable, StateError
 
 log = logging.getLogger("raygraph.worker")
 
@@ -66,6 +71,23 @@ def _throttled(reporter: Any, every_s: float = 0.2) -> Callable[[int, int], None
     return report
 
 
+@dataclass
+class _Pending:
+    """A queued step whose tokens the coordinator has not been sent yet."""
+
+    step_id: int
+    started: float
+    tokens: torch.Tensor | None = None  # pinned host copy, being filled
+    ready: torch.cuda.Event | None = None
+
+
+# what the coordinator may call over the compiled graph
+CALLS = frozenset({"prepare_capture", "capture", "memory_stats", "offload_stats", "sleep",
+                   "wake_up", "inject_fault", "logits"})
+DELTA = msgspec.msgpack.Decoder(StepDelta)
+OUTPUT = msgspec.msgpack.Encoder()
+
+
 class Worker:
     def __init__(self, cfg: ServeConfig, rank: int) -> None:
         setup_logging()
@@ -89,6 +111,12 @@ class Worker:
         self.graph_measured = 0  # what the largest buckets took when the budget was measured
         self.kv_cache_bytes = 0
         self.weight_bytes = 0  # set by load()
+        self.state = SeqTable()
+        self._pending: _Pending | None = None
+        pinned = self.device.type == "cuda"
+        n = cfg.scheduler.max_num_seqs
+        self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
+                             for _ in range(2)]  # alternate: step N+1 copies while N is read
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -322,18 +350,82 @@ class Worker:
         time.sleep(3600)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step; rank 0 samples and returns the tokens, other ranks return None."""
+        """Run one step to the end (in-process use, tests); the group's first TP rank returns
+        the tokens, other ranks None. Served steps come through `run`."""
         t0 = time.perf_counter()
+        tokens = self._launch(plan)
+        out = tokens.tolist() if tokens is not None and self.samples else []
+        if self.offload is not None:
+            self.offload.note_step(time.perf_counter() - t0)
+        return StepResult(plan.step_id, out, time.perf_counter() - t0) if self.samples else None
+
+    def _launch(self, plan: StepPlan) -> torch.Tensor | None:
+        """Queue one step on the device; its sampled tokens [S] stay there, in the buffer the
+        next step's fed tokens read. Every TP rank samples: their logits are bitwise equal
+        and their generators advance alike, so they draw the same tokens."""
         try:
             logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
-        sampler = self.samples
-        chunks = [s for s in plan.seqs if s.sample] if sampler else []
-        tokens = sample(logits, chunks, self.generator, greedy) if chunks else []
+        chunks = [s for s in plan.seqs if s.sample]
+        if not chunks:
+            return None
+        tokens = sample_tokens(logits, chunks, self.generator, greedy)
+        self.executor.prev_tokens[: len(chunks)].copy_(tokens)
+        return tokens
+
+    # ---- the served path: the coordinator's compiled graph calls only this ----------------
+    def run(self, cmd: bytes | WorkerCall) -> bytes | object:
+        """A step (msgpack StepDelta), a flush (b""), or a method call (WorkerCall).
+
+        Steps are pipelined: the reply to step N carries step N-1's tokens, read once N is
+        queued, so the device goes from N-1 to N while the host learns N-1's tokens and the
+        coordinator schedules N+1. A flush returns the last step's tokens.
+        """
+        if isinstance(cmd, WorkerCall):
+            if self._pending is not None:
+                raise StateError(f"rank {self.rank}: {cmd.method} called with a step in "
+                                 "flight (flush first)")
+            if cmd.rank >= 0 and cmd.rank != self.rank:
+                return None
+            if cmd.method not in CALLS:
+                raise StateError(f"rank {self.rank}: {cmd.method!r} cannot be called remotely")
+            try:
+                return getattr(self, cmd.method)(*cmd.args)
+            except Exception as e:  # the coordinator sees one error for the group: name us
+                if str(e).startswith(f"rank {self.rank}:"):
+                    raise
+                raise RuntimeError(f"rank {self.rank}: {type(e).__name__}: {e}") from e
+        if not cmd:
+            return self._collect()
+        t0 = time.perf_counter()
+        delta = DELTA.decode(cmd)
+        tokens = self._launch(self.state.apply(delta))
+        pending = _Pending(delta.step_id, t0)
+        if tokens is not None and self.samples:
+            pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
+            pending.tokens.copy_(tokens, non_blocking=True)
+            if self.device.type == "cuda":
+                pending.ready = torch.cuda.Event()
+                pending.ready.record()
+        out = self._collect()
+        self._pending = pending
+        return out
+
+    def _collect(self) -> bytes | None:
+        """The pending step's tokens, once the device has them (msgpack StepOutput)."""
+        p, self._pending = self._pending, None
+        if not self.samples:
+            return None
+        if p is None:
+            return OUTPUT.encode(StepOutput(-1, []))
+        if p.ready is not None:
+            p.ready.synchronize()
+        tokens = p.tokens.tolist() if p.tokens is not None else []
+        forward_s = time.perf_counter() - p.started
         if self.offload is not None:
-            self.offload.note_step(time.perf_counter() - t0)
-        return StepResult(plan.step_id, tokens, time.perf_counter() - t0) if sampler else None
+            self.offload.note_step(forward_s)
+        return OUTPUT.encode(StepOutput(p.step_id, tokens, forward_s))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""

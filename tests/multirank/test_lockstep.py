@@ -3,14 +3,18 @@ protocol (barrier, capture, record comparison) and its failure modes."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
 import pytest
 
 from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.lockstep import CaptureError, LockstepCapture, first_difference
+from raygraph.cluster.lockstep import (
+    CaptureError,
+    LockstepCapture,
+    first_difference,
+    remote_call_all,
+)
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
@@ -61,10 +65,10 @@ def stop(ray, workers) -> None:
         ray.kill(w)
 
 
-async def capture_keys(workers, keys: list[BucketKey]) -> LockstepCapture:
-    lock = LockstepCapture(workers, timeout_s=20)
+def capture_keys(workers, keys: list[BucketKey]) -> LockstepCapture:
+    lock = LockstepCapture(len(workers))
     for key in keys:
-        await lock.capture(key)
+        lock.capture(key, remote_call_all(workers, timeout=20))
     return lock
 
 
@@ -111,7 +115,7 @@ def test_a_rank_with_a_different_schedule_is_refused_at_the_barrier(ray_session,
     workers = start_group(ray_session, [config(tiny_llama, "x"), config(tiny_llama, "x", odd)])
     try:
         with pytest.raises(CaptureError, match=r"prepare_capture of .*decode.*4.* rank 1"):
-            asyncio.run(capture_keys(workers, [BucketKey("decode", 4)]))
+            (capture_keys(workers, [BucketKey("decode", 4)]))
     finally:
         stop(ray_session, workers)
 
@@ -123,7 +127,7 @@ def test_a_rank_with_different_buffers_disagrees_naming_key_and_ranks(ray_sessio
     workers = start_group(ray_session, [cfg, longer])
     try:
         with pytest.raises(CaptureError, match=r"decode.*buffers: rank 0 has .*rank 1 has"):
-            asyncio.run(capture_keys(workers, [BucketKey("decode", 4)]))
+            (capture_keys(workers, [BucketKey("decode", 4)]))
     finally:
         stop(ray_session, workers)
 
@@ -133,7 +137,7 @@ def test_ranks_padding_to_different_graphs_fail_the_step_naming_the_rank(ray_ses
     odd = msgspec.structs.replace(SIZES, decode_sizes=[1, 2, 3, 4])  # pads 3 seqs to 3, not 4
     workers = start_group(ray_session, [cfg, config(tiny_llama, "x", odd)])
     try:
-        asyncio.run(capture_keys(workers, [BucketKey("decode", 4)]))
+        (capture_keys(workers, [BucketKey("decode", 4)]))
         seqs = [SeqChunk(i, [5 + i], 3, [i], True) for i in range(3)]
         key = BucketPlan.from_config(SIZES, 4, 32).key(3, 3, decode=True)
         assert key == BucketKey("decode", 4)

@@ -3,14 +3,13 @@ replay equals TP=2 eager and TP=1 within bf16 tolerance, greedy tokens equal eag
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 import torch
 
 from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.lockstep import LockstepCapture
+from raygraph.cluster.lockstep import LockstepCapture, remote_call_all
 from raygraph.config import CacheConfig, GraphConfig, ParallelConfig, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams, StepPlan
 from raygraph.worker.worker import Worker
@@ -70,14 +69,10 @@ def test_tp2_graph_replay_equals_tp2_eager_and_tp1(ray_session, ckpt):
     rng = random.Random(0)
     plans = [random_plan(rng, d) for d in [True, False] * 4]
     graph = group(ray_session, c)
-    lock = LockstepCapture(graph, timeout_s=300)
-
-    async def capture_all():
-        for key in buckets.schedule():
-            report = await lock.capture(key)
-            assert report.agree and report.nodes and report.collectives > 0
-
-    asyncio.run(capture_all())
+    lock = LockstepCapture(len(graph))
+    for key in buckets.schedule():
+        report = lock.capture(key, remote_call_all(graph, timeout=300))
+        assert report.agree and report.nodes and report.collectives > 0
     got = run_plans(ray_session, graph, plans, keyed)
     want = run_plans(ray_session, group(ray_session, cfg(ckpt, 2, "eager", "bfloat16")), plans,
                      lambda p: p)

@@ -1,0 +1,85 @@
+"""The step loop's logic, without transport or clients: schedule every DP group, turn the
+result into one StepDelta per group, and apply the tokens that come back one step later.
+
+The coordinator drives it over the compiled graph (cluster/group.py); benchmarks and tests
+drive it in one process against Worker.run. Pure Python apart from msgspec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
+from raygraph.graph.buckets import BucketPlan
+from raygraph.protocol import BucketKey, StepDelta, StepOutput
+
+ENCODER = msgspec.msgpack.Encoder()
+
+# one step to the workers: a msgpack StepDelta per DP group (b"": flush) -> each group's
+# tokens of the previous step
+Dispatch = Callable[[list[bytes]], list[StepOutput]]
+
+
+class EngineCore:
+    def __init__(self, schedulers: list[Scheduler], buckets: BucketPlan | None,
+                 ep: bool) -> None:
+        self.schedulers = schedulers
+        self.buckets = buckets
+        self.ep = ep
+        self.step_id = 0
+        self.in_flight: list[SchedulerOutput | None] | None = None  # tokens not back yet
+        self.msg_bytes = 0  # encoded deltas sent, summed over steps
+
+    def schedule(self) -> tuple[list[SchedulerOutput | None], list[BucketKey | None],
+                                int] | None:
+        """The next step of every group (None: nothing to run), its keys and dispatch size."""
+        outs = [s.schedule() for s in self.schedulers]
+        if all(o is None for o in outs):
+            return None
+        # an idle group runs one padding token, so the MoE collectives still match
+        shapes = [(o.num_tokens, o.num_seqs, o.decode) if o else (1, 1, True) for o in outs]
+        if self.buckets is None:  # eager mode: the dispatch size is the largest real batch
+            comm = max(t for t, _, _ in shapes) if self.ep else 0
+            keys: list[BucketKey | None] = [None] * len(outs)
+        else:
+            comm = self.buckets.comm_tokens(shapes) if self.ep else 0
+            keys = [self.buckets.key(t, n, d, comm) for t, n, d in shapes]
+        return outs, keys, comm
+
+    def encode(self, outs: list[SchedulerOutput | None], keys: list[BucketKey | None],
+               comm: int) -> list[bytes]:
+        """One message per group; also takes the step id."""
+        self.step_id += 1
+        msgs = [ENCODER.encode(StepDelta(
+            self.step_id, [s.seq_id for s in o.feed], [c for _, c in o.chunks], o.new,
+            o.blocks, o.drop, k, comm) if o is not None else StepDelta(self.step_id, key=k,
+                                                                        num_comm_tokens=comm))
+            for o, k in zip(outs, keys)]
+        self.msg_bytes += sum(len(m) for m in msgs)
+        return msgs
+
+    def apply(self, outputs: list[StepOutput]) -> list[list[tuple[Sequence, int]]]:
+        """The tokens of the step in flight; returns each group's (seq, token) to emit."""
+        outs, self.in_flight = self.in_flight, None
+        if outs is None:
+            return [[] for _ in self.schedulers]
+        return [s.update(o, out.token_ids) if o is not None else []
+                for s, o, out in zip(self.schedulers, outs, outputs)]
+
+    def step(self, dispatch: Dispatch) -> list[list[tuple[Sequence, int]]] | None:
+        """Schedule, send, apply what comes back (the previous step's tokens). None: idle
+        with nothing in flight. Used as is in one process; the coordinator interleaves
+        lockstep captures between schedule and dispatch."""
+        planned = self.schedule()
+        if planned is None:
+            return self.flush(dispatch) if self.in_flight is not None else None
+        msgs = self.encode(*planned)
+        emitted = self.apply(dispatch(msgs))
+        self.in_flight = planned[0]
+        return emitted
+
+    def flush(self, dispatch: Dispatch) -> list[list[tuple[Sequence, int]]]:
+        """Collect the step in flight."""
+        return self.apply(dispatch([b""] * len(self.schedulers)))
