@@ -1,9 +1,10 @@
 """What a client of the served path sees, against the same work run in-process without Ray.
 
 Per batch size: `batch` concurrent greedy requests (random token prompts, ignore_eos) through
-`coordinator.generate`, and the same requests through a Scheduler + Worker in this process.
+`coordinator.generate`, and the same requests through the coordinator's step logic
+(EngineCore) driving a Worker in this process.
 ratio = served ms per step / in-process ms per step: what Ray, the coordinator's loop and its
-messages add to each step. Also the msgpack size and codec time of the StepPlans, and the
+messages add to each step. Also the msgpack size and codec time of the StepDeltas, and the
 inter-token gap a batch-1 `generate_stream` client sees.
 
     python -m bench.serving [--batches 1 8 64 256] [--prompt-len 8] [--max-tokens 256]
@@ -11,7 +12,8 @@ inter-token gap a batch-1 `generate_stream` client sees.
 
 The in-process phase runs first and frees its memory before Ray starts, so the two never
 share the device. With --tp > 1 there is no in-process engine: engine_ms_per_step is the
-coordinator's `worker_step_ms` (rank 0's time inside Worker.execute), see engine_source.
+coordinator's `worker_step_ms` (rank 0's device time per step on GPU, its time in the step on
+CPU), see engine_source.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
 
 import msgspec
 import ray
@@ -31,6 +32,7 @@ import torch
 
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.connect import start_coordinator
+from raygraph.cluster.engine import Dispatch, EngineCore
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import (
     DEFAULT_MODEL,
@@ -43,7 +45,7 @@ from raygraph.config import (
 )
 from raygraph.graph.buckets import BucketPlan
 from raygraph.memory.pages import BlockPool
-from raygraph.protocol import SamplingParams, StepPlan
+from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 from raygraph.worker.worker import Worker
 
 Prompts = list[list[int]]
@@ -72,9 +74,10 @@ def make_prompts(batch: int, prompt_len: int, vocab: int) -> Prompts:
 
 
 def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
-               execute: Callable[[StepPlan], list[int]]) -> dict:
-    """The coordinator's loop in this process: schedule, key the plan as the coordinator does,
-    execute, update. Step time leaves out the msgpack round trip, timed on its own."""
+               dispatch: Dispatch) -> dict:
+    """The coordinator's step loop (EngineCore: schedule, deltas, tokens one step late) in
+    this process, against a Worker called directly: everything the served path does except
+    Ray. The deltas are kept to time their msgpack round trip afterwards."""
     s, m = cfg.scheduler, ModelConfig.from_pretrained(cfg.model)
     n, bs = cfg.cache.num_blocks or 0, cfg.cache.block_size
     max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings, n * bs)
@@ -82,37 +85,33 @@ def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
                       m.eos_token_ids)
     buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs, s.max_num_batched_tokens)
                if cfg.uses_graphs else None)
+    core = EngineCore([sched], buckets, ep=False)
     seqs = [Sequence(i, p, params) for i, p in enumerate(prompts)]
     for seq in seqs:
         sched.add(seq)
-    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
-    steps = decode_steps = nbytes = 0
-    busy = exec_s = enc_s = dec_s = 0.0
-    while True:
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        if out is None:
-            break
-        t, ns = out.plan.num_tokens, len(out.plan.seqs)
-        key = buckets.key(t, ns, t == ns) if buckets else None
-        plan = StepPlan(out.plan.step_id, out.plan.seqs, key=key)
-        t1 = time.perf_counter()
-        msg = enc.encode(plan)
-        t2 = time.perf_counter()
-        dec.decode(msg)
-        t3 = time.perf_counter()
-        tokens = execute(plan)
-        t4 = time.perf_counter()
-        sched.update(out, tokens)
-        busy += (t1 - t0) + (time.perf_counter() - t3)
-        exec_s += t4 - t3
-        enc_s, dec_s = enc_s + t2 - t1, dec_s + t3 - t2
-        steps, decode_steps, nbytes = steps + 1, decode_steps + (t == ns), nbytes + len(msg)
-    return {"steps": steps, "decode_steps": decode_steps, "seconds": busy,
-            "execute_ms_per_step": round(1e3 * exec_s / steps, 3),
-            "msg_bytes_per_step": round(nbytes / steps),
-            "encode_us_per_step": round(1e6 * enc_s / steps, 2),
-            "decode_us_per_step": round(1e6 * dec_s / steps, 2),
+    sent: list[bytes] = []
+
+    def keep(msgs: list[bytes]) -> list[StepOutput]:
+        sent.extend(m for m in msgs if m)
+        return dispatch(msgs)
+
+    t0 = time.perf_counter()
+    while core.step(keep) is not None:
+        pass
+    seconds = time.perf_counter() - t0
+    dec, enc = msgspec.msgpack.Decoder(StepDelta), msgspec.msgpack.Encoder()
+    t1 = time.perf_counter()
+    deltas = [dec.decode(m) for m in sent]
+    t2 = time.perf_counter()
+    for d in deltas:
+        enc.encode(d)
+    t3 = time.perf_counter()
+    steps = len(sent)
+    return {"steps": steps, "seconds": seconds,
+            "decode_steps": sum(not d.chunks for d in deltas),
+            "msg_bytes_per_step": round(sum(len(m) for m in sent) / steps),
+            "encode_us_per_step": round(1e6 * (t3 - t2) / steps, 2),
+            "decode_us_per_step": round(1e6 * (t2 - t1) / steps, 2),
             "tokens": [seq.output_token_ids for seq in seqs]}
 
 
@@ -121,18 +120,26 @@ def engine_phase(cfg: ServeConfig, a: argparse.Namespace, vocab: int) -> dict[in
     the scheduler alone with dummy tokens, for the message figures). Frees the device after."""
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(4, a.max_tokens), ignore_eos=True)
-    if cfg.parallel.world_size > 1:
-        def fake(plan: StepPlan) -> list[int]:
-            return [3] * sum(s.sample for s in plan.seqs)
+    if cfg.parallel.world_size > 1:  # the message figures only: a fake, pipelined worker
+        dec, pending = msgspec.msgpack.Decoder(StepDelta), [0]
+
+        def fake(msgs: list[bytes]) -> list[StepOutput]:
+            (msg,) = msgs
+            d = dec.decode(msg) if msg else None
+            out, pending[0] = pending[0], (len(d.feed) + sum(c.sample for c in d.chunks)
+                                           if d else 0)
+            return [StepOutput(0, [3] * out)]
         return {b: run_engine(cfg, make_prompts(b, a.prompt_len, vocab), params, fake)
                 for b in a.batches}
     worker = Worker(cfg, 0)
     worker.load(("127.0.0.1", 0))
     worker.allocate_kv_cache(cfg.cache.num_blocks or 0)
     worker.capture_all()  # what the coordinator's start-up schedule captures
+    decoder = msgspec.msgpack.Decoder(StepOutput)
 
-    def execute(plan: StepPlan) -> list[int]:
-        return worker.execute(plan).token_ids  # ends in a host read of the tokens
+    def execute(msgs: list[bytes]) -> list[StepOutput]:
+        (msg,) = msgs
+        return [decoder.decode(worker.run(msg))]
 
     rows = {}
     for b in a.batches:
@@ -160,7 +167,12 @@ def served_run(coord: ray.actor.ActorHandle, prompts: Prompts, params: SamplingP
     steps = after["steps"] - before["steps"]
     worker_ms = (after["worker_step_ms"] * after["steps"]
                  - before["worker_step_ms"] * before["steps"]) / steps
-    return {"seconds": wall, "steps": steps, "worker_ms": worker_ms,
+    idle_ms = (after["device_idle_ms_per_step"] * after["steps"]
+               - before["device_idle_ms_per_step"] * before["steps"]) / steps
+    host_ms = (after["loop_host_ms_per_step"] * after["steps"]
+               - before["loop_host_ms_per_step"] * before["steps"]) / steps
+    return {"seconds": wall, "steps": steps, "worker_ms": worker_ms, "idle_ms": idle_ms,
+            "host_ms": host_ms,
             "tokens": [r.token_ids for r in results]}
 
 
@@ -221,13 +233,14 @@ def main() -> None:
             "msg_bytes_per_step": eng["msg_bytes_per_step"],
             "encode_us_per_step": eng["encode_us_per_step"],
             "decode_us_per_step": eng["decode_us_per_step"],
-            "engine_execute_ms_per_step": eng["execute_ms_per_step"] if in_process else None,
             "served_worker_ms_per_step": round(served["worker_ms"], 3),
+            "device_idle_ms_per_step": round(served["idle_ms"], 3),
+            "coordinator_host_ms_per_step": round(served["host_ms"], 3),
             "stream_itl_ms": round(itl_ms, 3), "stream_ttft_ms": round(ttft_ms, 3),
             "steps": served["steps"], "engine_steps": eng["steps"],
             "decode_steps": eng["decode_steps"],
             "engine_source": "in-process Worker" if in_process
-            else "coordinator worker_step_ms (rank 0 in Worker.execute)",
+            else "coordinator worker_step_ms (rank 0's device time per step)",
             "tokens_match": served["tokens"] == eng["tokens"] if in_process else None,
             "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
             "model": name,

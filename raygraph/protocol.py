@@ -159,7 +159,8 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
 
     step_id: int
     token_ids: list[int]
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # the step's device time (CUDA), or its host time (CPU)
+    idle_s: float = 0.0  # how long the device waited for this step after the previous one
 
 
 class StepResult(msgspec.Struct, frozen=True):

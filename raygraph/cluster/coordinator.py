@@ -77,6 +77,7 @@ class _Request:
     seq_id: int
     prompt_token_ids: list[int]
     detok: Detokenizer
+    stream: bool  # a delta per token; else one at the end
     token_ids: list[int] = field(default_factory=list)
     deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
     finish_reason: FinishReason | None = None
@@ -113,6 +114,9 @@ class Coordinator:
         self.tokens_generated = 0
         self.preemptions = 0
         self.forward_s = 0.0  # rank 0's time per step in the worker, summed over steps
+        self.idle_s = 0.0  # rank 0's device waiting for the next step, summed
+        self.wait_s = 0.0  # the step thread waiting for the workers' replies, summed
+        self.loop_s = 0.0  # the step thread's time in steps, waits included
         self.capture_s = 0.0
         s = cfg.scheduler
         self.ep = cfg.parallel.ep > 1
@@ -292,6 +296,11 @@ class Coordinator:
             "restarts": self.restarts,
             "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
+            # where a served step's time goes: the device idle between steps (rank 0), and
+            # the step thread's own host time (its time in steps less waiting for replies)
+            "device_idle_ms_per_step": round(1e3 * self.idle_s / max(1, self.steps), 3),
+            "loop_host_ms_per_step": round(1e3 * (self.loop_s - self.wait_s)
+                                           / max(1, self.steps), 3),
             "msg_bytes_per_step": round(self.core.msg_bytes / max(1, self.core.step_id))
             if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
@@ -333,7 +342,7 @@ class Coordinator:
         Call as `coordinator.generate_stream.options(num_returns="streaming").remote(...)`.
         """
         await self._wait_serving()
-        (req,) = self._submit(prompt, params, single=True)
+        (req,) = self._submit(prompt, params, stream=True)
         while True:
             delta = await req.deltas.get()
             yield delta
@@ -350,12 +359,12 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass  # _submit reports why
 
-    def _submit(self, prompts: Any, params: Any, single: bool = False) -> list[_Request]:
+    def _submit(self, prompts: Any, params: Any, stream: bool = False) -> list[_Request]:
         if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
             raise WorkerFailure(f"coordinator is not serving: {reason}")
         sp = parse_params(params)
-        items = [prompts] if single else split_prompts(prompts)
+        items = [prompts] if stream else split_prompts(prompts)
         m = self.model_cfg
         encoded = [encode_prompt(p, self.tokenizer, m.vocab_size, m.bos_token_id) for p in items]
         for ids in encoded:  # all checked before any is queued
@@ -366,7 +375,7 @@ class Coordinator:
         reqs = []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp)
-            req = _Request(seq.seq_id, ids, Detokenizer(self.tokenizer, sp.stop))
+            req = _Request(seq.seq_id, ids, Detokenizer(self.tokenizer, sp.stop), stream)
             self.requests[seq.seq_id] = req
             self._inbox.put(("add", seq))
             reqs.append(req)
@@ -390,6 +399,8 @@ class Coordinator:
             if req is None:
                 continue  # already finished (a stop string): a token past the stop
             req.token_ids.append(token)
+            if not req.stream and reason is None and not req.detok.stop:
+                continue  # nothing to tell yet; the text is decoded once, at the end
             text, stopped = req.detok.update(req.token_ids)
             if stopped and reason is None:
                 reason = "stop"
@@ -416,7 +427,10 @@ class Coordinator:
             self._wake.clear()
             try:
                 while self._drain_inbox() and not self._stopping:
-                    if not self._step():
+                    t0 = time.perf_counter()
+                    busy = self._step()
+                    self.loop_s += time.perf_counter() - t0
+                    if not busy:
                         break
             except Exception as e:  # actor death, a raised step, a hang past the timeout
                 self._on_failure(e)
@@ -476,10 +490,13 @@ class Coordinator:
         return True
 
     def _dispatch(self, msgs: list[bytes]) -> list[StepOutput]:
+        t0 = time.perf_counter()
         outputs = self.group.step(msgs, timeout=self.cfg.step_timeout_s)
+        self.wait_s += time.perf_counter() - t0
         if outputs[0].step_id >= 0:
             self.steps += 1
             self.forward_s += outputs[0].forward_s
+            self.idle_s += outputs[0].idle_s
         return outputs
 
     def _flush(self) -> None:

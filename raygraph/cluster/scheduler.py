@@ -34,7 +34,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    num_pending: int = 0  # sampled on the workers, not known here yet (0 or 1)
+    # sampled on the workers, not known here yet: 1 after a step's tokens are applied, 2
+    # between scheduling the next step and applying this one's
+    num_pending: int = 0
     sent_blocks: int = 0  # blocks of block_table the workers have
     tracked: bool = False  # the workers keep its state
 
@@ -126,21 +128,26 @@ class Scheduler:
                     return seq
         return None
 
-    def _at_limit(self, seq: Sequence) -> bool:
-        """Its last token is already sampled: max_tokens or the context is reached."""
-        return (seq.num_outputs >= seq.params.max_tokens
-                or seq.num_tokens >= self.max_model_len)
-
     def schedule(self) -> SchedulerOutput | None:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [], self._drop, [], 0)
         self._drop = []
+        feed, bs, max_len = out.feed, self.pool.block_size, self.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if seq.num_pending and self._at_limit(seq):
-                continue  # finishes when its last token arrives
+            if seq.num_pending:  # decode the token in flight: the common case, kept lean
+                outputs = len(seq.output_token_ids) + seq.num_pending
+                if (outputs >= seq.params.max_tokens
+                        or len(seq.prompt_token_ids) + outputs >= max_len):
+                    continue  # finishes when its last token arrives
+                if seq.num_computed < len(seq.block_table) * bs:  # room in its last block
+                    feed.append(seq)
+                    seq.num_computed += 1
+                    seq.num_pending += 1
+                    budget -= 1
+                    continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, n, out):
                 break  # seq itself was preempted (it was the last one running)
@@ -160,9 +167,10 @@ class Scheduler:
             self.running.append(seq)
             budget -= n
             self._take(seq, n, out)
-        if not out.feed and not out.chunks:
+        if not feed and not out.chunks:
             self._drop = out.drop + self._drop  # nothing to send them with yet
             return None
+        out.num_tokens += len(feed)
         return out
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -177,12 +185,12 @@ class Scheduler:
             seq.sent_blocks = len(seq.block_table)
         start = seq.num_computed
         sample = start + n == seq.num_tokens
-        if seq.num_pending:  # n == 1: the pending token is the one to compute
-            out.feed.append(seq)
-        else:
-            out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
         seq.num_computed += n
         seq.num_pending += sample
+        if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
+            out.feed.append(seq)
+            return  # counted with the other feeds
+        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
         out.num_tokens += n
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:

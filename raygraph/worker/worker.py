@@ -78,7 +78,11 @@ class _Pending:
     step_id: int
     started: float
     tokens: torch.Tensor | None = None  # pinned host copy, being filled
+    start: torch.cuda.Event | None = None  # around the step on the device: its device time
     ready: torch.cuda.Event | None = None
+    after: torch.cuda.Event | None = None  # the previous step's `ready`
+    seconds: float = 0.0
+    idle: float = 0.0
 
 
 # what the coordinator may call over the compiled graph
@@ -113,6 +117,7 @@ class Worker:
         self.weight_bytes = 0  # set by load()
         self.state = SeqTable()
         self._pending: _Pending | None = None
+        self._last_ready: torch.cuda.Event | None = None
         pinned = self.device.type == "cuda"
         n = cfg.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
@@ -398,16 +403,24 @@ class Worker:
                 raise RuntimeError(f"rank {self.rank}: {type(e).__name__}: {e}") from e
         if not cmd:
             return self._collect()
-        t0 = time.perf_counter()
+        pending = _Pending(-1, time.perf_counter())
+        cuda = self.device.type == "cuda"
+        if cuda and self.samples:
+            pending.start = torch.cuda.Event(enable_timing=True)
+            pending.start.record()
         delta = DELTA.decode(cmd)
+        pending.step_id = delta.step_id
         tokens = self._launch(self.state.apply(delta))
-        pending = _Pending(delta.step_id, t0)
-        if tokens is not None and self.samples:
-            pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
-            pending.tokens.copy_(tokens, non_blocking=True)
-            if self.device.type == "cuda":
-                pending.ready = torch.cuda.Event()
+        if self.samples:
+            if tokens is not None:
+                pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
+                pending.tokens.copy_(tokens, non_blocking=True)
+            if cuda:
+                pending.ready = torch.cuda.Event(enable_timing=True)
                 pending.ready.record()
+                pending.after, self._last_ready = self._last_ready, pending.ready
+            else:
+                pending.seconds = time.perf_counter() - pending.started
         out = self._collect()
         self._pending = pending
         return out
@@ -421,11 +434,13 @@ class Worker:
             return OUTPUT.encode(StepOutput(-1, []))
         if p.ready is not None:
             p.ready.synchronize()
+            p.seconds = p.start.elapsed_time(p.ready) / 1e3
+            if p.after is not None:  # the device's wait between the two steps
+                p.idle = max(0.0, p.after.elapsed_time(p.start) / 1e3)
         tokens = p.tokens.tolist() if p.tokens is not None else []
-        forward_s = time.perf_counter() - p.started
         if self.offload is not None:
-            self.offload.note_step(forward_s)
-        return OUTPUT.encode(StepOutput(p.step_id, tokens, forward_s))
+            self.offload.note_step(p.seconds)
+        return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
