@@ -32,7 +32,7 @@ import torch
 
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.engine import Dispatch, EngineCore
+from raygraph.cluster.engine import Dispatch, EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import (
     DEFAULT_MODEL,
@@ -96,8 +96,7 @@ def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
         return dispatch(msgs)
 
     t0 = time.perf_counter()
-    while core.step(keep) is not None:
-        pass
+    run_to_completion(core, keep)
     seconds = time.perf_counter() - t0
     dec, enc = msgspec.msgpack.Decoder(StepDelta), msgspec.msgpack.Encoder()
     t1 = time.perf_counter()
@@ -135,11 +134,7 @@ def engine_phase(cfg: ServeConfig, a: argparse.Namespace, vocab: int) -> dict[in
     worker.load(("127.0.0.1", 0))
     worker.allocate_kv_cache(cfg.cache.num_blocks or 0)
     worker.capture_all()  # what the coordinator's start-up schedule captures
-    decoder = msgspec.msgpack.Decoder(StepOutput)
-
-    def execute(msgs: list[bytes]) -> list[StepOutput]:
-        (msg,) = msgs
-        return [decoder.decode(worker.run(msg))]
+    execute = local_dispatch(worker)
 
     rows = {}
     for b in a.batches:
@@ -171,7 +166,14 @@ def served_run(coord: ray.actor.ActorHandle, prompts: Prompts, params: SamplingP
                - before["device_idle_ms_per_step"] * before["steps"]) / steps
     host_ms = (after["loop_host_ms_per_step"] * after["steps"]
                - before["loop_host_ms_per_step"] * before["steps"]) / steps
+    sched_ms = (after["schedule_update_ms_per_step"] * after["steps"]
+                - before["schedule_update_ms_per_step"] * before["steps"]) / steps
+    started = after["requests_started"] - before["requests_started"]
+    ttft_ms = (after["mean_ttft_ms"] * after["requests_started"]
+               - before["mean_ttft_ms"] * before["requests_started"]) / max(1, started)
     return {"seconds": wall, "steps": steps, "worker_ms": worker_ms, "idle_ms": idle_ms,
+            "ttft_ms": ttft_ms,
+            "sched_ms": sched_ms,
             "host_ms": host_ms,
             "tokens": [r.token_ids for r in results]}
 
@@ -236,6 +238,8 @@ def main() -> None:
             "served_worker_ms_per_step": round(served["worker_ms"], 3),
             "device_idle_ms_per_step": round(served["idle_ms"], 3),
             "coordinator_host_ms_per_step": round(served["host_ms"], 3),
+            "schedule_update_ms_per_step": round(served["sched_ms"], 3),
+            "mean_ttft_ms": round(served["ttft_ms"], 3),
             "stream_itl_ms": round(itl_ms, 3), "stream_ttft_ms": round(ttft_ms, 3),
             "steps": served["steps"], "engine_steps": eng["steps"],
             "decode_steps": eng["decode_steps"],

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -82,11 +83,15 @@ class _Request:
     deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    submitted: float = field(default_factory=time.perf_counter)
 
 
 class Coordinator:
     def __init__(self, cfg: ServeConfig) -> None:
         setup_logging()
+        # the step thread and the event loop share the GIL: hand it over every 0.5 ms, not
+        # Python's default 5 ms, so a busy loop never holds a step back for long
+        sys.setswitchinterval(5e-4)
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         cfg.parallel.check_model(self.model_cfg)
@@ -117,6 +122,10 @@ class Coordinator:
         self.idle_s = 0.0  # rank 0's device waiting for the next step, summed
         self.wait_s = 0.0  # the step thread waiting for the workers' replies, summed
         self.loop_s = 0.0  # the step thread's time in steps, waits included
+        self.schedule_s = 0.0  # in Scheduler.schedule and .update (all groups), summed
+        self._resumed_at = 0  # the first step after the loop last ran out of work
+        self.ttft_s = 0.0  # submission to first token, summed over requests
+        self.first_tokens = 0
         self.capture_s = 0.0
         s = cfg.scheduler
         self.ep = cfg.parallel.ep > 1
@@ -301,6 +310,9 @@ class Coordinator:
             "device_idle_ms_per_step": round(1e3 * self.idle_s / max(1, self.steps), 3),
             "loop_host_ms_per_step": round(1e3 * (self.loop_s - self.wait_s)
                                            / max(1, self.steps), 3),
+            "schedule_update_ms_per_step": round(1e3 * self.schedule_s / max(1, self.steps), 3),
+            "requests_started": self.first_tokens,
+            "mean_ttft_ms": round(1e3 * self.ttft_s / max(1, self.first_tokens), 3),
             "msg_bytes_per_step": round(self.core.msg_bytes / max(1, self.core.step_id))
             if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
@@ -399,6 +411,9 @@ class Coordinator:
             if req is None:
                 continue  # already finished (a stop string): a token past the stop
             req.token_ids.append(token)
+            if len(req.token_ids) == 1:
+                self.ttft_s += time.perf_counter() - req.submitted
+                self.first_tokens += 1
             if not req.stream and reason is None and not req.detok.stop:
                 continue  # nothing to tell yet; the text is decoded once, at the end
             text, stopped = req.detok.update(req.token_ids)
@@ -470,9 +485,12 @@ class Coordinator:
     def _step(self) -> bool:
         """Schedule and send one step, apply the one before; False when there is no work."""
         core = self.core
+        t0 = time.perf_counter()
         planned = core.schedule()
+        self.schedule_s += time.perf_counter() - t0
         if planned is None:
             if core.in_flight is None:
+                self._resumed_at = core.step_id + 1  # its device gap is the clients' pause
                 return False
             self._flush()
             return True
@@ -484,7 +502,10 @@ class Coordinator:
         for o in outs:
             if o is not None:
                 self.preemptions += len(o.preempted)
-        emitted = core.apply(self._dispatch(core.encode(outs, keys, comm)))
+        outputs = self._dispatch(core.encode(outs, keys, comm))
+        t0 = time.perf_counter()
+        emitted = core.apply(outputs)
+        self.schedule_s += time.perf_counter() - t0
         core.in_flight = outs
         self._deliver(emitted)
         return True
@@ -493,10 +514,15 @@ class Coordinator:
         t0 = time.perf_counter()
         outputs = self.group.step(msgs, timeout=self.cfg.step_timeout_s)
         self.wait_s += time.perf_counter() - t0
-        if outputs[0].step_id >= 0:
+        out = outputs[0]
+        if out.step_id >= 0:
             self.steps += 1
-            self.forward_s += outputs[0].forward_s
-            self.idle_s += outputs[0].idle_s
+            self.forward_s += out.forward_s
+            if out.step_id > self._resumed_at:  # not the first step after the loop idled
+                self.idle_s += out.idle_s
+                if out.idle_s > 0.01:
+                    log.warning("the device waited %.1f ms before step %d", 1e3 * out.idle_s,
+                                out.step_id)
         return outputs
 
     def _flush(self) -> None:

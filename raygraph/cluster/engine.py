@@ -8,6 +8,7 @@ drive it in one process against Worker.run. Pure Python apart from msgspec.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -83,3 +84,22 @@ class EngineCore:
     def flush(self, dispatch: Dispatch) -> list[list[tuple[Sequence, int]]]:
         """Collect the step in flight."""
         return self.apply(dispatch([b""] * len(self.schedulers)))
+
+
+def local_dispatch(worker: Any) -> Dispatch:
+    """Steps to a Worker in this process (one DP group of one rank): tests, benchmarks."""
+    decoder = msgspec.msgpack.Decoder(StepOutput)
+
+    def dispatch(msgs: list[bytes]) -> list[StepOutput]:
+        (msg,) = msgs
+        return [decoder.decode(worker.run(msg))]
+
+    return dispatch
+
+
+def run_to_completion(core: EngineCore, dispatch: Dispatch) -> int:
+    """Step until every scheduler is empty and nothing is in flight; returns the steps."""
+    steps = 0
+    while core.step(dispatch) is not None:
+        steps += 1
+    return steps

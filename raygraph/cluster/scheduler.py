@@ -222,25 +222,21 @@ class Scheduler:
         seqs = out.sampled
         if len(seqs) != len(sampled):
             raise RuntimeError(f"step returned {len(sampled)} tokens for {len(seqs)} sequences")
-        for seq, token in zip(seqs, sampled):
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        for seq, token in zip(seqs, sampled):  # hot: one pass over the batch per step
             if seq.finish_reason is not None:
                 continue  # it stopped at the previous step: this token is past the stop
             seq.num_pending -= 1
-            seq.output_token_ids.append(token)
+            outputs = seq.output_token_ids
+            outputs.append(token)
             new.append((seq, token))
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            p = seq.params
+            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+                self.finish(seq, "stop")
+            elif (len(outputs) >= p.max_tokens
+                  or len(seq.prompt_token_ids) + len(outputs) >= max_len):
+                self.finish(seq, "length")
         return new
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if (len(seq.output_token_ids) >= p.max_tokens
-                or len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
-            return "length"
-        return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.finish_reason is not None:

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.inputs import prepare_batch
@@ -186,9 +187,8 @@ def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt):
                 for i, p in enumerate(prompts)]
         for s in seqs:
             sched.add(s)
-        while sched.has_work():
-            out = sched.schedule()
-            sched.update(out, w.execute(out.plan).token_ids)
+        # the served loop's logic: deltas, tokens fed on the device, replies a step late
+        run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(w))
         outs.append([s.output_token_ids for s in seqs])
     assert outs[0] == outs[1]
 
