@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class Worker:
         self.state = SeqTable()
         self._pending: _Pending | None = None
         self._last_ready: torch.cuda.Event | None = None
+        self._thread = threading.get_ident()  # the thread whose CUDA context is set
+        self._thread_switches = 0
         pinned = self.device.type == "cuda"
         n = cfg.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
@@ -387,6 +390,15 @@ class Worker:
         queued, so the device goes from N-1 to N while the host learns N-1's tokens and the
         coordinator schedules N+1. A flush returns the last step's tokens.
         """
+        if self.device.type == "cuda" and threading.get_ident() != self._thread:
+            # Ray runs the compiled graph's loop on its own thread: the driver calls of the
+            # input upload need this device's context current there
+            torch.cuda.set_device(self.device)
+            self._thread = threading.get_ident()
+            self._thread_switches += 1
+            if self._thread_switches <= 3:  # per-thread state (cuDNN plans) starts over
+                log.info("rank %d: steps now run on thread %#x (switch %d)", self.rank,
+                         self._thread, self._thread_switches)
         if isinstance(cmd, WorkerCall):
             if self._pending is not None:
                 raise StateError(f"rank {self.rank}: {cmd.method} called with a step in "
