@@ -384,13 +384,14 @@ class Coordinator:
                 self.schedulers[0].check_prompt(len(ids))
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-        reqs = []
+        reqs, seqs = [], []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp)
             req = _Request(seq.seq_id, ids, Detokenizer(self.tokenizer, sp.stop), stream)
             self.requests[seq.seq_id] = req
-            self._inbox.put(("add", seq))
             reqs.append(req)
+            seqs.append(seq)
+        self._inbox.put(("add", seqs))  # one item: a call's prompts reach the same step
         self._wake.set()
         return reqs
 
@@ -460,12 +461,12 @@ class Coordinator:
                 return self.healthy and self.core is not None
             kind = item[0]
             if kind == "add":
-                seq: Sequence = item[1]
                 if not self.healthy or self.core is None:
                     continue  # failed with the group; its request was told
-                group = min(range(len(self.schedulers)), key=self._load)
-                self.schedulers[group].add(seq)
-                self._seqs[seq.seq_id] = (group, seq)
+                for seq in item[1]:
+                    group = min(range(len(self.schedulers)), key=self._load)
+                    self.schedulers[group].add(seq)
+                    self._seqs[seq.seq_id] = (group, seq)
             elif kind == "finish":
                 entry = self._seqs.pop(item[1], None)
                 if entry is not None:
@@ -518,6 +519,8 @@ class Coordinator:
         if out.step_id >= 0:
             self.steps += 1
             self.forward_s += out.forward_s
+            if out.forward_s > 0.05:
+                log.warning("step %d took %.1f ms on rank 0", out.step_id, 1e3 * out.forward_s)
             if out.step_id > self._resumed_at:  # not the first step after the loop idled
                 self.idle_s += out.idle_s
                 if out.idle_s > 0.01:
