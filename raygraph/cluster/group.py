@@ -50,7 +50,7 @@ class WorkerGroup:
         ref = self._compiled().execute(*per_group)
         try:
             return ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError):
             raise GroupTimeout(f"the worker group did not answer within {timeout:.0f}s "
                                "(a rank hangs or is blocked in a collective)") from None
 

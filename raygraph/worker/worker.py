@@ -339,8 +339,9 @@ class Worker:
         return self.executor.capture(key)
 
     def inject_fault(self, kind: str, phase: str = "capture", key: BucketKey | None = None) -> None:
-        """Fault injection for tests and drills: at `phase` ("prepare" | "capture") of `key`
-        (any key if None) this rank raises ("raise"), exits ("exit") or stalls ("stall")."""
+        """Fault injection for tests and drills: at `phase` ("prepare" | "capture" of `key`,
+        any key if None; "step": the next served step) this rank raises ("raise"), exits
+        ("exit") or stalls ("stall")."""
         if kind not in ("raise", "exit", "stall"):
             raise ValueError(f"unknown fault kind {kind!r}")
         self._fault = (kind, phase, key)
@@ -422,6 +423,7 @@ class Worker:
             pending.start.record()
         delta = DELTA.decode(cmd)
         pending.step_id = delta.step_id
+        self._maybe_fault("step", None)
         tokens = self._launch(self.state.apply(delta))
         if self.samples:
             if tokens is not None:
