@@ -27,6 +27,7 @@ from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConf
 from raygraph.graph.executor import GraphExecutor
 from raygraph.graph.runners import FullGraph
 from raygraph.protocol import BucketKey
+from raygraph.worker import sizing
 from raygraph.worker.worker import Worker
 
 MiB = 2**20
@@ -107,7 +108,7 @@ def make_worker(a: argparse.Namespace) -> Worker:
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
     t0 = time.perf_counter()
-    graph_bytes = w._profile_graph_bytes()  # what load() subtracts before sizing the KV cache
+    graph_bytes = sizing.graph_bytes(w)  # what load() subtracts before sizing the KV cache
     emit({"part": "budget", "budget_mib": round(w.graph_budget / MiB, 1),
           "graph_bytes_mib": round(graph_bytes / MiB, 1),
           "budget_measure_s": round(time.perf_counter() - t0, 2)})

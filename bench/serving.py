@@ -33,7 +33,7 @@ import torch
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.connect import start_coordinator
 from raygraph.cluster.engine import Dispatch, EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Scheduler, Sequence
+from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
     DEFAULT_MODEL,
     CacheConfig,
@@ -43,8 +43,6 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
-from raygraph.graph.buckets import BucketPlan
-from raygraph.memory.pages import BlockPool
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 from raygraph.worker.worker import Worker
 
@@ -78,14 +76,9 @@ def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
     """The coordinator's step loop (EngineCore: schedule, deltas, tokens one step late) in
     this process, against a Worker called directly: everything the served path does except
     Ray. The deltas are kept to time their msgpack round trip afterwards."""
-    s, m = cfg.scheduler, ModelConfig.from_pretrained(cfg.model)
-    n, bs = cfg.cache.num_blocks or 0, cfg.cache.block_size
-    max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings, n * bs)
-    sched = Scheduler(BlockPool(n, bs), s.max_num_seqs, s.max_num_batched_tokens, max_len,
-                      m.eos_token_ids)
-    buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs, s.max_num_batched_tokens)
-               if cfg.uses_graphs else None)
-    core = EngineCore([sched], buckets, ep=False)
+    core = EngineCore.from_config(cfg, ModelConfig.from_pretrained(cfg.model),
+                                  cfg.cache.num_blocks or 0)
+    (sched,) = core.schedulers
     seqs = [Sequence(i, p, params) for i, p in enumerate(prompts)]
     for seq in seqs:
         sched.add(seq)

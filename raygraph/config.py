@@ -323,6 +323,26 @@ class ServeConfig(msgspec.Struct, frozen=True):
         lru = self.offload.budget_bytes is not None and self.offload.mode == "lru"
         return self.graph.mode == "graph" and not lru
 
+    def max_model_len(self, model: ModelConfig, num_blocks: int | None = None) -> int:
+        """The context a sequence may reach: the configured limit, the model's positions
+        and, once the KV cache is sized, what its blocks hold. The one place it is derived."""
+        limit = self.scheduler.max_model_len or model.max_position_embeddings
+        cap = model.max_position_embeddings
+        if num_blocks is not None:
+            cap = min(cap, num_blocks * self.cache.block_size)
+        return min(limit, cap)
+
+    def bucket_plan(self):  # -> BucketPlan | None (graph/ imports this module)
+        """The capture sizes and bucketing every rank and the coordinator share; None when
+        steps run eagerly. The one place it is derived."""
+        from raygraph.graph.buckets import BucketPlan
+
+        if not self.uses_graphs:
+            return None
+        s = self.scheduler
+        return BucketPlan.from_config(self.graph, s.max_num_seqs, s.max_num_batched_tokens,
+                                      self.parallel.ep > 1)
+
     def executor_graph(self) -> GraphConfig:
         """The GraphConfig the executor is built from (eager whenever graphs are not used)."""
         return self.graph if self.uses_graphs else msgspec.structs.replace(self.graph, mode="eager")

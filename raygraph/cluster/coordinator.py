@@ -46,8 +46,6 @@ from raygraph.cluster.requests import (
 )
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.buckets import BucketPlan
-from raygraph.memory.pages import BlockPool
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
@@ -127,11 +125,7 @@ class Coordinator:
         self.ttft_s = 0.0  # submission to first token, summed over requests
         self.first_tokens = 0
         self.capture_s = 0.0
-        s = cfg.scheduler
-        self.ep = cfg.parallel.ep > 1
-        self.buckets = (BucketPlan.from_config(cfg.graph, s.max_num_seqs,
-                                               s.max_num_batched_tokens, self.ep)
-                        if cfg.uses_graphs else None)
+        self.buckets = cfg.bucket_plan()
         self.lockstep: LockstepCapture | None = None
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
         self._progress = StartupProgress()
@@ -186,16 +180,8 @@ class Coordinator:
         self.group = WorkerGroup(self.workers, cfg.parallel)
         if self.buckets is not None and cfg.graph.capture_at_start:
             await asyncio.to_thread(self._capture_schedule)
-        bs = cfg.cache.block_size
-        limit = cfg.scheduler.max_model_len or self.model_cfg.max_position_embeddings
-        max_model_len = min(limit, self.model_cfg.max_position_embeddings, num_blocks * bs)
-        self.schedulers = [
-            Scheduler(BlockPool(num_blocks, bs), cfg.scheduler.max_num_seqs,
-                      cfg.scheduler.max_num_batched_tokens, max_model_len,
-                      self.model_cfg.eos_token_ids)
-            for _ in range(cfg.parallel.dp)
-        ]
-        self.core = EngineCore(self.schedulers, self.buckets, self.ep)
+        self.core = EngineCore.from_config(cfg, self.model_cfg, num_blocks)
+        self.schedulers = self.core.schedulers
         self._seqs = {}
 
     async def capture_schedule(self) -> list[KeyReport]:

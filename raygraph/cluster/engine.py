@@ -13,7 +13,9 @@ from typing import Any
 import msgspec
 
 from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
-from raygraph.graph.buckets import BucketPlan
+from raygraph.config import ModelConfig, ServeConfig
+from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
+from raygraph.memory.pages import BlockPool
 from raygraph.protocol import BucketKey, StepDelta, StepOutput
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -33,6 +35,17 @@ class EngineCore:
         self.in_flight: list[SchedulerOutput | None] | None = None  # tokens not back yet
         self.msg_bytes = 0  # encoded deltas sent, summed over steps
 
+    @staticmethod
+    def from_config(cfg: ServeConfig, model: ModelConfig, num_blocks: int) -> EngineCore:
+        """What a serving group runs with: a scheduler per DP group (each its own KV pool of
+        `num_blocks`) and the config's bucket plan."""
+        s = cfg.scheduler
+        max_len = cfg.max_model_len(model, num_blocks)
+        schedulers = [Scheduler(BlockPool(num_blocks, cfg.cache.block_size), s.max_num_seqs,
+                                s.max_num_batched_tokens, max_len, model.eos_token_ids)
+                      for _ in range(cfg.parallel.dp)]
+        return EngineCore(schedulers, cfg.bucket_plan(), cfg.parallel.ep > 1)
+
     def schedule(self) -> tuple[list[SchedulerOutput | None], list[BucketKey | None],
                                 int] | None:
         """The next step of every group (None: nothing to run), its keys and dispatch size."""
@@ -40,7 +53,8 @@ class EngineCore:
         if all(o is None for o in outs):
             return None
         # an idle group runs one padding token, so the MoE collectives still match
-        shapes = [(o.num_tokens, o.num_seqs, o.decode) if o else (1, 1, True) for o in outs]
+        idle = (IDLE_TOKENS, IDLE_TOKENS, True)
+        shapes = [(o.num_tokens, o.num_seqs, o.decode) if o else idle for o in outs]
         if self.buckets is None:  # eager mode: the dispatch size is the largest real batch
             comm = max(t for t, _, _ in shapes) if self.ep else 0
             keys: list[BucketKey | None] = [None] * len(outs)

@@ -44,6 +44,11 @@ def capture_schedule(decode_sizes: Sequence[int], prefill_sizes: Sequence[int]) 
     return keys
 
 
+# A DP group with nothing to run still steps, so the MoE collectives match: one padding
+# token, a decode of one sequence. The coordinator keys it, the executor builds it.
+IDLE_TOKENS = 1
+
+
 @dataclass(frozen=True)
 class BucketPlan:
     """Which key a step runs under. Pure Python, so the coordinator and every worker derive

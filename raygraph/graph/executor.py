@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from raygraph.config import GraphConfig
-from raygraph.graph.buckets import BucketPlan
+from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
 from raygraph.graph.inputs import (
     HostInputs,
     InputBuffers,
@@ -59,6 +59,37 @@ class Executor(ABC):
     def logits(self, plan: StepPlan) -> torch.Tensor:
         return self.step(plan)[0]
 
+    # ---- graphs and their memory: the eager executor has none ---------------------------
+    def allows(self, key: BucketKey) -> bool:
+        """Whether `key` is in this executor's capture schedule."""
+        return False
+
+    def capture(self, key: BucketKey, md=None) -> CaptureRecord:
+        raise KeyMismatch(f"{key}: this executor runs eagerly and captures nothing")
+
+    def capture_all(self) -> list[CaptureRecord]:
+        return []
+
+    @property
+    def input_buffer_bytes(self) -> int:
+        return 0
+
+    def pool_stats(self) -> GraphPoolStats | None:
+        return None
+
+    def log_memory(self) -> None:
+        return None  # no graph memory to tell of
+
+    def sleep(self) -> None:
+        raise RuntimeError(f"sleep/wake needs graph mode (the executor is "
+                           f"{type(self).__name__})")
+
+    def wake_up(self) -> None:
+        self.sleep()
+
+    def release(self) -> None:
+        return None  # nothing held beyond the model and the cache
+
     def scratch_block(self) -> int:
         """The block the worker allocates past the usable ones: padding may write there."""
         return self.model.attention_layers()[0].k_cache.shape[0] - 1
@@ -66,7 +97,7 @@ class Executor(ABC):
     def inputs(self, plan: StepPlan) -> HostInputs:
         """The plan's host inputs; an idle DP rank (no sequences) runs one padding token."""
         if not plan.seqs:
-            return padding_inputs(1, self.scratch_block())
+            return padding_inputs(IDLE_TOKENS, self.scratch_block())
         return host_inputs(plan, self.block_size)
 
 
@@ -90,14 +121,14 @@ class GraphExecutor(Executor):
     """graph_budget caps the graph pool's physical memory (VMM pool): the bytes the KV cache
     was sized around; a capture needing more fails loudly."""
 
-    def __init__(self, model: LlamaForCausalLM, cfg: GraphConfig, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 graph_budget: int | None = None, ep: bool = False, rank: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, cfg: GraphConfig, buckets: BucketPlan,
+                 block_size: int, max_num_seqs: int, max_model_len: int,
+                 graph_budget: int | None = None, rank: int = 0) -> None:
         super().__init__(model, block_size, max_num_seqs)
         self.cfg = cfg
         self.rank = rank  # the worker's global rank, for capture records
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
-        self.buckets = BucketPlan.from_config(cfg, max_num_seqs, max_num_batched_tokens, ep)
+        self.buckets = buckets
         max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
@@ -116,6 +147,9 @@ class GraphExecutor(Executor):
         self.capture_log: list[CaptureRecord] = []
         self.last_key: BucketKey | None = None
         self.comms = comms_of(model)
+
+    def allows(self, key: BucketKey) -> bool:
+        return self.buckets.allows(key)
 
     def key_for(self, h: HostInputs, comm: int = 0) -> BucketKey:
         return self.buckets.key(h.num_tokens, h.num_seqs, h.decode, comm)
@@ -287,10 +321,11 @@ class GraphExecutor(Executor):
             self.pool.release()
 
 
-def make_executor(cfg: GraphConfig, model: LlamaForCausalLM, block_size: int,
-                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                  graph_budget: int | None = None, ep: bool = False, rank: int = 0) -> Executor:
-    if cfg.mode == "eager":
+def make_executor(cfg: GraphConfig, buckets: BucketPlan | None, model: LlamaForCausalLM,
+                  block_size: int, max_num_seqs: int, max_model_len: int,
+                  graph_budget: int | None = None, rank: int = 0) -> Executor:
+    """The graph executor when there is a bucket plan (graph mode), else the eager one."""
+    if cfg.mode == "eager" or buckets is None:
         return EagerExecutor(model, block_size, max_num_seqs)
-    return GraphExecutor(model, cfg, block_size, max_num_seqs, max_num_batched_tokens,
-                         max_model_len, graph_budget, ep, rank)
+    return GraphExecutor(model, cfg, buckets, block_size, max_num_seqs, max_model_len,
+                         graph_budget, rank)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from raygraph import setup_logging
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.executor import EagerExecutor, GraphExecutor, KeyMismatch, make_executor
+from raygraph.graph.executor import EagerExecutor, Executor, KeyMismatch, make_executor
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats
 from raygraph.model.loader import build_model
@@ -37,6 +37,7 @@ from raygraph.protocol import (
     WorkerInfo,
 )
 from raygraph.worker.sampler import sample_tokens
+from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
 from raygraph.worker.state import SeqTable, StateError
 
 log = logging.getLogger("raygraph.worker")
@@ -161,7 +162,7 @@ class Worker:
         self.weight_bytes = weight_bytes = sum(p.numel() * p.element_size()
                                                for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
-        num_blocks = self.cfg.cache.num_blocks or max(1, self._kv_budget(weight_bytes) // per_block)
+        num_blocks = self.cfg.cache.num_blocks or max(1, kv_cache_budget(self) // per_block)
         load_s = time.perf_counter() - t0
         log.info("rank %d: loaded %.1f MiB of weights in %.2fs on %s; room for %d KV blocks",
                  self.rank, weight_bytes / 2**20, load_s, self.device, num_blocks)
@@ -177,60 +178,7 @@ class Worker:
         return tp, Comm(dist.group.WORLD) if p.ep > 1 else None
 
     def kv_bytes_per_block(self) -> int:
-        m = self.model_cfg
-        kv_heads = m.num_kv_heads // self.cfg.parallel.tp
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.cfg.cache.block_size * kv_heads * m.head_dim * elem
-
-    def _kv_budget(self, weight_bytes: int) -> int:
-        cache = self.cfg.cache
-        if cache.kv_cache_bytes is not None:
-            return cache.kv_cache_bytes
-        if self.device.type == "cpu":
-            return cache.cpu_kv_cache_bytes
-        free, total = torch.cuda.mem_get_info(self.device)
-        activation = self._profile_activation_bytes()
-        graphs = self._profile_graph_bytes()
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation - graphs
-        if budget <= 0:
-            raise MemoryError(
-                f"rank {self.rank}: no GPU memory left for the KV cache "
-                f"(total {total >> 20} MiB, in use {(total - free) >> 20} MiB, "
-                f"activations {activation >> 20} MiB, graphs {graphs >> 20} MiB, "
-                f"utilization {cache.gpu_memory_utilization})"
-            )
-        return budget
-
-    def _profile_graph_bytes(self) -> int:
-        """What graph mode will hold, so the KV cache is sized around it exactly.
-
-        With the VMM pool, graph memory is the largest single capture: capture the largest
-        bucket of each phase over a throwaway pool and cache, and cap the real pool at that
-        physical size plus `vmm_headroom` (a capture needing more then fails loudly). The
-        persistent input buffers count too. torch pools cannot be measured before capture:
-        0 (unbudgeted).
-        """
-        g = self.cfg.executor_graph()
-        if g.mode != "graph" or g.backend == "eager" or g.pool != "vmm":
-            return 0
-        self._bind_kv_cache(1)  # dummy capture batches write no slot and read block 0 only
-        ex = self._make_executor(None)
-        try:
-            largest: dict[str, BucketKey] = {}
-            for key in ex.schedule():  # largest first within each phase
-                largest.setdefault(key.phase, key)
-            for key in largest.values():
-                ex.capture(key)
-            self.graph_measured = ex.pool.held_bytes()
-            chunk = ex.pool.vmm.chunk_size
-            self.graph_budget = -(-int(self.graph_measured * (1 + g.vmm_headroom)) // chunk) * chunk
-            log.info("graph budget %.1f MiB: largest buckets took %.1f MiB, headroom %.0f%%",
-                     self.graph_budget / 2**20, self.graph_measured / 2**20, 100 * g.vmm_headroom)
-            return self.graph_budget + ex.input_buffer_bytes
-        finally:
-            ex.release()
-            self._bind_kv_cache(0)
-            torch.cuda.empty_cache()
+        return kv_bytes_per_block(self.cfg, self.model_cfg, self.dtype)
 
     def _one_token_forward(self) -> None:
         """One eager forward of a single token over a throwaway cache (records the order in
@@ -245,22 +193,6 @@ class Worker:
     def offload_stats(self) -> OffloadStats | None:
         """Bytes copied per step, achieved H2D GB/s, stall time, hit rate (None: no offload)."""
         return self.offload.stats() if self.offload is not None else None
-
-    def _profile_activation_bytes(self) -> int:
-        """Peak memory of one forward at the step token budget, over a throwaway cache."""
-        n = self.cfg.scheduler.max_num_batched_tokens
-        bs = self.cfg.cache.block_size
-        blocks = -(-n // bs)
-        self._bind_kv_cache(blocks)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        chunk = SeqChunk(0, [0] * n, 0, list(range(blocks)), True)
-        EagerExecutor(self.model, bs).logits(StepPlan(-1, [chunk], num_comm_tokens=n))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self._bind_kv_cache(0)
-        torch.cuda.empty_cache()
-        return peak
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` usable blocks plus one scratch block for padding writes."""
@@ -278,59 +210,46 @@ class Worker:
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
         return self.kv_cache_bytes
 
-    def _make_executor(self, graph_budget: int | None, pool: str | None = None):
+    def _make_executor(self, graph_budget: int | None, pool: str | None = None) -> Executor:
         """The executor the config asks for (`pool` overrides the graph pool: benchmarks)."""
-        s, m = self.cfg.scheduler, self.model_cfg
-        max_len = min(s.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
         g = self.cfg.executor_graph()
         if pool is not None:
             g = msgspec.structs.replace(g, pool=pool)
-        return make_executor(g, self.model, self.cfg.cache.block_size,
-                             s.max_num_seqs, s.max_num_batched_tokens, max_len, graph_budget,
-                             ep=self.cfg.parallel.ep > 1, rank=self.rank)
+        return make_executor(g, self.cfg.bucket_plan(), self.model, self.cfg.cache.block_size,
+                             self.cfg.scheduler.max_num_seqs,
+                             self.cfg.max_model_len(self.model_cfg), graph_budget, self.rank)
 
     def memory_stats(self) -> MemoryStats:
         """Weights, KV cache, input buffers and graph pool; also logged (call it after the
         capture schedule)."""
         ex = self.executor
-        graphs = isinstance(ex, GraphExecutor)
-        if graphs:
-            ex.log_memory()
+        ex.log_memory()
         return MemoryStats(
             rank=self.rank, device=str(self.device),
             weight_bytes=self.weight_bytes,
             kv_cache_bytes=self.kv_cache_bytes,
-            input_buffer_bytes=ex.input_buffer_bytes if graphs else 0,
-            graph=ex.pool_stats() if graphs else None,
+            input_buffer_bytes=ex.input_buffer_bytes,
+            graph=ex.pool_stats(),
         )
 
     def sleep(self) -> None:
         """Release the graph pool's physical memory; graphs stay captured (VMM pool)."""
-        self._graph_executor().sleep()
+        self.executor.sleep()
 
     def wake_up(self) -> None:
         """Map fresh physical memory under the graphs: they replay with no recapture."""
-        self._graph_executor().wake_up()
-
-    def _graph_executor(self) -> GraphExecutor:
-        if not isinstance(self.executor, GraphExecutor):
-            raise RuntimeError(f"rank {self.rank}: sleep/wake needs graph mode (the executor "
-                               f"is {type(self.executor).__name__})")
-        return self.executor
+        self.executor.wake_up()
 
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule alone, for in-process use (benchmarks, one GPU).
         Served workers capture key by key in lockstep (`prepare_capture`, `capture`)."""
-        if isinstance(self.executor, GraphExecutor):
-            return self.executor.capture_all()
-        return []
+        return self.executor.capture_all()
 
     def prepare_capture(self, key: BucketKey) -> None:
         """The barrier before a lockstep capture: refuse a key outside this rank's own
         schedule before any collective is issued, so a disagreement is an error, not a hang."""
         self._maybe_fault("prepare", key)
-        ex = self.executor
-        if not isinstance(ex, GraphExecutor) or not ex.buckets.allows(key):
+        if not self.executor.allows(key):
             raise KeyMismatch(f"rank {self.rank}: {key} is not in this rank's capture schedule")
 
     def capture(self, key: BucketKey) -> CaptureRecord:
@@ -473,7 +392,7 @@ class Worker:
         return times
 
     def shutdown(self) -> None:
-        if isinstance(getattr(self, "executor", None), GraphExecutor):
+        if hasattr(self, "executor"):
             self.executor.release()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -60,6 +60,7 @@ from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConf
 from raygraph.graph.executor import EagerExecutor  # noqa: E402
 from raygraph.graph.runners import FullGraph  # noqa: E402
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan  # noqa: E402
+from raygraph.worker import sizing  # noqa: E402
 from raygraph.worker.worker import Worker  # noqa: E402
 from tests.conftest import randomise_caches  # noqa: E402
 
@@ -171,7 +172,7 @@ def test_graph_budget_is_measured_enforced_and_loud(ckpt) -> None:
     from raygraph.memory.vmm import VmmError
 
     w = vmm_worker(ckpt)
-    graph_bytes = w._profile_graph_bytes()  # what load() subtracts when it sizes the cache
+    graph_bytes = sizing.graph_bytes(w)  # what load() subtracts when it sizes the cache
     budget = w.graph_budget
     assert budget > 0 and graph_bytes == budget + w._make_executor(None).input_buffer_bytes
     w.allocate_kv_cache(256)
