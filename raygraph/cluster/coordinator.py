@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import queue
 import sys
 import threading
@@ -23,8 +22,6 @@ from typing import Any
 
 import msgspec
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raygraph import setup_logging
 from raygraph.cluster.engine import EngineCore
@@ -56,14 +53,8 @@ from raygraph.protocol import (
     StreamDelta,
     WorkerInfo,
 )
-from raygraph.worker.worker import Worker
 
 log = logging.getLogger("raygraph.coordinator")
-
-# Passed to every worker: NVLink multicast must stay off on shared hosts.
-FORWARDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                 "RAYGRAPH_CPU_THREADS", "PYTHONPATH")
-
 
 class WorkerFailure(RuntimeError):
     """A worker died or failed a step; the requests in flight were failed with this."""
@@ -95,7 +86,6 @@ class Coordinator:
         cfg.parallel.check_model(self.model_cfg)
         self.tokenizer = load_tokenizer(cfg.model)
         self.workers: list[Any] = []
-        self.pg = None
         self.infos: list[WorkerInfo] = []
         self.schedulers: list[Scheduler] = []  # one per DP group, each with its own KV pool
         self.core: EngineCore | None = None
@@ -147,37 +137,12 @@ class Coordinator:
 
     async def _start_workers(self) -> None:
         cfg = self.cfg
-        world = cfg.parallel.world_size
-        gpu = cfg.device == "cuda"
-        bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
-        self.pg = placement_group(bundles, strategy="STRICT_PACK")
-        try:
-            await asyncio.wait_for(self.pg.ready(), timeout=60)
-        except asyncio.TimeoutError:
-            remove_placement_group(self.pg)
-            raise RuntimeError(
-                f"could not place {world} workers ({bundles[0]} each) within 60 s; "
-                f"cluster resources: {ray.cluster_resources()}"
-            ) from None
-        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        actor = ray.remote(Worker)
-        self.workers = [
-            actor.options(
-                num_cpus=1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-            ).remote(cfg, i)
-            for i in range(world)
-        ]
-        addr = await self.workers[0].address.remote()
-        log.info("loading %s on %d %s worker(s) (tp=%d)", cfg.model, world, cfg.device,
-                 cfg.parallel.tp)
         me = ray.get_runtime_context().current_actor
-        self.infos = await asyncio.gather(*(w.load.remote(addr, me if r == 0 else None)
-                                            for r, w in enumerate(self.workers)))
+        self.group, self.infos = await WorkerGroup.start(cfg, reporter=me)
+        self.workers = self.group.workers
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
-        self.lockstep = LockstepCapture(world)
-        self.group = WorkerGroup(self.workers, cfg.parallel)
+        self.lockstep = LockstepCapture(cfg.parallel.world_size)
         if self.buckets is not None and cfg.graph.capture_at_start:
             await asyncio.to_thread(self._capture_schedule)
         self.core = EngineCore.from_config(cfg, self.model_cfg, num_blocks)
@@ -564,16 +529,11 @@ class Coordinator:
             self.loop.call_soon_threadsafe(self._serving.clear)
 
     def _stop_workers(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
         if self.group is not None:
-            self.group.teardown()
+            self.group.stop()
             self.group = None
         self.workers = []
         self.core = None
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
 
     async def shutdown(self) -> None:
         self._stopping = True

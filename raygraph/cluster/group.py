@@ -1,4 +1,5 @@
-"""The worker group's hot path: one Ray Compiled Graph over every worker's `run`.
+"""The worker group: its placement and actors, and its hot path, one Ray Compiled Graph
+over every worker's `run`.
 
 A plain actor call per step costs ~1-2 ms (DESIGN.md); a compiled graph moves the message
 over shared-memory channels in ~0.1 ms. Steps, flushes and method calls (lockstep capture,
@@ -8,15 +9,20 @@ While the graph is up the actors run its loop: plain `.remote()` calls to them w
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from typing import Any
 
 import msgspec
 import ray
 from ray.dag import InputNode, MultiOutputNode
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raygraph.config import ParallelConfig
-from raygraph.protocol import StepOutput, WorkerCall
+from raygraph.config import ParallelConfig, ServeConfig
+from raygraph.protocol import StepOutput, WorkerCall, WorkerInfo
+from raygraph.worker.worker import Worker
 
 log = logging.getLogger("raygraph.coordinator")
 
@@ -28,13 +34,66 @@ class GroupTimeout(RuntimeError):
     collective because another one died)."""
 
 
+# Passed to every worker: NVLink multicast must stay off on shared hosts.
+FORWARDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                 "RAYGRAPH_CPU_THREADS", "PYTHONPATH")
+
+
 class WorkerGroup:
-    def __init__(self, workers: list[Any], parallel: ParallelConfig) -> None:
+    def __init__(self, workers: list[Any], parallel: ParallelConfig, pg: Any = None) -> None:
         self.workers = workers
         self.parallel = parallel
+        self.pg = pg
         # the rank that reports each DP group's tokens: its first TP rank
         self.reporters = [g * parallel.tp for g in range(parallel.dp)]
         self._dag: Any = None
+
+    @staticmethod
+    async def start(cfg: ServeConfig, reporter: Any = None) -> tuple[WorkerGroup, list[WorkerInfo]]:
+        """Place one worker per rank (one bundle each, packed), start them, form the process
+        group and load the model; rank 0 reports load progress to `reporter`."""
+        world = cfg.parallel.world_size
+        gpu = cfg.device == "cuda"
+        bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
+        pg = placement_group(bundles, strategy="STRICT_PACK")
+        try:
+            await asyncio.wait_for(pg.ready(), timeout=60)
+        except asyncio.TimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"could not place {world} workers ({bundles[0]} each) within 60 s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            ) from None
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        actor = ray.remote(Worker)
+        workers = [
+            actor.options(
+                num_cpus=1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
+            ).remote(cfg, i)
+            for i in range(world)
+        ]
+        group = WorkerGroup(workers, cfg.parallel, pg)
+        try:
+            addr = await workers[0].address.remote()
+            log.info("loading %s on %d %s worker(s) (tp=%d)", cfg.model, world, cfg.device,
+                     cfg.parallel.tp)
+            infos = await asyncio.gather(*(w.load.remote(addr, reporter if r == 0 else None)
+                                           for r, w in enumerate(workers)))
+        except BaseException:
+            group.stop()
+            raise
+        return group, list(infos)
+
+    def stop(self) -> None:
+        """Kill the workers (one may hang in a collective), then drop the graph and the
+        placement."""
+        for w in self.workers:
+            ray.kill(w)
+        self.teardown()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
 
     def _compiled(self) -> Any:
         if self._dag is None:
