@@ -22,6 +22,7 @@ from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.memory.pages import BlockPool
 from raygraph.protocol import NewSeq, SamplingParams, SeqStep, StepDelta, StepOutput
 from raygraph.worker.state import SeqTable, StateError
+from tests.test_scheduler import STOP_CASES
 
 EOS = 2
 DELTA = msgspec.msgpack.Decoder(StepDelta)
@@ -234,18 +235,8 @@ def test_stop_token_computed_one_past_is_discarded_and_dropped() -> None:
     assert emitted[1] == [token(1, i) for i in range(8)] and b.finish_reason == "length"
 
 
-@pytest.mark.parametrize(
-    ("params", "forced", "reason", "n_out"),
-    [
-        ({"max_tokens": 10}, [5, EOS, 6], "stop", 2),
-        ({"max_tokens": 4, "ignore_eos": True}, [5, EOS, 6], "length", 4),
-        ({"max_tokens": 10, "stop_token_ids": [77]}, [5, 6, 77, 8], "stop", 3),
-        ({"max_tokens": 10, "ignore_eos": True, "stop_token_ids": [77]}, [EOS, 77], "stop", 2),
-        ({"max_tokens": 1}, [], "length", 1),
-        ({"max_tokens": 3}, [], "length", 3),
-        ({"max_tokens": 100}, [], "length", 16 - 5),  # max_model_len
-    ],
-)
+@pytest.mark.parametrize(("params", "forced", "reason", "n_out"),
+                         STOP_CASES + [({"max_tokens": 1}, [], "length", 1)])
 def test_stop_conditions_overlapped(params: dict, forced: list[int], reason: str,
                                     n_out: int) -> None:
     s = make(max_model_len=16)

@@ -247,17 +247,19 @@ def test_no_admission_in_a_step_that_preempts() -> None:
     assert [n.seq_id for n in st.delta.new] == [1]
 
 
-@pytest.mark.parametrize(
-    ("params", "forced", "reason", "n_out"),
-    [
-        ({"max_tokens": 10}, [5, EOS, 6], "stop", 2),
-        ({"max_tokens": 4, "ignore_eos": True}, [5, EOS, 6], "length", 4),
-        ({"max_tokens": 10, "stop_token_ids": [77]}, [5, 6, 77, 8], "stop", 3),
-        ({"max_tokens": 10, "ignore_eos": True, "stop_token_ids": [77]}, [EOS, 77], "stop", 2),
-        ({"max_tokens": 3}, [], "length", 3),
-        ({"max_tokens": 100}, [], "length", 16 - 5),  # max_model_len
-    ],
-)
+# (params, forced outputs, finish reason, outputs emitted); the prompt has 5 tokens, the
+# context 16. Shared with tests/test_engine.py, which runs them overlapped.
+STOP_CASES = [
+    ({"max_tokens": 10}, [5, EOS, 6], "stop", 2),
+    ({"max_tokens": 4, "ignore_eos": True}, [5, EOS, 6], "length", 4),
+    ({"max_tokens": 10, "stop_token_ids": [77]}, [5, 6, 77, 8], "stop", 3),
+    ({"max_tokens": 10, "ignore_eos": True, "stop_token_ids": [77]}, [EOS, 77], "stop", 2),
+    ({"max_tokens": 3}, [], "length", 3),
+    ({"max_tokens": 100}, [], "length", 16 - 5),  # max_model_len
+]
+
+
+@pytest.mark.parametrize(("params", "forced", "reason", "n_out"), STOP_CASES)
 def test_stop_conditions(params: dict, forced: list[int], reason: str, n_out: int) -> None:
     s = make(max_model_len=16)
     a = seq(0, 5, **params)
