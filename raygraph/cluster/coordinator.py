@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import queue
@@ -132,6 +133,8 @@ class Coordinator:
             self._thread.start()
         self.healthy = True
         self._serving.set()
+        gc.collect()
+        gc.freeze()  # start-up's objects never need collecting: no full-collection stalls
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
         return self.describe()
 
@@ -337,7 +340,7 @@ class Coordinator:
                 raise BadRequest(str(e)) from None
         reqs, seqs = [], []
         for ids in encoded:
-            seq = Sequence(next(self._ids), ids, sp)
+            seq = Sequence(next(self._ids), ids, sp, watch=stream or bool(sp.stop))
             req = _Request(seq.seq_id, ids, Detokenizer(self.tokenizer, sp.stop), stream)
             self.requests[seq.seq_id] = req
             reqs.append(req)
@@ -356,16 +359,20 @@ class Coordinator:
         return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
                               req.detok.text if self.tokenizer else None, req.finish_reason)
 
-    def _emit(self, items: list[tuple[int, int, FinishReason | None]]) -> None:
-        """On the event loop: one step's tokens to their requests (text, stop strings)."""
-        for seq_id, token, reason in items:
+    def _emit(self, items: list[tuple[int, list[int], FinishReason | None, bool]]) -> None:
+        """On the event loop: tokens to their requests (text, stop strings, streams). An item
+        is (seq id, new tokens, finish reason, whether the tokens are the whole output)."""
+        for seq_id, tokens, reason, whole in items:
             req = self.requests.get(seq_id)
             if req is None:
                 continue  # already finished (a stop string): a token past the stop
-            req.token_ids.append(token)
-            if len(req.token_ids) == 1:
+            if not req.token_ids:
                 self.ttft_s += time.perf_counter() - req.submitted
                 self.first_tokens += 1
+            if whole:
+                req.token_ids = tokens
+            else:
+                req.token_ids += tokens
             if not req.stream and reason is None and not req.detok.stop:
                 continue  # nothing to tell yet; the text is decoded once, at the end
             text, stopped = req.detok.update(req.token_ids)
@@ -373,7 +380,7 @@ class Coordinator:
                 reason = "stop"
                 self._inbox.put(("finish", seq_id))
                 self._wake.set()
-            req.deltas.put_nowait(StreamDelta(seq_id, [token],
+            req.deltas.put_nowait(StreamDelta(seq_id, tokens,
                                               text if self.tokenizer else None, reason))
             if reason is not None:
                 req.finish_reason = reason
@@ -484,14 +491,23 @@ class Coordinator:
             self._deliver(self.core.flush(self._dispatch))
 
     def _deliver(self, emitted: list[list[tuple[Sequence, int]]]) -> None:
+        """Hand tokens to the event loop: each one for watched requests (streams, stop
+        strings); otherwise the first (TTFT) and, at the end, the whole output. So a batch
+        of plain `generate` calls costs the event loop nothing per step."""
         items = []
         for pairs in emitted:
+            self.tokens_generated += len(pairs)
             for seq, token in pairs:
-                items.append((seq.seq_id, token, seq.finish_reason))
-                if seq.finish_reason is not None:
+                reason = seq.finish_reason
+                if seq.watch:
+                    items.append((seq.seq_id, [token], reason, False))
+                elif reason is not None:
+                    items.append((seq.seq_id, list(seq.output_token_ids), reason, True))
+                elif len(seq.output_token_ids) == 1:
+                    items.append((seq.seq_id, [token], None, False))
+                if reason is not None:
                     self._seqs.pop(seq.seq_id, None)
         if items:
-            self.tokens_generated += len(items)
             self.loop.call_soon_threadsafe(self._emit, items)
 
     def _on_failure(self, e: BaseException) -> None:

@@ -39,6 +39,7 @@ class Sequence:
     num_pending: int = 0
     sent_blocks: int = 0  # blocks of block_table the workers have
     tracked: bool = False  # the workers keep its state
+    watch: bool = True  # its client wants each token as it comes (a stream, stop strings)
 
     @property
     def token_ids(self) -> list[int]:
