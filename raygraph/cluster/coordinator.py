@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -36,7 +35,9 @@ from raygraph.cluster.lockstep import (
 )
 from raygraph.cluster.requests import (
     BadRequest,
-    Detokenizer,
+    Request,
+    RequestTable,
+    WorkerFailure,
     encode_prompt,
     load_tokenizer,
     parse_params,
@@ -47,7 +48,6 @@ from raygraph.config import ModelConfig, ServeConfig
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
-    FinishReason,
     GenerateResult,
     StartupProgress,
     StepOutput,
@@ -56,25 +56,6 @@ from raygraph.protocol import (
 )
 
 log = logging.getLogger("raygraph.coordinator")
-
-class WorkerFailure(RuntimeError):
-    """A worker died or failed a step; the requests in flight were failed with this."""
-
-
-@dataclass
-class _Request:
-    """A client request, as the event loop sees it (the step thread owns its Sequence)."""
-
-    seq_id: int
-    prompt_token_ids: list[int]
-    detok: Detokenizer
-    stream: bool  # a delta per token; else one at the end
-    token_ids: list[int] = field(default_factory=list)
-    deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    submitted: float = field(default_factory=time.perf_counter)
-
 
 class Coordinator:
     def __init__(self, cfg: ServeConfig) -> None:
@@ -91,7 +72,7 @@ class Coordinator:
         self.schedulers: list[Scheduler] = []  # one per DP group, each with its own KV pool
         self.core: EngineCore | None = None
         self.group: WorkerGroup | None = None
-        self.requests: dict[int, _Request] = {}  # event loop side
+        self.clients = RequestTable(self.tokenizer, self._finish_on_stop_string)
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
@@ -113,8 +94,6 @@ class Coordinator:
         self.loop_s = 0.0  # the step thread's time in steps, waits included
         self.schedule_s = 0.0  # in Scheduler.schedule and .update (all groups), summed
         self._resumed_at = 0  # the first step after the loop last ran out of work
-        self.ttft_s = 0.0  # submission to first token, summed over requests
-        self.first_tokens = 0
         self.capture_s = 0.0
         self.buckets = cfg.bucket_plan()
         self.lockstep: LockstepCapture | None = None
@@ -265,8 +244,9 @@ class Coordinator:
             "loop_host_ms_per_step": round(1e3 * (self.loop_s - self.wait_s)
                                            / max(1, self.steps), 3),
             "schedule_update_ms_per_step": round(1e3 * self.schedule_s / max(1, self.steps), 3),
-            "requests_started": self.first_tokens,
-            "mean_ttft_ms": round(1e3 * self.ttft_s / max(1, self.first_tokens), 3),
+            "requests_started": self.clients.first_tokens,
+            "mean_ttft_ms": round(1e3 * self.clients.ttft_s / max(1, self.clients.first_tokens),
+                                  3),
             "msg_bytes_per_step": round(self.core.msg_bytes / max(1, self.core.step_id))
             if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
@@ -300,7 +280,7 @@ class Coordinator:
         """
         await self._wait_serving()
         reqs = self._submit(prompts, params)
-        return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
+        return list(await asyncio.gather(*(self.clients.result(r) for r in reqs)))
 
     async def generate_stream(self, prompt: Any, params: Any = None) -> AsyncIterator[StreamDelta]:
         """Yield each step's new tokens for one prompt; the last delta has finish_reason.
@@ -325,7 +305,7 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass  # _submit reports why
 
-    def _submit(self, prompts: Any, params: Any, stream: bool = False) -> list[_Request]:
+    def _submit(self, prompts: Any, params: Any, stream: bool = False) -> list[Request]:
         if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
             raise WorkerFailure(f"coordinator is not serving: {reason}")
@@ -341,58 +321,16 @@ class Coordinator:
         reqs, seqs = [], []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp, watch=stream or bool(sp.stop))
-            req = _Request(seq.seq_id, ids, Detokenizer(self.tokenizer, sp.stop), stream)
-            self.requests[seq.seq_id] = req
-            reqs.append(req)
+            reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
             seqs.append(seq)
         self._inbox.put(("add", seqs))  # one item: a call's prompts reach the same step
         self._wake.set()
         return reqs
 
-    async def _collect(self, req: _Request) -> GenerateResult:
-        while True:
-            delta = await req.deltas.get()
-            if delta.finish_reason is not None:
-                break
-        if req.error:
-            raise WorkerFailure(req.error)
-        return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
-                              req.detok.text if self.tokenizer else None, req.finish_reason)
-
-    def _emit(self, items: list[tuple[int, list[int], FinishReason | None, bool]]) -> None:
-        """On the event loop: tokens to their requests (text, stop strings, streams). An item
-        is (seq id, new tokens, finish reason, whether the tokens are the whole output)."""
-        for seq_id, tokens, reason, whole in items:
-            req = self.requests.get(seq_id)
-            if req is None:
-                continue  # already finished (a stop string): a token past the stop
-            if not req.token_ids:
-                self.ttft_s += time.perf_counter() - req.submitted
-                self.first_tokens += 1
-            if whole:
-                req.token_ids = tokens
-            else:
-                req.token_ids += tokens
-            if not req.stream and reason is None and not req.detok.stop:
-                continue  # nothing to tell yet; the text is decoded once, at the end
-            text, stopped = req.detok.update(req.token_ids)
-            if stopped and reason is None:
-                reason = "stop"
-                self._inbox.put(("finish", seq_id))
-                self._wake.set()
-            req.deltas.put_nowait(StreamDelta(seq_id, tokens,
-                                              text if self.tokenizer else None, reason))
-            if reason is not None:
-                req.finish_reason = reason
-                del self.requests[seq_id]
-
-    def _fail_requests(self, msg: str) -> None:
-        """On the event loop: every request in flight ends with the error."""
-        for req in self.requests.values():
-            req.error = msg
-            req.finish_reason = "error"
-            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error"))
-        self.requests.clear()
+    def _finish_on_stop_string(self, seq_id: int) -> None:
+        """From the event loop: a stop string ended this sequence; the step thread frees it."""
+        self._inbox.put(("finish", seq_id))
+        self._wake.set()
 
     # ---- the step loop (its own thread) -------------------------------------------------
     def _step_thread(self) -> None:
@@ -508,7 +446,7 @@ class Coordinator:
                 if reason is not None:
                     self._seqs.pop(seq.seq_id, None)
         if items:
-            self.loop.call_soon_threadsafe(self._emit, items)
+            self.loop.call_soon_threadsafe(self.clients.emit, items)
 
     def _on_failure(self, e: BaseException) -> None:
         """Fail every request in flight, then restart the worker group (on the event loop;
@@ -522,7 +460,7 @@ class Coordinator:
         self._seqs.clear()
         self.core = None
         self.loop.call_soon_threadsafe(self._serving.clear)
-        self.loop.call_soon_threadsafe(self._fail_requests, msg)
+        self.loop.call_soon_threadsafe(self.clients.fail, msg)
         asyncio.run_coroutine_threadsafe(self._restart(msg), self.loop).result()
 
     async def _restart(self, msg: str) -> None:

@@ -1,18 +1,27 @@
-"""Client input checking and incremental detokenization, kept apart from the step loop."""
+"""The client side of the coordinator, kept apart from the step loop: input checking, the
+requests in flight as the event loop sees them, incremental detokenization."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from tokenizers import Tokenizer
 
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import FinishReason, GenerateResult, SamplingParams, StreamDelta
 
 
 class BadRequest(ValueError):
     """The request cannot be served as given; nothing was scheduled."""
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or failed a step; the requests in flight were failed with this."""
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
@@ -104,3 +113,82 @@ class Detokenizer:
                 text, hit = text[:at], True
         self.text = text
         return text[len(old) :], hit
+
+
+@dataclass
+class Request:
+    """A client request, as the event loop sees it (the step thread owns its Sequence)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    detok: Detokenizer
+    stream: bool  # a delta per token; else one at the end
+    token_ids: list[int] = field(default_factory=list)
+    deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class RequestTable:
+    """The requests in flight, on the coordinator's event loop: tokens in, text and stream
+    deltas out. `on_stop_string(seq_id)` tells the step loop a stop string ended one."""
+
+    def __init__(self, tokenizer: Tokenizer | None,
+                 on_stop_string: Callable[[int], None]) -> None:
+        self.tokenizer = tokenizer
+        self.on_stop_string = on_stop_string
+        self.requests: dict[int, Request] = {}
+        self.ttft_s = 0.0  # submission to first token, summed over requests
+        self.first_tokens = 0
+
+    def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
+            stream: bool) -> Request:
+        req = Request(seq_id, prompt, Detokenizer(self.tokenizer, params.stop), stream)
+        self.requests[seq_id] = req
+        return req
+
+    def emit(self, items: list[tuple[int, list[int], FinishReason | None, bool]]) -> None:
+        """Tokens to their requests (text, stop strings, streams). An item is (seq id, new
+        tokens, finish reason, whether the tokens are the whole output)."""
+        for seq_id, tokens, reason, whole in items:
+            req = self.requests.get(seq_id)
+            if req is None:
+                continue  # already finished (a stop string): a token past the stop
+            if not req.token_ids:
+                self.ttft_s += time.perf_counter() - req.submitted
+                self.first_tokens += 1
+            if whole:
+                req.token_ids = tokens
+            else:
+                req.token_ids += tokens
+            if not req.stream and reason is None and not req.detok.stop:
+                continue  # nothing to tell yet; the text is decoded once, at the end
+            text, stopped = req.detok.update(req.token_ids)
+            if stopped and reason is None:
+                reason = "stop"
+                self.on_stop_string(seq_id)
+            req.deltas.put_nowait(StreamDelta(seq_id, tokens,
+                                              text if self.tokenizer else None, reason))
+            if reason is not None:
+                req.finish_reason = reason
+                del self.requests[seq_id]
+
+    def fail(self, msg: str) -> None:
+        """Every request in flight ends with the error."""
+        for req in self.requests.values():
+            req.error = msg
+            req.finish_reason = "error"
+            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error"))
+        self.requests.clear()
+
+    async def result(self, req: Request) -> GenerateResult:
+        """The whole result once the request ends (WorkerFailure if it failed)."""
+        while True:
+            delta = await req.deltas.get()
+            if delta.finish_reason is not None:
+                break
+        if req.error:
+            raise WorkerFailure(req.error)
+        return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
+                              req.detok.text if self.tokenizer else None, req.finish_reason)
