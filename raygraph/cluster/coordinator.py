@@ -57,6 +57,7 @@ from raygraph.protocol import (
 
 log = logging.getLogger("raygraph.coordinator")
 
+
 class Coordinator:
     def __init__(self, cfg: ServeConfig) -> None:
         setup_logging()
