@@ -20,6 +20,7 @@ import ray
 
 from bench.checkpoints import make_random_checkpoint
 from bench.decode_step import decode_plan
+from raygraph.cluster.connect import connect
 from raygraph.cluster.lockstep import LockstepCapture, remote_call_all
 from raygraph.config import (
     CacheConfig,
@@ -87,7 +88,7 @@ def main() -> None:
     a = p.parse_args()
     bs = 16
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
-    ray.init(include_dashboard=False)
+    connect(None)
     par = ParallelConfig(tp=a.tp, dp=a.dp, ep=a.ep)
     layout = f"tp{a.tp} dp{a.dp} ep{a.ep}"
     rows: dict[int, dict] = {b: {"layout": layout, "batch": b, "context": a.context}

@@ -31,7 +31,7 @@ import ray
 import torch
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import start_coordinator
+from raygraph.cluster.connect import connect, start_coordinator
 from raygraph.cluster.engine import Dispatch, EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
@@ -205,7 +205,7 @@ def main() -> None:
     engine = engine_phase(cfg, a, vocab)  # first: alone on the device
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(include_dashboard=False, log_to_driver=False)
+    connect(None, log_to_driver=False)
     coord = start_coordinator(cfg)
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(4, a.max_tokens), ignore_eos=True)

@@ -14,7 +14,7 @@ import time
 import ray
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import start_coordinator
+from raygraph.cluster.connect import connect, start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
     GraphConfig,
@@ -41,7 +41,7 @@ def main() -> None:
     if a.preset:
         model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(include_dashboard=False, log_to_driver=False)
+    connect(None, log_to_driver=False)
     cfg = ServeConfig(
         model=model, parallel=ParallelConfig(tp=a.tp),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
