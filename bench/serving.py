@@ -71,6 +71,15 @@ def make_prompts(batch: int, prompt_len: int, vocab: int) -> Prompts:
     return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
+def sampling(a: argparse.Namespace) -> tuple[SamplingParams, SamplingParams]:
+    """(the timed requests' params, the warm-up's). With a temperature, requests are seeded:
+    their draws then do not depend on the batch, and both phases give the same tokens."""
+    kw = dict(ignore_eos=True, temperature=a.temperature, top_k=a.top_k,
+              seed=0 if a.temperature > 0 else None)
+    return (SamplingParams(max_tokens=a.max_tokens, **kw),
+            SamplingParams(max_tokens=min(4, a.max_tokens), **kw))
+
+
 def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
                dispatch: Dispatch) -> dict:
     """The coordinator's step loop (EngineCore: schedule, deltas, tokens one step late) in
@@ -110,8 +119,7 @@ def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
 def engine_phase(cfg: ServeConfig, a: argparse.Namespace, vocab: int) -> dict[int, dict]:
     """Per batch, the in-process run (tp 1: a Worker built as the coordinator builds it; tp > 1:
     the scheduler alone with dummy tokens, for the message figures). Frees the device after."""
-    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
-    warm = SamplingParams(max_tokens=min(4, a.max_tokens), ignore_eos=True)
+    params, warm = sampling(a)
     if cfg.parallel.world_size > 1:  # the message figures only: a fake, pipelined worker
         dec, pending = msgspec.msgpack.Decoder(StepDelta), [0]
 
@@ -196,6 +204,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: max(512, largest batch x prompt length)")
     p.add_argument("--mode", choices=["graph", "eager"], default="graph")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above 0, seeded sampling (with --top-k)")
+    p.add_argument("--top-k", type=int, default=0)
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL
     if a.preset:
@@ -207,8 +218,7 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     connect(None, log_to_driver=False)
     coord = start_coordinator(cfg)
-    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
-    warm = SamplingParams(max_tokens=min(4, a.max_tokens), ignore_eos=True)
+    params, warm = sampling(a)
     stream_prompt = make_prompts(1, a.prompt_len, vocab)[0]
     stream_gaps(coord, stream_prompt, warm)
     ttft_ms, itl_ms = stream_gaps(coord, stream_prompt, params)
@@ -240,6 +250,7 @@ def main() -> None:
             else "coordinator worker_step_ms (rank 0's device time per step)",
             "tokens_match": served["tokens"] == eng["tokens"] if in_process else None,
             "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
+            "temperature": a.temperature, "top_k": a.top_k,
             "model": name,
         }), flush=True)
     ray.get(coord.shutdown.remote())

@@ -134,3 +134,22 @@ def test_frequencies_follow_softmax_over_temperature() -> None:
         wrong = logits.softmax(-1).tolist() if temperature != 1.0 else (logits / 2).softmax(
             -1).tolist()
         assert chi_square(counts, wrong) > 25  # the test can tell temperatures apart
+
+
+def test_staged_rows_sample_exactly_what_host_lists_do() -> None:
+    """The served worker moves the sampled rows' parameters through a staging buffer (no
+    host sync on CUDA): the draws must be the same, seeded and unseeded, greedy rows kept."""
+    from raygraph.worker.sampler import SamplingRows, sample_tokens
+
+    torch.manual_seed(4)
+    logits = torch.randn(6, 50)
+    chunks = [chunk(temperature=0.0), chunk(temperature=0.7, top_k=5, seed=3),
+              chunk(temperature=1.3, top_p=0.8), chunk(temperature=0.0),
+              chunk(temperature=0.9, top_k=2, top_p=0.5, seed=8), chunk(temperature=1.0)]
+    staging = SamplingRows(8, logits.device)
+    for trial in range(3):
+        plain = sample_tokens(logits, chunks, torch.Generator().manual_seed(trial))
+        staged = sample_tokens(logits, chunks, torch.Generator().manual_seed(trial),
+                               staging=staging)
+        assert torch.equal(plain, staged)
+    assert staged[0] == logits[0].argmax() and staged[3] == logits[3].argmax()

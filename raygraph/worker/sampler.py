@@ -28,28 +28,61 @@ def _filter_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+class SamplingRows:
+    """The sampled rows' indices and parameters, moved to the device with no host sync: a
+    tensor built from a list is a pageable, synchronous copy on CUDA, which would make the
+    worker wait for the step it just queued. Rows go through a pinned staging buffer in one
+    async copy; the staging is rewritten only once the previous copy has run."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        # [row, (index, temperature, top_k, top_p)]: a prefix of rows is contiguous
+        self.host = torch.zeros(max_rows, 4, dtype=torch.float32, pin_memory=cuda)
+        self.device = torch.zeros(max_rows, 4, dtype=torch.float32, device=device)
+        self.copied = torch.cuda.Event() if cuda else None
+        self._np = self.host.numpy()
+
+    def upload(self, chunks: list[SeqChunk], rows: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row indices, temperatures, top_k, top_p) on the device, dtypes as `torch.tensor`
+        of the lists would give."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        n = len(rows)
+        self._np[:n] = [(i, chunks[i].temperature, chunks[i].top_k, chunks[i].top_p)
+                        for i in rows]
+        d = self.device[:n]
+        d.copy_(self.host[:n], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return d[:, 0].long(), d[:, 1], d[:, 2].long(), d[:, 3]
+
+
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
            greedy: torch.Tensor | None = None) -> list[int]:
     return sample_tokens(logits, chunks, generator, greedy).tolist()
 
 
 def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
-                  greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens [S] on the logits' device, no host sync on the greedy path (the served loop
-    keeps them there for the next step). logits: [S, vocab] float32, one row per chunk (all
-    chunks here sample); greedy: their argmax when the step already took it (a graph's
-    output: read, never written). NOTE: temperature rows build small index tensors from host
-    lists, a synchronous copy on CUDA."""
+                  greedy: torch.Tensor | None = None,
+                  staging: SamplingRows | None = None) -> torch.Tensor:
+    """Tokens [S] on the logits' device, with no host sync when `staging` is given or every
+    row is greedy (the served loop keeps them there for the next step). logits: [S, vocab]
+    float32, one row per chunk (all chunks here sample); greedy: their argmax when the step
+    already took it (a graph's output: read, never written)."""
     out = ops.argmax(logits) if greedy is None else greedy
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if rows:
         if greedy is not None:
             out = out.clone()
         dev = logits.device
-        sel = torch.tensor(rows, device=dev)
-        temp = torch.tensor([chunks[i].temperature for i in rows], device=dev)
-        top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
-        top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
+        if staging is not None:
+            sel, temp, top_k, top_p = staging.upload(chunks, rows)
+        else:
+            sel = torch.tensor(rows, device=dev)
+            temp = torch.tensor([chunks[i].temperature for i in rows], device=dev)
+            top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
+            top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
         scaled = _filter_top_k_top_p(logits[sel] / temp.unsqueeze(1), top_k, top_p)
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs)

@@ -37,7 +37,7 @@ from raygraph.protocol import (
     WorkerCall,
     WorkerInfo,
 )
-from raygraph.worker.sampler import sample_tokens
+from raygraph.worker.sampler import SamplingRows, sample_tokens
 from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
 from raygraph.worker.state import SeqTable, StateError
 
@@ -127,6 +127,7 @@ class Worker:
         n = cfg.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                              for _ in range(2)]  # alternate: step N+1 copies while N is read
+        self._sampling = SamplingRows(n, self.device)
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -299,7 +300,7 @@ class Worker:
         chunks = [s for s in plan.seqs if s.sample]
         if not chunks:
             return None
-        tokens = sample_tokens(logits, chunks, self.generator, greedy)
+        tokens = sample_tokens(logits, chunks, self.generator, greedy, self._sampling)
         self.executor.prev_tokens[: len(chunks)].copy_(tokens)
         return tokens
 
