@@ -15,6 +15,9 @@ import msgspec
 
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
 
+# RoPE variants model/rope.py computes (as transformers does)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
 # HF architecture name -> our model family. Qwen2 differs from Llama only in qkv bias.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -41,6 +44,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     head_dim: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
+    # rope_type ("default", "linear", "dynamic", "llama3", "yarn") and its parameters, as the
+    # checkpoint's rope_parameters / rope_scaling give them (model/rope.py computes them)
+    rope_scaling: dict[str, str | float | int | bool | None] = {}
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -96,11 +102,13 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         # transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"rope type {rope_type!r} is not supported yet")
-        rope_theta = hf.get("rope_theta") or rope.get("rope_theta")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        rope.pop("type", None)
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ConfigError(f"rope type {rope['rope_type']!r} in {cfg_file} is not supported; "
+                              f"supported: {list(ROPE_TYPES)}")
+        rope_theta = hf.get("rope_theta") or rope.pop("rope_theta", None)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -117,6 +125,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rope_theta=float(rope_theta or 10000.0),
+            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             attention_bias=arch == "Qwen2ForCausalLM"
             or bool(hf.get("attention_bias", hf.get("qkv_bias", qwen2_moe))),

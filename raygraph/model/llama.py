@@ -19,6 +19,7 @@ from raygraph.model.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from raygraph.model.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -40,12 +41,11 @@ class RotaryEmbedding(nn.Module):
     """The neox-style rotary tables, precomputed in fp32: q|k|v's GEMM (ops.linear_rotary)
     applies them."""
 
-    def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, D/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = rope_tables(cfg, cfg.max_position_embeddings)  # the checkpoint's variant
+        self.register_buffer("cos", cos, persistent=False)  # [max_pos, D/2]
+        self.register_buffer("sin", sin, persistent=False)
 
 
 class Attention(nn.Module):
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(h, [cfg.num_heads * d, kv, kv], comm,
                                                    bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm)
-        self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg)
         # Bound by the worker once the paged cache exists: [num_blocks + 1, block_size, Hkv, D].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
