@@ -67,6 +67,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one TP rank holds: its share, or one replicated head when TP exceeds the
+        KV heads (each rank keeps the head its query heads read, as vLLM does)."""
+        return max(1, self.num_kv_heads // tp)
+
     def is_sparse_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
@@ -204,10 +209,11 @@ class ParallelConfig(msgspec.Struct, frozen=True):
 
     def check_model(self, model: ModelConfig) -> None:
         """Shapes that cannot be split evenly over the TP group are refused up front."""
-        if model.num_heads % self.tp or model.num_kv_heads % self.tp:
+        kv = model.num_kv_heads
+        if model.num_heads % self.tp or (kv % self.tp and self.tp % kv):
             raise ConfigError(
-                f"tp={self.tp} must divide num_heads={model.num_heads} and "
-                f"num_kv_heads={model.num_kv_heads}"
+                f"tp={self.tp} must divide num_heads={model.num_heads}, and divide or be a "
+                f"multiple of num_kv_heads={kv} (KV heads are then replicated)"
             )
         dense = any(not model.is_sparse_layer(i) for i in range(model.num_layers))
         if dense and model.intermediate_size % self.tp:

@@ -46,3 +46,22 @@ def test_greedy_matches_hf_tp1_and_tp2(ray_session, ckpt: str, request: pytest.F
         got = [r.token_ids for r in results]
         assert got == expected, f"tp={tp}"
         assert all(r.finish_reason == "length" for r in results)
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(1, 2), (2, 4), (1, 4)])
+def test_kv_heads_replicated_when_tp_exceeds_them(ray_session, tmp_path, kv_heads, tp):
+    """TP above the KV head count: each rank keeps the KV head its query heads read (the
+    loader slices K/V by shard, the cache and kernels size from the per-rank count)."""
+    from tests.conftest import make_checkpoint
+
+    model = make_checkpoint(tmp_path / f"kv{kv_heads}", "LlamaForCausalLM",
+                            num_attention_heads=4, num_key_value_heads=kv_heads)
+    ps = prompts(kv_heads + tp)
+    coord = serve(ray_session, model, tp)
+    try:
+        results = ray_session.get(coord.generate.remote(
+            ps, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+    assert [r.token_ids for r in results] == hf_greedy(model, ps, MAX_TOKENS)

@@ -52,13 +52,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads = cfg.num_heads // comm.world_size
-        self.num_kv_heads = cfg.num_kv_heads // comm.world_size
+        tp = comm.world_size
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = cfg.kv_heads_per_rank(tp)
         self.head_dim = d
         self.scale = d**-0.5
         kv = cfg.num_kv_heads * d
+        kv_shards = cfg.num_kv_heads // self.num_kv_heads  # < tp: KV heads replicated
         self.qkv_proj = MergedColumnParallelLinear(h, [cfg.num_heads * d, kv, kv], comm,
-                                                   bias=cfg.attention_bias)
+                                                   bias=cfg.attention_bias,
+                                                   shards=[tp, kv_shards, kv_shards])
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm)
         self.rotary = RotaryEmbedding(cfg)
         # Bound by the worker once the paged cache exists: [num_blocks + 1, block_size, Hkv, D].

@@ -112,20 +112,31 @@ class ColumnParallelLinear(nn.Module):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections as one GEMM (q|k|v, gate|up). Each part is split
-    over the ranks on its own; a rank's slices are stacked in part order."""
+    over the ranks on its own; a rank's slices are stacked in part order.
 
-    def __init__(self, in_f: int, out_sizes: list[int], comm: Comm, bias: bool = False) -> None:
-        super().__init__(in_f, sum(out_sizes), comm, bias)
-        self.local_sizes = [_divide(o, comm.world_size, "output features") for o in out_sizes]
+    `shards[i]` splits part i into fewer slices than ranks, each held by world / shards[i]
+    ranks in a row: K and V when TP exceeds the KV heads (each rank keeps the KV head its
+    query heads read)."""
+
+    def __init__(self, in_f: int, out_sizes: list[int], comm: Comm, bias: bool = False,
+                 shards: list[int] | None = None) -> None:
+        world = comm.world_size
+        self.shards = shards or [world] * len(out_sizes)
+        if any(world % s for s in self.shards):
+            raise ValueError(f"shard counts {self.shards} must divide the TP size {world}")
+        local = [_divide(o, s, "output features") for o, s in zip(out_sizes, self.shards)]
+        super().__init__(in_f, sum(local) * world, comm, bias)
+        self.local_sizes = local
 
     def part_shape(self, part: int, param: nn.Parameter) -> tuple[int, ...]:
         """The full checkpoint shape of one part."""
-        return (self.local_sizes[part] * self.comm.world_size, *param.shape[1:])
+        return (self.local_sizes[part] * self.shards[part], *param.shape[1:])
 
     def load_part(self, param: nn.Parameter, full: torch.Tensor, part: int) -> None:
         size = self.local_sizes[part]
         start = sum(self.local_sizes[:part])
-        param.data[start : start + size].copy_(full.narrow(0, self.comm.rank * size, size))
+        shard = self.comm.rank * self.shards[part] // self.comm.world_size
+        param.data[start : start + size].copy_(full.narrow(0, shard * size, size))
 
 
 class RowParallelLinear(nn.Module):

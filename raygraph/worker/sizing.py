@@ -19,7 +19,7 @@ log = logging.getLogger("raygraph.worker")
 
 
 def kv_bytes_per_block(cfg: ServeConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    kv_heads = model.num_kv_heads // cfg.parallel.tp
+    kv_heads = model.kv_heads_per_rank(cfg.parallel.tp)
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * model.num_layers * cfg.cache.block_size * kv_heads * model.head_dim * elem
 

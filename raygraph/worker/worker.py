@@ -199,8 +199,8 @@ class Worker:
     def _bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` usable blocks plus one scratch block for padding writes."""
         m = self.model_cfg
-        shape = (num_blocks + 1, self.cfg.cache.block_size, m.num_kv_heads // self.cfg.parallel.tp,
-                 m.head_dim)
+        shape = (num_blocks + 1, self.cfg.cache.block_size,
+                 m.kv_heads_per_rank(self.cfg.parallel.tp), m.head_dim)
         for layer in self.model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
