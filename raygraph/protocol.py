@@ -21,6 +21,25 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     stop: list[str] = []
     ignore_eos: bool = False
+    # return each output token's logprob and this many top alternatives (0: the token's only)
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One output token's log-probability under the model's raw (unscaled) distribution and
+    the top alternatives, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """Where a finished request's time went, measured by the coordinator (seconds)."""
+
+    queue_s: float  # submitted -> first scheduled
+    ttft_s: float  # submitted -> first token
+    e2e_s: float  # submitted -> finished
 
 
 class GenerateResult(msgspec.Struct, frozen=True):
@@ -30,6 +49,8 @@ class GenerateResult(msgspec.Struct, frozen=True):
     text: str | None
     finish_reason: FinishReason
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
+    timing: RequestTiming | None = None
 
 
 class StreamDelta(msgspec.Struct, frozen=True):
@@ -39,6 +60,8 @@ class StreamDelta(msgspec.Struct, frozen=True):
     token_ids: list[int]
     text: str | None
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
+    timing: RequestTiming | None = None  # on the last delta
 
 
 class BucketKey(msgspec.Struct, frozen=True, order=True):
@@ -97,6 +120,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None = None
     num_generated: int = 0
     feed: int = -1  # >= 0: the token is this row of the previous step's sampled tokens
+    logprobs: int = -1  # >= 0: return the sampled token's logprob and this many alternatives
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -123,6 +147,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True):
     top_p: float = 1.0
     seed: int | None = None
     num_generated: int = 0  # outputs already known (a recompute after preemption)
+    logprobs: int = -1  # SeqChunk.logprobs
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True):
@@ -161,6 +186,7 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int]
     forward_s: float = 0.0  # the step's device time (CUDA), or its host time (CPU)
     idle_s: float = 0.0  # how long the device waited for this step after the previous one
+    logprobs: dict[int, TokenLogprobs] = {}  # batch row -> logprobs, for rows that asked
 
 
 class StepResult(msgspec.Struct, frozen=True):

@@ -9,6 +9,7 @@ before. Detokenization, stop strings and stream fan-out run on the event loop, b
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import gc
 import itertools
@@ -89,6 +90,7 @@ class Coordinator:
         self.steps = 0
         self.tokens_generated = 0
         self.preemptions = 0
+        self.phase_steps: collections.Counter[str] = collections.Counter()  # DP group steps
         self.forward_s = 0.0  # rank 0's time per step in the worker, summed over steps
         self.idle_s = 0.0  # rank 0's device waiting for the next step, summed
         self.wait_s = 0.0  # the step thread waiting for the workers' replies, summed
@@ -252,6 +254,15 @@ class Coordinator:
             if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
             "kv_utilization": max((s.pool.utilization for s in ss), default=0.0),
+            # counters for /metrics (cumulative; every HTTP replica reads the same)
+            "prompt_tokens": self.clients.prompt_tokens,
+            "generation_tokens": self.clients.generation_tokens,
+            "finished": dict(self.clients.finished),
+            "steps_by_phase": dict(self.phase_steps),
+            "graphs_captured": sum(r.pieces for r in self.capture_report()),
+            "capture_s": self.capture_s,
+            "graph_pool_bytes": sum(r.pool_bytes for r in self.capture_report()),
+            "offload": self.cfg.offload.budget_bytes is not None,
         }
 
     async def worker_stats(self) -> list[dict]:
@@ -400,6 +411,8 @@ class Coordinator:
         for o in outs:
             if o is not None:
                 self.preemptions += len(o.preempted)
+        for key in keys:  # per DP group: a replay of its bucket's graph, or an eager step
+            self.phase_steps[key.phase if key is not None else "eager"] += 1
         outputs = self._dispatch(core.encode(outs, keys, comm))
         t0 = time.perf_counter()
         emitted = core.apply(outputs)
@@ -439,11 +452,14 @@ class Coordinator:
             for seq, token in pairs:
                 reason = seq.finish_reason
                 if seq.watch:
-                    items.append((seq.seq_id, [token], reason, False))
+                    items.append((seq.seq_id, [token], reason, False, seq.logprobs[-1:],
+                                  seq.scheduled_at))
                 elif reason is not None:
-                    items.append((seq.seq_id, list(seq.output_token_ids), reason, True))
+                    items.append((seq.seq_id, list(seq.output_token_ids), reason, True,
+                                  list(seq.logprobs), seq.scheduled_at))
                 elif len(seq.output_token_ids) == 1:
-                    items.append((seq.seq_id, [token], None, False))
+                    items.append((seq.seq_id, [token], None, False, seq.logprobs[:1],
+                                  seq.scheduled_at))
                 if reason is not None:
                     self._seqs.pop(seq.seq_id, None)
         if items:

@@ -80,7 +80,7 @@ class EngineCore:
         outs, self.in_flight = self.in_flight, None
         if outs is None:
             return [[] for _ in self.schedulers]
-        return [s.update(o, out.token_ids) if o is not None else []
+        return [s.update(o, out.token_ids, out.logprobs) if o is not None else []
                 for s, o, out in zip(self.schedulers, outs, outputs)]
 
     def step(self, dispatch: Dispatch) -> list[list[tuple[Sequence, int]]] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +14,24 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
-from raygraph.protocol import FinishReason, GenerateResult, SamplingParams, StreamDelta
+from raygraph.protocol import (
+    FinishReason,
+    GenerateResult,
+    RequestTiming,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprobs,
+)
 
 
 class BadRequest(ValueError):
     """The request cannot be served as given; nothing was scheduled."""
+
+
+# tokens for one request from the step thread: (seq id, new tokens, finish reason, whether
+# the tokens are the whole output, their logprobs (the whole output's when whole; [] when
+# not asked for), when the sequence was first scheduled)
+Emitted = tuple[int, list[int], FinishReason | None, bool, list[TokenLogprobs], float]
 
 
 class WorkerFailure(RuntimeError):
@@ -123,11 +137,16 @@ class Request:
     prompt_token_ids: list[int]
     detok: Detokenizer
     stream: bool  # a delta per token; else one at the end
+    want_logprobs: bool = False
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
     finish_reason: FinishReason | None = None
     error: str | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    timing: RequestTiming | None = None
 
 
 class RequestTable:
@@ -141,38 +160,54 @@ class RequestTable:
         self.requests: dict[int, Request] = {}
         self.ttft_s = 0.0  # submission to first token, summed over requests
         self.first_tokens = 0
+        # finished requests (the counters /metrics exports): tokens as their clients got them
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()  # by finish reason
 
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
             stream: bool) -> Request:
-        req = Request(seq_id, prompt, Detokenizer(self.tokenizer, params.stop), stream)
+        req = Request(seq_id, prompt, Detokenizer(self.tokenizer, params.stop), stream,
+                      params.logprobs is not None)
         self.requests[seq_id] = req
         return req
 
-    def emit(self, items: list[tuple[int, list[int], FinishReason | None, bool]]) -> None:
-        """Tokens to their requests (text, stop strings, streams). An item is (seq id, new
-        tokens, finish reason, whether the tokens are the whole output)."""
-        for seq_id, tokens, reason, whole in items:
+    def emit(self, items: list[Emitted]) -> None:
+        """Tokens to their requests (text, stop strings, streams)."""
+        for seq_id, tokens, reason, whole, logprobs, scheduled in items:
             req = self.requests.get(seq_id)
             if req is None:
                 continue  # already finished (a stop string): a token past the stop
             if not req.token_ids:
-                self.ttft_s += time.perf_counter() - req.submitted
+                req.first_token, req.scheduled = time.perf_counter(), scheduled
+                self.ttft_s += req.first_token - req.submitted
                 self.first_tokens += 1
             if whole:
-                req.token_ids = tokens
+                req.token_ids, req.logprobs = tokens, logprobs
             else:
                 req.token_ids += tokens
+                req.logprobs += logprobs
             if not req.stream and reason is None and not req.detok.stop:
                 continue  # nothing to tell yet; the text is decoded once, at the end
             text, stopped = req.detok.update(req.token_ids)
             if stopped and reason is None:
                 reason = "stop"
                 self.on_stop_string(seq_id)
-            req.deltas.put_nowait(StreamDelta(seq_id, tokens,
-                                              text if self.tokenizer else None, reason))
             if reason is not None:
-                req.finish_reason = reason
-                del self.requests[seq_id]
+                self._finish(req, reason)
+            req.deltas.put_nowait(StreamDelta(
+                seq_id, tokens, text if self.tokenizer else None, reason,
+                logprobs if req.want_logprobs else None, req.timing))
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        now = time.perf_counter()
+        req.finish_reason = reason
+        req.timing = RequestTiming(max(0.0, req.scheduled - req.submitted),
+                                   req.first_token - req.submitted, now - req.submitted)
+        self.prompt_tokens += len(req.prompt_token_ids)
+        self.generation_tokens += len(req.token_ids)
+        self.finished[reason] += 1
+        del self.requests[req.seq_id]
 
     def fail(self, msg: str) -> None:
         """Every request in flight ends with the error."""
@@ -191,4 +226,6 @@ class RequestTable:
         if req.error:
             raise WorkerFailure(req.error)
         return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
-                              req.detok.text if self.tokenizer else None, req.finish_reason)
+                              req.detok.text if self.tokenizer else None, req.finish_reason,
+                              logprobs=req.logprobs if req.want_logprobs else None,
+                              timing=req.timing)

@@ -17,11 +17,12 @@ blocks, dropped ids), so its message and cost grow with what changed, not with t
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from raygraph.memory.pages import BlockPool
-from raygraph.protocol import FinishReason, NewSeq, SamplingParams, SeqStep
+from raygraph.protocol import FinishReason, NewSeq, SamplingParams, SeqStep, TokenLogprobs
 
 
 @dataclass(eq=False)
@@ -40,6 +41,8 @@ class Sequence:
     sent_blocks: int = 0  # blocks of block_table the workers have
     tracked: bool = False  # the workers keep its state
     watch: bool = True  # its client wants each token as it comes (a stream, stop strings)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output, when asked for
+    scheduled_at: float = 0.0  # perf_counter when first admitted (its queue time ends)
 
     @property
     def token_ids(self) -> list[int]:
@@ -179,8 +182,11 @@ class Scheduler:
         if not seq.tracked:
             p = seq.params
             out.new.append(NewSeq(seq.seq_id, p.temperature, p.top_k, p.top_p, p.seed,
-                                  len(seq.output_token_ids)))
+                                  len(seq.output_token_ids),
+                                  -1 if p.logprobs is None else p.logprobs))
             seq.tracked = True
+            if not seq.scheduled_at:
+                seq.scheduled_at = time.perf_counter()
         if seq.sent_blocks < len(seq.block_table):
             out.blocks += ((seq.seq_id, b) for b in seq.block_table[seq.sent_blocks:])
             seq.sent_blocks = len(seq.block_table)
@@ -216,13 +222,18 @@ class Scheduler:
             seq.tracked = False
         self.waiting.appendleft(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Apply one step's tokens (one per `out.sampled`, in order); returns the (seq, token)
-        pairs to emit. A token past a stop is discarded; finished sequences leave."""
+    def update(self, out: SchedulerOutput, sampled: list[int],
+               logprobs: dict[int, TokenLogprobs] | None = None) -> list[tuple[Sequence, int]]:
+        """Apply one step's tokens (one per `out.sampled`, in order) and the logprobs of the
+        rows that asked; returns the (seq, token) pairs to emit. A token past a stop is
+        discarded; finished sequences leave."""
         new: list[tuple[Sequence, int]] = []
         seqs = out.sampled
         if len(seqs) != len(sampled):
             raise RuntimeError(f"step returned {len(sampled)} tokens for {len(seqs)} sequences")
+        for row, lp in (logprobs or {}).items():
+            if seqs[row].finish_reason is None:  # else past a stop, as its token
+                seqs[row].logprobs.append(lp)
         eos, max_len = self.eos_token_ids, self.max_model_len
         for seq, token in zip(seqs, sampled):  # hot: one pass over the batch per step
             if seq.finish_reason is not None:

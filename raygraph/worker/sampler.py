@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from raygraph.model import ops
-from raygraph.protocol import SeqChunk
+from raygraph.protocol import SeqChunk, TokenLogprobs
 
 
 def _filter_top_k_top_p(
@@ -94,4 +94,34 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
                 gen.manual_seed(hash((seed, chunks[i].num_generated)) & 0x7FFF_FFFF_FFFF_FFFF)
             noise[j].exponential_(generator=gen)
         out[sel] = (probs / noise).argmax(dim=-1)  # exponential race == multinomial draw
+    return out
+
+
+def logprob_rows(chunks: list[SeqChunk]) -> list[int]:
+    """The rows that asked for logprobs (usually none: the step then does no logprob work)."""
+    return [i for i, c in enumerate(chunks) if c.logprobs >= 0]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[S, 1 + 2k] float32 on the logits' device: each row's sampled token's logprob, then
+    its top-k logprobs (descending) and their ids (exact as float32 below 2**24), from the
+    raw distribution (log_softmax of the float32 logits, before temperature or filters).
+    Every row is computed, so no index tensor has to reach the device (no host sync); one
+    tensor, so one copy to the host."""
+    lsm = logits.float().log_softmax(-1)
+    chosen = lsm.gather(1, tokens.view(-1, 1).long())
+    if k == 0:
+        return chosen
+    values, ids = lsm.topk(k, dim=-1)
+    return torch.cat([chosen, values, ids.float()], dim=1)
+
+
+def unpack_logprobs(packed: list[list[float]], rows: list[int],
+                    chunks: list[SeqChunk]) -> dict[int, TokenLogprobs]:
+    """`token_logprobs` on the host -> row -> TokenLogprobs, each with its own k."""
+    k = (len(packed[0]) - 1) // 2 if packed else 0
+    out = {}
+    for i in rows:
+        row, n = packed[i], chunks[i].logprobs
+        out[i] = TokenLogprobs(row[0], [int(t) for t in row[1 + k : 1 + k + n]], row[1 : 1 + n])
     return out

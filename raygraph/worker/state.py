@@ -53,7 +53,7 @@ class SeqTable:
         s.num_generated += sample
         p = s.params
         return SeqChunk(seq_id, tokens, start, s.blocks, sample, p.temperature, p.top_k,
-                        p.top_p, p.seed, gen, feed)
+                        p.top_p, p.seed, gen, feed, p.logprobs)
 
     def clear(self) -> None:
         self.seqs.clear()

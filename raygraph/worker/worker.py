@@ -37,7 +37,13 @@ from raygraph.protocol import (
     WorkerCall,
     WorkerInfo,
 )
-from raygraph.worker.sampler import SamplingRows, sample_tokens
+from raygraph.worker.sampler import (
+    SamplingRows,
+    logprob_rows,
+    sample_tokens,
+    token_logprobs,
+    unpack_logprobs,
+)
 from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
 from raygraph.worker.state import SeqTable, StateError
 
@@ -74,6 +80,10 @@ def _throttled(reporter: Any, every_s: float = 0.2) -> Callable[[int, int], None
     return report
 
 
+# a step's logprobs: (packed as `token_logprobs` packs them, rows that asked, the chunks)
+Logprobs = tuple[torch.Tensor, list[int], list[SeqChunk]]
+
+
 @dataclass
 class _Pending:
     """A queued step whose tokens the coordinator has not been sent yet."""
@@ -86,6 +96,7 @@ class _Pending:
     after: torch.cuda.Event | None = None  # the previous step's `ready`
     seconds: float = 0.0
     idle: float = 0.0
+    logprobs: Logprobs | None = None  # on the host, being filled
 
 
 # what the coordinator may call over the compiled graph
@@ -283,26 +294,31 @@ class Worker:
         """Run one step to the end (in-process use, tests); the group's first TP rank returns
         the tokens, other ranks None. Served steps come through `run`."""
         t0 = time.perf_counter()
-        tokens = self._launch(plan)
+        tokens, _ = self._launch(plan)
         out = tokens.tolist() if tokens is not None and self.samples else []
         if self.offload is not None:
             self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, out, time.perf_counter() - t0) if self.samples else None
 
-    def _launch(self, plan: StepPlan) -> torch.Tensor | None:
+    def _launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, Logprobs | None]:
         """Queue one step on the device; its sampled tokens [S] stay there, in the buffer the
         next step's fed tokens read. Every TP rank samples: their logits are bitwise equal
-        and their generators advance alike, so they draw the same tokens."""
+        and their generators advance alike, so they draw the same tokens. The sampling rank
+        also computes logprobs when a row asked (None otherwise: no work at all)."""
         try:
             logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
         chunks = [s for s in plan.seqs if s.sample]
         if not chunks:
-            return None
+            return None, None
         tokens = sample_tokens(logits, chunks, self.generator, greedy, self._sampling)
         self.executor.prev_tokens[: len(chunks)].copy_(tokens)
-        return tokens
+        rows = logprob_rows(chunks) if self.samples else None
+        if not rows:
+            return tokens, None
+        k = max(chunks[i].logprobs for i in rows)
+        return tokens, (token_logprobs(logits, tokens, k), rows, chunks)
 
     # ---- the served path: the coordinator's compiled graph calls only this ----------------
     def run(self, cmd: bytes | WorkerCall) -> bytes | object:
@@ -350,11 +366,16 @@ class Worker:
         delta = DELTA.decode(cmd)
         pending.step_id = delta.step_id
         self._maybe_fault("step", None)
-        tokens = self._launch(self.state.apply(delta))
+        tokens, logprobs = self._launch(self.state.apply(delta))
         if self.samples:
             if tokens is not None:
                 pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
                 pending.tokens.copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                packed, rows, chunks = logprobs
+                host = torch.empty(packed.shape, pin_memory=cuda).copy_(packed,
+                                                                       non_blocking=True)
+                pending.logprobs = (host, rows, chunks)
             if cuda:
                 pending.ready = torch.cuda.Event(enable_timing=True)
                 pending.ready.record()
@@ -380,7 +401,11 @@ class Worker:
         tokens = p.tokens.tolist() if p.tokens is not None else []
         if self.offload is not None:
             self.offload.note_step(p.seconds)
-        return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle))
+        logprobs = {}
+        if p.logprobs is not None:
+            packed, rows, chunks = p.logprobs
+            logprobs = unpack_logprobs(packed.tolist(), rows, chunks)
+        return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle, logprobs))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
