@@ -14,22 +14,37 @@ The in-process phase runs first and frees its memory before Ray starts, so the t
 share the device. With --tp > 1 there is no in-process engine: engine_ms_per_step is the
 coordinator's `worker_step_ms` (rank 0's device time per step on GPU, its time in the step on
 CPU), see engine_source.
+
+Load mode (any of --request-rate, --num-prompts, --endpoint; bench/load.py says what it
+measures): a Poisson stream of streaming requests, reported like `vllm bench serve`.
+
+    python -m bench.serving --request-rate 8 --num-prompts 200 --input-len 512 --output-len 128
+                            [--range-ratio 0.5] [--seed 0] [--max-num-seqs 64] [--json-out F]
+                            [--endpoint http://HOST:PORT]
+
+It starts a coordinator sized for the load (max_num_seqs, max_num_batched_tokens 2048 unless
+given, KV blocks profiled on GPU and pinned on CPU), or with --endpoint sends the same load to
+an OpenAI-compatible server (the model's config still gives the vocabulary). A few short
+requests run first, untimed, so shapes first seen at run time are not captured in the timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
 import random
 import statistics
+import sys
 import time
 
 import msgspec
 import ray
 import torch
 
+from bench import load
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.connect import connect, start_coordinator
 from raygraph.cluster.engine import Dispatch, EngineCore, local_dispatch, run_to_completion
@@ -47,22 +62,40 @@ from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 from raygraph.worker.worker import Worker
 
 Prompts = list[list[int]]
+BLOCK = 16  # KV block size (tokens)
 
 
-def make_cfg(a: argparse.Namespace, model: str) -> ServeConfig:
-    """One config for both phases, resolved as start_coordinator would. The KV block count is
-    pinned (the largest batch at full length, plus a margin) so neither phase profiles memory
-    and both run with the same pool."""
-    bs, top = 16, max(a.batches)
-    blocks = top * -(-(a.prompt_len + a.max_tokens) // bs) + 16
+def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num_seqs: int,
+              max_num_batched_tokens: int) -> ServeConfig:
+    """The coordinator's config from the flags, resolved as start_coordinator would."""
     cfg = ServeConfig(
         model=model, device=a.device, parallel=ParallelConfig(tp=a.tp),
-        cache=CacheConfig(block_size=bs, num_blocks=blocks),
-        scheduler=SchedulerConfig(max_num_seqs=top, max_num_batched_tokens=(
-            a.max_num_batched_tokens or max(512, top * a.prompt_len))),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens),
         graph=GraphConfig(mode=a.mode),
     )
     return cfg.resolved(torch.cuda.device_count())
+
+
+def make_cfg(a: argparse.Namespace, model: str) -> ServeConfig:
+    """One config for both phases. The KV block count is pinned (the largest batch at full
+    length, plus a margin) so neither phase profiles memory and both run with the same pool."""
+    top = max(a.batches)
+    blocks = top * -(-(a.prompt_len + a.max_tokens) // BLOCK) + 16
+    return serve_cfg(a, model, blocks, top,
+                     a.max_num_batched_tokens or max(512, top * a.prompt_len))
+
+
+def load_cfg(a: argparse.Namespace, model: str, max_len: int) -> ServeConfig:
+    """Sized by the load. On GPU the coordinator profiles memory for the KV cache; on CPU the
+    block count is pinned: every sequence that can run at once at the longest length."""
+    cfg = serve_cfg(a, model, None, a.max_num_seqs, a.max_num_batched_tokens)
+    if cfg.device != "cpu":
+        return cfg
+    blocks = min(a.num_prompts, a.max_num_seqs) * -(-max_len // BLOCK) + 16
+    return msgspec.structs.replace(cfg, cache=msgspec.structs.replace(cfg.cache,
+                                                                      num_blocks=blocks))
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int) -> Prompts:
@@ -192,6 +225,42 @@ def stream_gaps(coord: ray.actor.ActorHandle, prompt: list[int], params: Samplin
     return 1e3 * (arrivals[0] - t0), 1e3 * statistics.median(gaps) if gaps else float("nan")
 
 
+def load_main(a: argparse.Namespace, model: str, name: str) -> None:
+    """Load mode: bench/load.py's workload through the coordinator (Ray) or --endpoint (HTTP);
+    the table to stderr, one JSON line to stdout (and --json-out)."""
+    load.fill_load_defaults(a)
+    m = ModelConfig.from_pretrained(model)
+    reqs = load.make_requests(a, m.vocab_size)
+    longest = max(len(r.prompt) + r.params.max_tokens for r in reqs)
+    if longest > m.max_position_embeddings:
+        raise SystemExit(f"a request needs {longest} positions; {name} has "
+                         f"{m.max_position_embeddings}: lower --input-len/--output-len")
+    warmup = load.warmup_requests(reqs, m.vocab_size, a.seed)
+    arrivals = load.arrival_times(a.num_prompts, a.request_rate, a.seed)
+    if a.endpoint:
+        row = asyncio.run(load.benchmark_http(a.endpoint, name, reqs, warmup, arrivals))
+        where: dict = {"client": "http", "endpoint": a.endpoint, "device": None, "dtype": None}
+    else:
+        connect(None, log_to_driver=False)
+        cfg = load_cfg(a, model, longest)
+        coord = start_coordinator(cfg)
+        row = asyncio.run(load.benchmark(load.ray_client(coord), reqs, warmup, arrivals))
+        ray.get(coord.shutdown.remote())
+        where = {"client": "ray", "device": cfg.device, "dtype": cfg.dtype}
+    row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
+    print(load.format_table(row), file=sys.stderr, flush=True)
+    row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "num_prompts": a.num_prompts,
+                    "input_len": a.input_len, "output_len": a.output_len,
+                    "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
+                    "max_num_batched_tokens": a.max_num_batched_tokens,
+                    "temperature": a.temperature, "top_k": a.top_k}
+    line = json.dumps(row)
+    print(line, flush=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            f.write(line + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
@@ -202,15 +271,19 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default: max(512, largest batch x prompt length)")
+                   help="default: max(512, largest batch x prompt length); load mode 2048")
     p.add_argument("--mode", choices=["graph", "eager"], default="graph")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0, seeded sampling (with --top-k)")
     p.add_argument("--top-k", type=int, default=0)
+    load.add_load_args(p)
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL
     if a.preset:
         model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    name = a.preset or os.path.basename(os.path.normpath(model))
+    if load.is_load_mode(a):
+        return load_main(a, model, name)
     cfg = make_cfg(a, model)
     vocab = ModelConfig.from_pretrained(model).vocab_size
     engine = engine_phase(cfg, a, vocab)  # first: alone on the device
@@ -222,7 +295,6 @@ def main() -> None:
     stream_prompt = make_prompts(1, a.prompt_len, vocab)[0]
     stream_gaps(coord, stream_prompt, warm)
     ttft_ms, itl_ms = stream_gaps(coord, stream_prompt, params)
-    name = a.preset or os.path.basename(os.path.normpath(model))
     for b in a.batches:
         prompts = make_prompts(b, a.prompt_len, vocab)
         ray.get(coord.generate.remote(prompts, warm))  # this shape's keys, before timing

@@ -1,0 +1,144 @@
+"""bench/load.py's pure logic: the length sampler, the arrival schedule, the timing rules and
+the statistics, on hand-made timelines whose figures are known. No Ray."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+
+import pytest
+
+from bench.load import (
+    Chunk,
+    Request,
+    RequestRecord,
+    arrival_times,
+    itl_gaps,
+    make_requests,
+    percentile,
+    run_load,
+    sample_lengths,
+    summarize,
+)
+from raygraph.protocol import SamplingParams
+
+
+def test_lengths_bounds_and_seed() -> None:
+    xs = sample_lengths(5000, 32, 0.5, random.Random(0))
+    assert all(type(x) is int for x in xs)
+    assert min(xs) == 16 and max(xs) == 48  # both ends of [32*0.5, 32*1.5] are drawn
+    assert abs(statistics.mean(xs) - 32) < 1
+    assert sample_lengths(50, 32, 0.5, random.Random(7)) == sample_lengths(
+        50, 32, 0.5, random.Random(7))
+    assert sample_lengths(50, 32, 0.5, random.Random(7)) != sample_lengths(
+        50, 32, 0.5, random.Random(8))
+
+
+def test_lengths_exact_and_at_least_one() -> None:
+    assert sample_lengths(20, 17, 0.0, random.Random(0)) == [17] * 20
+    assert set(sample_lengths(200, 1, 0.9, random.Random(0))) == {1}
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError):
+            sample_lengths(1, 8, bad, random.Random(0))
+
+
+def test_requests_follow_the_drawn_lengths() -> None:
+    a = argparse.Namespace(seed=3, num_prompts=40, input_len=20, output_len=10,
+                           range_ratio=0.5, temperature=0.7, top_k=5)
+    reqs = make_requests(a, vocab=50)
+    assert reqs == make_requests(a, vocab=50)
+    rng = random.Random(3)
+    assert [len(r.prompt) for r in reqs] == sample_lengths(40, 20, 0.5, rng)
+    assert [r.params.max_tokens for r in reqs] == sample_lengths(40, 10, 0.5, rng)
+    assert all(3 <= t < 50 for r in reqs for t in r.prompt)
+    assert all(r.params.ignore_eos and r.params.temperature == 0.7 for r in reqs)
+    assert len({r.params.seed for r in reqs}) == 40
+
+
+def test_arrivals() -> None:
+    assert arrival_times(5, math.inf, 0) == [0.0] * 5
+    assert arrival_times(100, 4.0, 1) == arrival_times(100, 4.0, 1)
+    assert arrival_times(100, 4.0, 1) != arrival_times(100, 4.0, 2)
+    ts = arrival_times(20001, 8.0, 0)
+    assert ts[0] == 0.0 and all(b >= a for a, b in zip(ts, ts[1:]))
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    assert abs(statistics.mean(gaps) - 1 / 8) < 0.03 / 8
+    # exponential gaps: standard deviation equals the mean (not evenly spaced)
+    assert abs(statistics.pstdev(gaps) / statistics.mean(gaps) - 1) < 0.05
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0, 0)
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    xs = [50.0, 10.0, 40.0, 20.0, 30.0]
+    assert percentile(xs, 50) == 30.0
+    assert percentile(xs, 90) == pytest.approx(46.0)
+    assert percentile(xs, 99) == pytest.approx(49.6)
+    assert percentile(xs, 0) == 10.0 and percentile(xs, 100) == 50.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_itl_counts_a_gap_once_and_zeros_for_extra_tokens() -> None:
+    chunks = [Chunk(1.0, 2), Chunk(1.5, 1), Chunk(1.6, 0), Chunk(2.5, 3), Chunk(2.6, 0)]
+    assert itl_gaps(chunks) == pytest.approx([0.0, 0.5, 1.0, 0.0, 0.0])
+    assert itl_gaps([Chunk(1.0, 1)]) == []
+
+
+def test_record_ttft_tpot_e2e() -> None:
+    r = RequestRecord(2, 10.0, [Chunk(10.1, 1), Chunk(10.3, 1), Chunk(10.6, 2), Chunk(10.7, 0)])
+    assert r.ok and r.output_tokens == 4
+    assert r.ttft == pytest.approx(0.1) and r.e2e == pytest.approx(0.6)
+    assert r.tpot == pytest.approx(0.5 / 3)
+    # the mean ITL of one request is its TPOT
+    assert statistics.mean(itl_gaps(r.chunks)) == pytest.approx(r.tpot)
+    # a server's own count (HTTP usage) wins over the chunks' sum
+    r.chunks.append(Chunk(10.8, 0, total=5))
+    assert r.output_tokens == 5 and r.tpot == pytest.approx(0.5 / 4)
+    assert RequestRecord(1, 0.0, [Chunk(0.2, 1)]).tpot is None
+    assert not RequestRecord(1, 0.0, [Chunk(0.2, 0)]).ok
+    assert not RequestRecord(1, 0.0, [Chunk(0.2, 1)], error="boom").ok
+
+
+def test_summary() -> None:
+    recs = [
+        RequestRecord(10, 0.0, [Chunk(0.1, 1), Chunk(0.2, 1), Chunk(0.3, 1)]),
+        RequestRecord(20, 1.0, [Chunk(1.3, 1), Chunk(1.7, 1)]),
+        RequestRecord(30, 1.0, [], error="RuntimeError: boom"),
+    ]
+    row = summarize(recs, duration=2.0)
+    assert row["completed"] == 2 and row["failed"] == 1
+    assert row["total_input_tokens"] == 30 and row["total_output_tokens"] == 5
+    assert row["request_throughput"] == 1.0 and row["output_throughput"] == 2.5
+    assert row["total_token_throughput"] == 17.5
+    assert row["mean_ttft_ms"] == pytest.approx(200.0)  # 100 and 300
+    assert row["p90_ttft_ms"] == pytest.approx(280.0)
+    assert row["mean_tpot_ms"] == pytest.approx(250.0)  # 100 and 400
+    assert row["median_itl_ms"] == pytest.approx(100.0)  # 100, 100, 400
+    assert row["mean_itl_ms"] == pytest.approx(200.0)
+    assert row["mean_e2el_ms"] == pytest.approx(500.0)  # 300 and 700
+    assert row["first_error"] == "RuntimeError: boom"
+    empty = summarize([recs[2]], duration=1.0)
+    assert empty["completed"] == 0 and empty["mean_itl_ms"] is None
+
+
+def test_run_load_launches_on_schedule_and_records_failures() -> None:
+    async def client(prompt: list[int], params: SamplingParams):
+        import time
+        if prompt == [0]:
+            raise RuntimeError("refused")
+        for _ in range(params.max_tokens):
+            await asyncio.sleep(0)
+            yield Chunk(time.perf_counter(), 1)
+
+    reqs = [Request([5, 6], SamplingParams(max_tokens=3)), Request([0], SamplingParams()),
+            Request([7], SamplingParams(max_tokens=2))]
+    records, duration = asyncio.run(run_load(client, reqs, [0.0, 0.0, 0.05]))
+    assert [r.ok for r in records] == [True, False, True]
+    assert records[1].error == "RuntimeError: refused"
+    assert [r.output_tokens for r in records] == [3, 0, 2]
+    assert records[2].start - records[0].start >= 0.05 and duration >= 0.05
