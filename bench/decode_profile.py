@@ -66,7 +66,8 @@ def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> d
         t.append(time.perf_counter())
         ex.bufs.upload(end)
         t.append(time.perf_counter())
-        md = ex.bufs.metadata(key.num_tokens, key.num_tokens, 1, max(h.seq_lens), True)
+        md = ex.bufs.metadata(key.num_tokens, key.num_tokens, h.num_tokens, 1,
+                             max(h.seq_lens), True)
         t.append(time.perf_counter())
         _, greedy = ex.graphs[key].run(md)
         t.append(time.perf_counter())

@@ -73,6 +73,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="graph memory: vmm (a virtual range per capture over shared physical "
                         "memory), torch (one shared pool), private (a pool per graph) "
                         f"(default: {D.graph.pool})")
+    p.add_argument("--prefill-graph", choices=["piecewise", "full"], default=None,
+                   help="prefill buckets: piecewise (attention eager between graphs) or full "
+                        f"(one graph, attention inside) (default: {D.graph.prefill_graph})")
     p.add_argument("--offload-budget", type=parse_bytes, default=None,
                    help="keep weights in host memory with at most this much of them on the GPU "
                         "(bytes, or e.g. 1.5GiB, 800MB); fails at load below the floor "
@@ -98,7 +101,9 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp), dp=pick(a.dp, cfg.parallel.dp),
                                 ep=pick(a.ep, cfg.parallel.ep)),
         graph=msgspec.structs.replace(cfg.graph, mode="eager" if a.eager else cfg.graph.mode,
-                                      pool=pick(a.graph_pool, cfg.graph.pool)),
+                                      pool=pick(a.graph_pool, cfg.graph.pool),
+                                      prefill_graph=pick(a.prefill_graph,
+                                                         cfg.graph.prefill_graph)),
         cache=CacheConfig(
             block_size=pick(a.block_size, c.block_size),
             num_blocks=pick(a.num_kv_blocks, c.num_blocks),

@@ -256,6 +256,10 @@ class GraphConfig(msgspec.Struct, frozen=True):
     largest bucket; `eager`: the reference path only. backend `eager` runs the graph
     executor's logic without capture (what CPUs always do).
 
+    prefill_graph: how a prefill bucket is captured. `piecewise`: graphs between the
+    attention calls, attention run eagerly in between; `full`: one graph, attention (the
+    Triton prefill kernel, whose launch depends only on the bucket) inside it.
+
     pool: where captured graphs keep their memory. `vmm`: a virtual range per capture over
     one set of physical chunks (max over captures, budgeted before the KV cache is sized,
     can sleep); `torch`: torch's one shared graph pool; `private`: a torch pool per capture
@@ -267,6 +271,7 @@ class GraphConfig(msgspec.Struct, frozen=True):
     prefill_sizes: list[int] | None = None
     max_decode: int = 256
     max_prefill: int = 2048
+    prefill_graph: Literal["piecewise", "full"] = "piecewise"
     capture_at_start: bool = True
     capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
     pool: Literal["vmm", "torch", "private"] = "vmm"

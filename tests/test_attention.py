@@ -205,6 +205,7 @@ def test_input_buffers_one_copy_moves_every_field() -> None:
     assert bufs.sample_idx[:1].tolist() == [2]  # only the first chunk samples
     assert bufs.block_tables[:3].tolist() == [[4, 0, 0], [1, 2, 0], [0, 0, 0]]
     assert bufs.seq_lens[:3].tolist() == [3, 7, 0]
+    assert bufs.query_start[:4].tolist() == [0, 3, 5, 5]  # the padding sequence is empty
     assert ptrs == [t.data_ptr() for t in (bufs.input_ids, bufs.sample_idx, bufs.block_tables,
                                            bufs.seq_lens)]
 

@@ -70,21 +70,47 @@ def test_buffers_pad_with_minus_one_slots_and_empty_sequences():
         bufs.fill(h, num_tokens=2, num_seqs=8)
 
 
+def make_worker(model: str, mode: str, prefill_graph: str = "piecewise") -> Worker:
+    cfg = ServeConfig(
+        model=model, device="cpu", cache=CacheConfig(block_size=BS),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                  max_model_len=200),
+        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
+    )
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(NUM_BLOCKS)
+    return w
+
+
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    def make(mode: str) -> Worker:
-        cfg = ServeConfig(
-            model=str(tiny_llama), device="cpu", cache=CacheConfig(block_size=BS),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
-                                      max_model_len=200),
-            graph=GraphConfig(mode=mode),
-        )
-        w = Worker(cfg, 0)
-        w.load(("127.0.0.1", 0))
-        w.allocate_kv_cache(NUM_BLOCKS)
-        return w
+    return make_worker(str(tiny_llama), "graph"), make_worker(str(tiny_llama), "eager")
 
-    return make("graph"), make("eager")
+
+@pytest.fixture(scope="module")
+def full_prefill(tiny_llama):
+    return make_worker(str(tiny_llama), "graph", "full")
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_full_prefill_graph_equals_eager_and_piecewise(workers, full_prefill, trial):
+    """A full prefill graph runs attention inside the bucket over a fixed number of
+    sequence rows (padding rows empty): the same logits as the eager executor (within the
+    cross-shape tolerance) and as the piecewise bucket of the same shape (exactly)."""
+    g, e = workers
+    rng = random.Random(100 + trial)
+    seqs = [(rng.randrange(0, 30), rng.randrange(1, 9)) for _ in range(rng.randrange(2, 5))]
+    plan = plan_of(seqs, rng)
+    randomise_caches((g, e, full_prefill), trial)
+    got = full_prefill.executor.logits(plan)
+    key = full_prefill.executor.last_key
+    assert key.phase == "prefill" and type(full_prefill.executor.graphs[key]).__name__ == \
+        "FullGraph"
+    assert full_prefill.executor.bufs.query_start[: len(seqs) + 1].tolist() == [
+        sum(n for _, n in seqs[:i]) for i in range(len(seqs) + 1)]
+    assert_close_across_shapes(got, e.executor.logits(plan))
+    assert_close_across_shapes(got, g.executor.logits(plan))  # SDPA over other batch rows
 
 
 @pytest.mark.parametrize("trial", range(4))
@@ -143,9 +169,9 @@ def test_piecewise_instruction_sequence(workers):
     assert runner.trace == ["piece", "attention"] * layers + ["piece"]
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_padding_never_writes_a_real_kv_slot(workers, phase):
-    g, _ = workers
+@pytest.mark.parametrize("phase", ["decode", "prefill", "full-prefill"])
+def test_padding_never_writes_a_real_kv_slot(workers, full_prefill, phase):
+    g = full_prefill if phase == "full-prefill" else workers[0]
     ex: GraphExecutor = g.executor
     rng = random.Random(11)
     seqs = [(7, 1), (2, 1), (12, 1)] if phase == "decode" else [(4, 3), (0, 2)]

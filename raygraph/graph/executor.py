@@ -80,12 +80,13 @@ class Executor(ABC):
     def log_memory(self) -> None:
         return None  # no graph memory to tell of
 
-    def sleep(self) -> None:
-        raise RuntimeError(f"sleep/wake needs graph mode (the executor is "
-                           f"{type(self).__name__})")
+    def sleep(self) -> int:
+        """Release graph memory; returns the bytes released (0: none held, e.g. eager)."""
+        return 0
 
-    def wake_up(self) -> None:
-        self.sleep()
+    def wake_up(self) -> int:
+        """Map graph memory again under the graphs; returns the bytes mapped."""
+        return 0
 
     def release(self) -> None:
         return None  # nothing held beyond the model and the cache
@@ -171,24 +172,34 @@ class GraphExecutor(Executor):
                               f"gives {key}")
         if key.phase == "eager":
             return self.eager.run(h, plan.num_comm_tokens), None
-        num_seqs = key.num_tokens if key.phase == "decode" else h.num_seqs
+        num_seqs = self.num_seqs(key, h.num_seqs)
         self.bufs.fill(h, key.num_tokens, num_seqs)
-        md = self.bufs.metadata(key.num_tokens, num_seqs, h.max_q_len, max(h.seq_lens),
-                                h.decode)
+        md = self.bufs.metadata(key.num_tokens, num_seqs, h.num_tokens, h.max_q_len,
+                                max(h.seq_lens), h.decode)
         if key not in self.graphs:
             if plan.key is not None:  # coordinator-driven: captures happen in lockstep only
                 raise KeyMismatch(f"step {plan.step_id}: {key} was never captured on this rank")
             self.capture(key, md)
         runner = self.graphs[key]
-        if isinstance(runner, FullGraph):
+        if key.phase == "decode":
             logits, greedy = (t[: h.num_seqs] for t in runner.run(md))
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
                 rows = self.bufs.sample_idx[: len(h.sample_idx)]
                 logits, greedy = logits[rows], greedy[rows]
             return logits, greedy  # already fp32: the cast is in the graph
-        hidden = runner.run(md, h.num_tokens)
+        hidden = runner.run(md)
         rows = self.bufs.sample_idx[: len(h.sample_idx)]
         return self.model.compute_logits(hidden[rows]).float(), None
+
+    def num_seqs(self, key: BucketKey, real: int) -> int:
+        """The sequence rows a step of `key` runs with: decode pads to one per token; a full
+        prefill graph to a fixed count (its launches read every row; each sequence has a
+        token, so no more than the bucket's tokens); piecewise prefill runs the real ones."""
+        if key.phase == "decode":
+            return key.num_tokens
+        if self.cfg.prefill_graph == "full":
+            return min(self.bufs.max_seqs, key.num_tokens)
+        return real
 
     def _forward(self, key: BucketKey, with_logits: bool):
         n = key.num_tokens
@@ -223,15 +234,14 @@ class GraphExecutor(Executor):
         t0 = time.perf_counter()
         scope = self.pool.capture(key) if self.pool is not None else nullcontext()
         with recording(self.comms) as collectives, scope as pool:
-            if key.phase == "decode":
-                runner = FullGraph(self._forward(key, True), md, self.cuda, pool)
-                if not self.cuda and dummy:
-                    runner.run(md)
+            if key.phase == "decode" or self.cfg.prefill_graph == "full":
+                runner = FullGraph(self._forward(key, key.phase == "decode"), md, self.cuda,
+                                   pool)
             else:
                 runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out, self.cuda,
                                         pool)
-                if not self.cuda and dummy:
-                    runner.run(md, key.num_tokens)
+            if not self.cuda and dummy:
+                runner.run(md)
         self.graphs[key] = runner
         record = CaptureRecord(
             key=key, rank=self.rank, pieces=runner.num_pieces,
@@ -268,9 +278,9 @@ class GraphExecutor(Executor):
                                   for length in lens],
                            [sum(lens[: i + 1]) - 1 for i in range(len(lens))], max(lens),
                            False)
-        seqs = n if key.phase == "decode" else h.num_seqs
+        seqs = self.num_seqs(key, h.num_seqs)
         self.bufs.fill(h, n, seqs)
-        return self.bufs.metadata(n, seqs, h.max_q_len, max(h.seq_lens), h.decode)
+        return self.bufs.metadata(n, seqs, n, h.max_q_len, max(h.seq_lens), h.decode)
 
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule, largest first; returns the capture log."""
@@ -302,17 +312,20 @@ class GraphExecutor(Executor):
                  else f"{s.budget_bytes / 2**20:.1f} MiB", s.virtual_bytes / 2**20, s.spaces,
                  largest[0], largest[1] / 2**20, self.input_buffer_bytes / 2**20)
 
-    def sleep(self) -> None:
-        """Release the graphs' physical memory; they stay captured (VMM pool only)."""
-        self._require_pool().sleep()
-
-    def wake_up(self) -> None:
-        self._require_pool().wake_up()
-
-    def _require_pool(self) -> GraphPool:
+    def sleep(self) -> int:
+        """Release the graphs' physical memory; they stay captured (VMM pool only: a torch
+        pool refuses). No pool (eager backend): nothing to release."""
         if self.pool is None:
-            raise RuntimeError("no graph pool: this executor captures nothing (eager backend)")
-        return self.pool
+            return 0
+        held = self.pool.held_bytes()
+        self.pool.sleep()
+        return held
+
+    def wake_up(self) -> int:
+        if self.pool is None:
+            return 0
+        self.pool.wake_up()
+        return self.pool.held_bytes()
 
     def release(self) -> None:
         """Drop every graph, then the pool's memory."""

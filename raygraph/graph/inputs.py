@@ -88,6 +88,16 @@ def feed_tokens(ids: torch.Tensor, feed: torch.Tensor, prev: torch.Tensor) -> to
     return torch.where(feed >= 0, prev[feed.clamp(min=0)], ids)
 
 
+def query_starts(token_row: list[int] | np.ndarray, num_seqs: int) -> np.ndarray:
+    """[num_seqs + 1] offsets of each sequence's first token, then the token count: a
+    sequence's tokens are consecutive and begin at row 0."""
+    rows = np.asarray(token_row)
+    starts = np.flatnonzero(rows == 0)
+    if len(starts) != num_seqs:
+        raise ValueError(f"{len(starts)} sequence starts for {num_seqs} sequences")
+    return np.append(starts, len(rows))
+
+
 def _padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
@@ -105,8 +115,10 @@ def batch_from(h: HostInputs, device: torch.device) -> Batch:
     width = max(len(x) for x in h.tables)
     md = AttentionMetadata(
         slot_mapping=t(h.slots), block_tables=t(_padded_tables(h.tables, width), torch.int32),
-        seq_lens=t(h.seq_lens, torch.int32), positions=positions, token_seq=t(h.token_seq),
-        token_row=t(h.token_row), max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
+        seq_lens=t(h.seq_lens, torch.int32),
+        query_start=t(query_starts(h.token_row, h.num_seqs).tolist(), torch.int32),
+        positions=positions, token_seq=t(h.token_seq), token_row=t(h.token_row),
+        num_tokens=h.num_tokens, max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
         decode=h.decode,
     )
     return Batch(t(h.ids), positions, ForwardContext(attn=md), t(h.sample_idx),
@@ -123,7 +135,8 @@ class InputBuffers:
     step's copy has run: the served loop sends step N+1 while step N runs, so write() waits
     on an event recorded after the last upload (it has nearly always run by then).
 
-    Layout: one byte buffer, [seq lens | token rows | block tables], so a step's inputs are
+    Layout: one byte buffer, [seq lens | query starts | token rows | block tables], so a
+    step's inputs are
     one contiguous prefix (the tables' first rows end it) and move in one copy. Strided
     copy_ calls of row slices stage through pageable memory instead: with three of them,
     the fill took ~100 us a step on an H100 host (bench/RESULTS.md, third decode pass).
@@ -139,21 +152,24 @@ class InputBuffers:
             "feed")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
-        lens_end = -(-max_seqs * 4 // 64) * 64  # the token rows start 8-byte aligned
+        starts_at = max_seqs * 4
+        lens_end = -(-(starts_at + (max_seqs + 1) * 4) // 64) * 64  # token rows 8-byte aligned
         self._tables_at = lens_end + len(self.ROWS) * max_tokens * 8
         size = self._tables_at + max_seqs * max_blocks * 4
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
 
-        def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return (buf[: max_seqs * 4].view(torch.int32),
+        def views(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return (buf[:starts_at].view(torch.int32),
+                    buf[starts_at: starts_at + (max_seqs + 1) * 4].view(torch.int32),
                     buf[lens_end: self._tables_at].view(torch.long).view(len(self.ROWS), -1),
                     buf[self._tables_at:].view(torch.int32).view(max_seqs, max_blocks))
 
-        self.host_lens, self.host_tokens, self.host_tables = views(self.host)
-        self.seq_lens, self.tokens, self.block_tables = views(self.device_bytes)
-        self._tok, self._tables, self._lens = (t.numpy() for t in (
-            self.host_tokens, self.host_tables, self.host_lens))
+        self.host_lens, self.host_starts, self.host_tokens, self.host_tables = views(self.host)
+        self.seq_lens, self.query_start, self.tokens, self.block_tables = views(
+            self.device_bytes)
+        self._tok, self._tables, self._lens, self._starts = (t.numpy() for t in (
+            self.host_tokens, self.host_tables, self.host_lens, self.host_starts))
         self._arange = np.arange(max(max_tokens, max_seqs), dtype=np.int64)
         self._tok[[2, 6]] = -1
         self.tokens[[2, 6]] = -1
@@ -228,6 +244,9 @@ class InputBuffers:
                 tables[i, w : widths[i]] = 0
             widths[i] = w
         self._lens[:b] = h.seq_lens
+        if not h.decode:  # the prefill kernel's offsets; padding sequences are empty
+            self._starts[: b + 1] = query_starts(tok[4, :n], b)
+            self._starts[b + 1: num_seqs + 1] = n
         if b < num_seqs:
             stale = max(widths[b:num_seqs])
             if stale:
@@ -236,14 +255,16 @@ class InputBuffers:
             self._lens[b:num_seqs] = 0
         return self._tables_at + num_seqs * self.max_blocks * 4
 
-    def metadata(self, num_tokens: int, num_seqs: int, max_q_len: int, max_kv_len: int,
-                 decode: bool) -> AttentionMetadata:
-        """Views of the bucket's size (their addresses never change; made once per size)."""
+    def metadata(self, num_tokens: int, num_seqs: int, num_real: int, max_q_len: int,
+                 max_kv_len: int, decode: bool) -> AttentionMetadata:
+        """Views of the bucket's size (their addresses never change; made once per size);
+        the first `num_real` tokens are real."""
         views = self._views.get((num_tokens, num_seqs))
         if views is None:
             views = (self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
-                     self.seq_lens[:num_seqs], self.positions[:num_tokens],
-                     self.token_seq[:num_tokens], self.token_row[:num_tokens])
+                     self.seq_lens[:num_seqs], self.query_start[: num_seqs + 1],
+                     self.positions[:num_tokens], self.token_seq[:num_tokens],
+                     self.token_row[:num_tokens])
             self._views[(num_tokens, num_seqs)] = views
-        return AttentionMetadata(*views, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                                 decode=decode)
+        return AttentionMetadata(*views, num_tokens=num_real, max_q_len=max_q_len,
+                                 max_kv_len=max_kv_len, decode=decode)

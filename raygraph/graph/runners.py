@@ -121,28 +121,11 @@ class _Attn:
     scale: float
 
 
-def run_attention(
-    a: _Attn, md: AttentionMetadata, num_real: int, out: torch.Tensor
-) -> torch.Tensor:
-    """Eager attention between pieces with this step's metadata; writes the shared output."""
-    # store K/V for the whole bucket (padding slots are -1), attend for the real tokens
-    n = a.q.shape[0]
-    o = paged_attention(a.q[:num_real], a.k, a.v, a.k_cache, a.v_cache, a.scale,
-                        _prefix(md, num_real))
-    out[:num_real].copy_(o)
-    out[num_real:n].zero_()
-    return out[:n]
-
-
-def _prefix(md: AttentionMetadata, num_real: int) -> AttentionMetadata:
-    """Metadata whose per-token fields cover only the real tokens (slot mapping stays whole:
-    store_kv writes every row it is given)."""
-    return AttentionMetadata(
-        slot_mapping=md.slot_mapping, block_tables=md.block_tables, seq_lens=md.seq_lens,
-        positions=md.positions[:num_real], token_seq=md.token_seq[:num_real],
-        token_row=md.token_row[:num_real], max_q_len=md.max_q_len, max_kv_len=md.max_kv_len,
-        decode=False,
-    )
+def run_attention(a: _Attn, md: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
+    """Eager attention between pieces with this step's metadata, into the shared output
+    (K/V stored for the whole bucket, padding slots are -1; padding rows come out zero)."""
+    return paged_attention(a.q, a.k, a.v, a.k_cache, a.v_cache, a.scale, md,
+                           out=out[: a.q.shape[0]])
 
 
 class PiecewiseGraph:
@@ -186,7 +169,7 @@ class PiecewiseGraph:
             return self.attn_out[:num_tokens]
 
         with capture_mode(md.slot_mapping.device):
-            self.run(md, num_tokens)  # warm-up, eagerly, on the capture stream
+            self.run(md)  # warm-up, eagerly, on the capture stream
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 self.out = self.forward(ForwardContext(attn=md, split=split))
@@ -197,12 +180,12 @@ class PiecewiseGraph:
             self.graphs.append(graph)
         self.num_nodes = None if None in nodes else sum(nodes)
 
-    def run(self, md: AttentionMetadata, num_real: int) -> torch.Tensor:
+    def run(self, md: AttentionMetadata) -> torch.Tensor:
         self.trace = []
         if not self.graphs:  # eager backend: the same split points, run live
             def split(q, k, v, k_cache, v_cache, scale) -> torch.Tensor:
                 self.trace += ["piece", "attention"]
-                return run_attention(_Attn(q, k, v, k_cache, v_cache, scale), md, num_real,
+                return run_attention(_Attn(q, k, v, k_cache, v_cache, scale), md,
                                      self.attn_out)
 
             out = self.forward(ForwardContext(attn=md, split=split))
@@ -212,7 +195,7 @@ class PiecewiseGraph:
             graph.replay()
             self.trace.append("piece")
             if i < len(self.attns):
-                run_attention(self.attns[i], md, num_real, self.attn_out)
+                run_attention(self.attns[i], md, self.attn_out)
                 self.trace.append("attention")
         return self.out
 

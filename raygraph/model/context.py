@@ -14,15 +14,18 @@ class AttentionMetadata:
     """Where each token's K/V goes and what each query may attend to.
 
     Token t belongs to sequence `token_seq[t]` at query row `token_row[t]`; it sits at
-    absolute position `positions[t]` and sees keys 0..positions[t] of its sequence.
+    absolute position `positions[t]` and sees keys 0..positions[t] of its sequence. The
+    first `num_tokens` rows are real; the rest of a bucket is padding.
     """
 
     slot_mapping: torch.Tensor  # [T] int64; NOTE: padding slots are -1, slot 0 is real
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32: kv length after this step
+    query_start: torch.Tensor  # [B + 1] int32: sequence b's tokens are rows [qs[b], qs[b+1])
     positions: torch.Tensor  # [T] int64
     token_seq: torch.Tensor  # [T] int64
     token_row: torch.Tensor  # [T] int64
+    num_tokens: int  # host-side values: what the reference path reads (never the kernels)
     max_q_len: int
     max_kv_len: int
     decode: bool = False  # every sequence has exactly one query token

@@ -152,8 +152,11 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each query over its sequence's cached keys (prefill, chunked
-    prefill and decode alike): gather blocks, pad queries per sequence, mask by position."""
+    prefill and decode alike): gather blocks, pad queries per sequence, mask by position.
+    Padding rows (past md.num_tokens) come out as zeros."""
     # q: [T, Hq, D] -> out: [T, Hq, D]
+    n = md.num_tokens
+    token_seq, token_row = md.token_seq[:n], md.token_row[:n]
     num_seqs = md.block_tables.shape[0]
     block_size = k_cache.shape[1]
     num_blocks = -(-md.max_kv_len // block_size)
@@ -161,9 +164,9 @@ def paged_attention_ref(
     k = k_cache[table].flatten(1, 2)[:, : md.max_kv_len]  # [B, L, Hkv, D]
     v = v_cache[table].flatten(1, 2)[:, : md.max_kv_len]
     qp = q.new_zeros(num_seqs, md.max_q_len, *q.shape[1:])
-    qp[md.token_seq, md.token_row] = q
+    qp[token_seq, token_row] = q[:n]
     qpos = torch.zeros(num_seqs, md.max_q_len, dtype=torch.long, device=q.device)
-    qpos[md.token_seq, md.token_row] = md.positions
+    qpos[token_seq, token_row] = md.positions[:n]
     keys = torch.arange(md.max_kv_len, device=q.device)
     # zero what a sequence does not own (its last block's tail, padded table entries):
     # a masked score is still NaN when the stale K/V behind it is inf or NaN
@@ -175,7 +178,10 @@ def paged_attention_ref(
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True,
     )
-    return out.transpose(1, 2)[md.token_seq, md.token_row]
+    real = out.transpose(1, 2)[token_seq, token_row]
+    if n == q.shape[0]:
+        return real
+    return torch.cat((real, q.new_zeros(q.shape[0] - n, *q.shape[1:])))
 
 
 def attention(
@@ -195,12 +201,21 @@ def attention(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, scale: float, md: AttentionMetadata,
+    v_cache: torch.Tensor, scale: float, md: AttentionMetadata, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if md.decode and q.is_cuda:  # the decode kernel stores this step's K/V itself
+    """Store this step's K/V, then attend: the Triton kernels on a GPU (decode: one query a
+    sequence; anything else: the packed prefill kernel, no per-shape plan), the torch
+    reference elsewhere. `out`, if given, receives the result."""
+    if q.is_cuda and md.decode and out is None:  # the decode kernel stores the new K/V itself
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
                                       k, v)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-    return paged_attention_ref(q, k_cache, v_cache, md, scale)
+    if q.is_cuda:
+        from raygraph.model.triton_attention import paged_prefill_attention
+
+        return paged_prefill_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                       md.query_start, scale, out=out)
+    result = paged_attention_ref(q, k_cache, v_cache, md, scale)
+    return result if out is None else out.copy_(result)

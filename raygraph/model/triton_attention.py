@@ -149,3 +149,126 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, num_warps=1,
     )
     return out
+
+
+# ---- prefill: packed queries of any lengths over the paged cache --------------------------
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, num_seqs, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
+    D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # the sequence of this query block: the last b with starts[b] // BLOCK_Q + b <= pid
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(starts_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(starts_ptr + b)
+    q_len = tl.load(starts_ptr + b + 1) - q_start
+    q0 = (pid - q_start // BLOCK_Q - b) * BLOCK_Q
+    if q0 < q_len:
+        kv_len = tl.load(lens_ptr + b)
+        prefix = kv_len - q_len  # the chunk's queries sit at positions prefix..kv_len-1
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        qi = q0 + rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        d = tl.arange(0, D_PAD)
+        dmask = d < D
+        rmask = (qi < q_len) & (g < GROUP)
+        qpos = prefix + qi
+        q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt
+                    + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)  # past the block's last query
+        start = 0
+        if WINDOW > 0:
+            start = tl.maximum(0, prefix + q0 - WINDOW + 1) // BLOCK_N * BLOCK_N
+        m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
+        t = tl.arange(0, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + t
+            kmask = pos < end
+            blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0)
+            off = blk.to(tl.int64)[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks \
+                + kvh * stride_kh + d[None, :]
+            kv_mask = kmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
+            if WINDOW > 0:
+                seen = seen & (pos[None, :] > qpos[:, None] - WINDOW)
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m - m_use)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot
+                 + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+def prefill_blocks(head_dim: int, group: int) -> tuple[int, int, int]:
+    """(query positions per program, keys per tile, warps): about 64-128 query rows (positions
+    x the KV head's query heads) per program, fewer keys per tile for wide heads."""
+    group_pad = triton.next_power_of_2(group)
+    rows = 128 if head_dim <= 128 else 64
+    block_n = 64 if head_dim <= 128 else 32
+    return max(1, rows // group_pad), block_n, 4 if head_dim <= 64 else 8
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over their sequences' paged keys (prefix and the
+    chunk itself, already stored): prefill, chunked prefill and mixed steps alike.
+
+    q: [T, Hq, D], the sequences' queries back to back, then padding rows (written as zeros);
+    query_start: [B + 1] int32, sequence b's queries are rows query_start[b]..[b+1] and sit at
+    the last positions of its seq_lens[b] keys; padding sequences are empty. Every bound is
+    read on the device, so the launch depends only on T and B: a captured graph serves every
+    composition of its bucket. window > 0: each query sees only its last `window` keys.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if k_cache.stride(1) != num_kv_heads * head_dim or k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V caches must be contiguous and alike")
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        out.zero_()
+    block_q, block_n, warps = prefill_blocks(head_dim, group)
+    num_seqs = block_tables.shape[0]
+    # each sequence's query blocks start at a block of their own: at most T / BLOCK_Q + B
+    programs = num_tokens // block_q + min(num_seqs, num_tokens)
+    _prefill_kernel[(programs, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, num_seqs,
+        scale * 1.4426950408889634,  # exp2: scores in log2 units
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BS=block_size, BLOCK_N=block_n, WINDOW=window,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=2,
+    )
+    return out

@@ -137,12 +137,12 @@ def ckpt(gpu_llama):
     return gpu_llama
 
 
-def worker(ckpt, mode: str, dtype: str) -> Worker:
+def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise") -> Worker:
     cfg = ServeConfig(
         model=str(ckpt), device="cuda", dtype=dtype, cache=CacheConfig(block_size=16,
                                                                         num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128),
-        graph=GraphConfig(mode=mode),
+        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
     )
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
@@ -163,9 +163,11 @@ def random_plan(rng: random.Random, decode: bool) -> StepPlan:
     return StepPlan(0, seqs)
 
 
-@pytest.mark.parametrize("decode", [True, False])
-def test_graph_replay_equals_eager(ckpt, decode):
-    g, e = worker(ckpt, "graph", "bfloat16"), worker(ckpt, "eager", "bfloat16")
+@pytest.mark.parametrize("decode,prefill_graph", [(True, "piecewise"), (False, "piecewise"),
+                                                  (False, "full")])
+def test_graph_replay_equals_eager(ckpt, decode, prefill_graph):
+    g = worker(ckpt, "graph", "bfloat16", prefill_graph)
+    e = worker(ckpt, "eager", "bfloat16")
     rng = random.Random(int(decode))
     for trial in range(6):
         plan = random_plan(rng, decode)
@@ -176,12 +178,18 @@ def test_graph_replay_equals_eager(ckpt, decode):
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
 
 
-def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt):
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 150))] for _ in range(20)]
+@pytest.mark.parametrize("prefill_graph,longest", [("piecewise", 150), ("full", 150),
+                                                   ("full", 480), ("piecewise", 480)])
+def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt, prefill_graph, longest):
+    """Prompts up to `longest` tokens (the model's context is 512) in 128-token chunks:
+    prefill, chunked prefill, mixed and decode steps through the served loop's logic."""
+    rng = random.Random(7 + longest)
+    count = 20 if longest <= 150 else 8
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, longest))]
+               for _ in range(count)]
     outs = []
     for mode in ("graph", "eager"):
-        w = worker(ckpt, mode, "float32")
+        w = worker(ckpt, mode, "float32", prefill_graph)
         sched = Scheduler(BlockPool(256, 16), 32, 128, 512)
         seqs = [Sequence(i, p, SamplingParams(max_tokens=24, ignore_eos=True))
                 for i, p in enumerate(prompts)]

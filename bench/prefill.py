@@ -1,0 +1,190 @@
+"""Prefill steps on one GPU: no per-shape planning, the GEMM floor, piecewise vs full graphs.
+
+    python -m bench.prefill [--preset llama-1b] [--steps 50] [--modes piecewise full]
+
+Per prefill-graph mode, in one run (a Worker in this process, the whole prefill schedule up
+to 2048 tokens captured first; capture seconds, graph memory and launches reported):
+- `--steps` prefill steps of random compositions, each new: the total drawn uniformly inside
+  one of the buckets 64/256/512/1024/2048 (so each bucket gets several steps), split over
+  1-64 sequences with random cached prefixes (0-1024 tokens). Every step is timed from the
+  plan to the logits on the host, its first and only run; reported: each step over the
+  median step of its bucket (the first-shape spike the cuDNN path had: 51-63 ms against
+  ~10 ms, bench/RESULTS.md).
+- 2048-token steps (1 x 2048, 16 x 128, 64 x 32) against the GEMM floor:
+  2 x parameters x tokens / the bf16 matmul rate of an 8192^3 torch.mm measured here.
+Also, per layer, the attention op alone on the issue's compositions: the torch reference
+(first call, then warm) against the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from bench.checkpoints import make_random_checkpoint
+from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.graph.inputs import prepare_batch
+from raygraph.protocol import SeqChunk, StepPlan
+from raygraph.worker.worker import Worker
+
+BS = 16
+BUCKETS = (64, 256, 512, 1024, 2048)
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """Dense bf16 FLOP/s of one large torch.mm (cuBLAS): the floor's denominator."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * n**3 / (time.perf_counter() - t0)
+
+
+def plan_of(lens: list[tuple[int, int]], rng: random.Random, blocks: int) -> StepPlan:
+    """(cached prefix, new tokens) per sequence, on disjoint random blocks."""
+    free = rng.sample(range(blocks), blocks)
+    seqs = []
+    for i, (ctx, n) in enumerate(lens):
+        nb = -(-(ctx + n) // BS)
+        table, free = free[:nb], free[nb:]
+        seqs.append(SeqChunk(i, [rng.randrange(3, 32000) for _ in range(n)], ctx, table, True))
+    return StepPlan(0, seqs)
+
+
+def random_lens(rng: random.Random) -> list[tuple[int, int]]:
+    """A composition whose total falls inside one of BUCKETS (above the bucket below it)."""
+    i = rng.randrange(len(BUCKETS))
+    total = rng.randrange((BUCKETS[i - 1] if i else 8) + 1, BUCKETS[i] + 1)
+    num = rng.randrange(1, min(64, total) + 1)
+    cuts = sorted(rng.sample(range(1, total), num - 1))
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+    return [(rng.randrange(0, 1025), n) for n in sizes]
+
+
+def timed_step(worker: Worker, plan: StepPlan) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    worker.executor.logits(plan).cpu()
+    return time.perf_counter() - t0
+
+
+def _ms(fn, *args) -> list[float]:
+    """Three calls, each synchronised: the first pays any per-shape planning."""
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def attention_ops(worker: Worker, blocks: int) -> list[dict]:
+    """One layer's attention on the issue's compositions: reference first/warm vs kernel."""
+    from raygraph.model.ops import paged_attention_ref
+    from raygraph.model.triton_attention import paged_prefill_attention
+
+    layer = worker.model.attention_layers()[0]
+    rows, rng = [], random.Random(1)
+    for num, n in ((16, 128), (64, 32), (4, 512), (1, 2048)):
+        md = prepare_batch(plan_of([(0, n)] * num, rng, blocks), BS,
+                           torch.device("cuda")).ctx.attn
+        q = torch.randn(num * n, layer.num_heads, layer.head_dim, device="cuda",
+                        dtype=layer.k_cache.dtype)
+
+        ref = _ms(paged_attention_ref, q, layer.k_cache, layer.v_cache, md, layer.scale)
+        ker = _ms(paged_prefill_attention, q, layer.k_cache, layer.v_cache, md.block_tables,
+                  md.seq_lens, md.query_start, layer.scale)
+        rows.append({"composition": f"{num}x{n}", "ref_first_ms": round(ref[0], 3),
+                     "ref_warm_ms": round(ref[-1], 3), "kernel_first_ms": round(ker[0], 3),
+                     "kernel_warm_ms": round(ker[-1], 3)})
+    return rows
+
+
+def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
+    cfg = ServeConfig(
+        model=model, device="cuda", cache=CacheConfig(block_size=BS, num_blocks=a.blocks),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+        graph=GraphConfig(decode_sizes=[1], max_prefill=2048, prefill_graph=mode),
+    ).resolved(1)
+    worker = Worker(cfg, 0)
+    worker.load(("127.0.0.1", 0))
+    worker.allocate_kv_cache(a.blocks)
+    t0 = time.perf_counter()
+    records = [r for r in worker.capture_all() if r.key.phase == "prefill"]
+    capture_s = time.perf_counter() - t0
+    stats = worker.executor.pool_stats()
+    params = sum(p.numel() for p in worker.model.parameters())
+    rng = random.Random(a.seed)
+    # warm the Triton kernels and the allocator on one step outside the measured ones
+    timed_step(worker, plan_of([(0, 100)], rng, a.blocks))
+    steps = []
+    for _ in range(a.steps):
+        plan = plan_of(random_lens(rng), rng, a.blocks)
+        key = worker.executor.key_for(worker.executor.inputs(plan))
+        steps.append((key.num_tokens, len(plan.seqs), timed_step(worker, plan)))
+    by_bucket: dict[int, list[float]] = {}
+    for b, _, s in steps:
+        by_bucket.setdefault(b, []).append(s)
+    medians = {b: statistics.median(v) for b, v in by_bucket.items()}
+    worst = max(steps, key=lambda x: x[2] / medians[x[0]])
+    full_steps = {}
+    for num, n in ((1, 2048), (16, 128), (64, 32)):
+        times = [timed_step(worker, plan_of([(0, n)] * num, rng, a.blocks)) for _ in range(6)]
+        full_steps[f"{num}x{n}"] = round(1e3 * statistics.median(times[1:]), 3)
+    floor_ms = 1e3 * 2 * params * 2048 / rate
+    key2048 = next(r for r in records if r.key.num_tokens == 2048)
+    layers = len(worker.model.attention_layers())
+    # host launches per replayed step: graph replays, plus per layer (piecewise) the eager
+    # zero of the shared output, the K/V store and the attention kernel
+    launches = key2048.pieces + (3 * layers if mode == "piecewise" else 0)
+    out = {
+        "prefill_graph": mode, "buckets": len(records), "capture_s": round(capture_s, 2),
+        "prefill_capture_s_sum": round(sum(r.seconds for r in records), 2),
+        "graph_pool_mib": round(stats.held_bytes / 2**20, 1) if stats else None,
+        "launches_per_step_2048": launches, "graph_nodes_2048": key2048.nodes,
+        "random_steps": len(steps),
+        "per_bucket_median_ms": {b: round(1e3 * m, 3) for b, m in sorted(medians.items())},
+        "per_bucket_steps": {b: len(v) for b, v in sorted(by_bucket.items())},
+        "max_step_over_bucket_median": round(worst[2] / medians[worst[0]], 3),
+        "worst_step": {"bucket": worst[0], "seqs": worst[1], "ms": round(1e3 * worst[2], 3)},
+        "step_2048_ms": full_steps, "params": params,
+        "matmul_tflops": round(rate / 1e12, 1), "gemm_floor_2048_ms": round(floor_ms, 3),
+        "step_2048_over_floor": {k: round(v / floor_ms, 3) for k, v in full_steps.items()},
+    }
+    if a.ops and mode == a.modes[0]:
+        out["attention_op_per_layer"] = attention_ops(worker, a.blocks)
+    worker.shutdown()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--blocks", type=int, default=12288)
+    p.add_argument("--modes", nargs="+", default=["piecewise", "full"])
+    p.add_argument("--no-ops", dest="ops", action="store_false",
+                   help="skip the attention-op comparison with the torch reference")
+    a = p.parse_args()
+    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    rate = matmul_rate()
+    for mode in a.modes:
+        print(json.dumps({"preset": a.preset, **run_mode(model, mode, a, rate),
+                          "device": torch.cuda.get_device_name()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
