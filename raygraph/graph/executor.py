@@ -322,7 +322,7 @@ class GraphExecutor(Executor):
         return held
 
     def wake_up(self) -> int:
-        if self.pool is None:
+        if self.pool is None or not self.pool.asleep:
             return 0
         self.pool.wake_up()
         return self.pool.held_bytes()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from raygraph.memory.vmm import VmmStats
+
 
 class GraphPoolStats(msgspec.Struct, frozen=True):
     """held_bytes: device memory the captured graphs hold (VMM: physical chunks).
@@ -28,3 +30,22 @@ class MemoryStats(msgspec.Struct, frozen=True):
     kv_cache_bytes: int
     input_buffer_bytes: int  # the persistent buffers all graphs read (one set, max shape)
     graph: GraphPoolStats | None  # None: nothing captured on this device (eager, CPU)
+    sleep_level: int = 0  # 0 awake; 1: graph pool and KV cache released; 2: weights too
+    kv_cache_vmm: VmmStats | None = None  # the KV cache's arena (None: not on VMM memory)
+    weight_vmm: VmmStats | None = None  # the weights' arena (None: offloaded, or no VMM)
+
+
+class SleepStats(msgspec.Struct, frozen=True):
+    """What one rank released (sleep) or mapped again (wake_up), in bytes, and how long it
+    took there."""
+
+    rank: int
+    level: int
+    graph_bytes: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    seconds: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.graph_bytes + self.kv_cache_bytes + self.weight_bytes

@@ -59,8 +59,9 @@ class VmmBackend(ABC):
     def unmap(self, addr: int, size: int) -> None: ...
 
     @abstractmethod
-    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor over [addr, addr + nbytes); valid only while that memory is mapped."""
+    def tensor(self, addr: int, nbytes: int, owner: object = None) -> torch.Tensor:
+        """A uint8 tensor over [addr, addr + nbytes); valid only while that memory is mapped.
+        The tensor (and every view of it) keeps `owner` alive."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -139,8 +140,10 @@ class MemfdBackend(VmmBackend):
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
         self._mmap(addr, size, _PROT_NONE, flags, -1, 0)
 
-    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    def tensor(self, addr: int, nbytes: int, owner: object = None) -> torch.Tensor:
+        buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+        buf._owner = owner  # torch keeps the buffer object alive, and with it the owner
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -151,7 +154,8 @@ class MemfdBackend(VmmBackend):
 class _CudaArray:
     """Exposes [addr, addr + nbytes) as a uint8 device array for torch.as_tensor."""
 
-    def __init__(self, addr: int, nbytes: int) -> None:
+    def __init__(self, addr: int, nbytes: int, owner: object = None) -> None:
+        self.owner = owner  # torch keeps this object alive as long as the tensor
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -226,8 +230,8 @@ class CudaBackend(VmmBackend):
     def unmap(self, addr: int, size: int) -> None:
         self._check("cuMemUnmap", self._d.cuMemUnmap(self._ptr(addr), size))
 
-    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        return torch.as_tensor(_CudaArray(addr, nbytes), device=f"cuda:{self.device}")
+    def tensor(self, addr: int, nbytes: int, owner: object = None) -> torch.Tensor:
+        return torch.as_tensor(_CudaArray(addr, nbytes, owner), device=f"cuda:{self.device}")
 
 
 class _Space:

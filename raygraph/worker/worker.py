@@ -23,7 +23,7 @@ from raygraph import setup_logging
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, Executor, KeyMismatch, make_executor
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
-from raygraph.memory.stats import MemoryStats
+from raygraph.memory.stats import MemoryStats, SleepStats
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
 from raygraph.protocol import (
@@ -45,6 +45,7 @@ from raygraph.worker.sampler import (
     unpack_logprobs,
 )
 from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
+from raygraph.worker.sleep import SleepMemory
 from raygraph.worker.state import SeqTable, StateError
 
 log = logging.getLogger("raygraph.worker")
@@ -129,6 +130,7 @@ class Worker:
         self.graph_measured = 0  # what the largest buckets took when the budget was measured
         self.kv_cache_bytes = 0
         self.weight_bytes = 0  # set by load()
+        self.sleep_memory = SleepMemory(rank, self.device)  # weights and KV cache on VMM
         self.state = SeqTable()
         self._pending: _Pending | None = None
         self._last_ready: torch.cuda.Event | None = None
@@ -164,6 +166,7 @@ class Worker:
         if self.cfg.offload.budget_bytes is None:
             self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm,
                                      progress)
+            self.sleep_memory.take_weights(self.model)  # level-2 sleep can release them
         else:  # weights stay in host memory; the engine moves the rest to the device
             self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"),
                                      ep_comm, progress)
@@ -207,18 +210,29 @@ class Worker:
         """Bytes copied per step, achieved H2D GB/s, stall time, hit rate (None: no offload)."""
         return self.offload.stats() if self.offload is not None else None
 
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` usable blocks plus one scratch block for padding writes."""
+    def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """`num_blocks` usable blocks plus one scratch block for padding writes."""
         m = self.model_cfg
-        shape = (num_blocks + 1, self.cfg.cache.block_size,
-                 m.kv_heads_per_rank(self.cfg.parallel.tp), m.head_dim)
+        return (num_blocks + 1, self.cfg.cache.block_size,
+                m.kv_heads_per_rank(self.cfg.parallel.tp), m.head_dim)
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        """A throwaway cache (sizing, offload's order recording): plain device memory."""
+        shape = self._kv_shape(num_blocks)
         for layer in self.model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
-        """Bind the KV cache and build the executor over it (graphs capture its addresses)."""
-        self._bind_kv_cache(num_blocks)
+        """Bind the KV cache and build the executor over it (graphs capture its addresses).
+        The cache lives in a VMM arena, so sleep can release it and wake map it back there."""
+        layers = self.model.attention_layers()
+        pairs = self.sleep_memory.kv_cache(self._kv_shape(num_blocks), self.dtype, len(layers))
+        if pairs is None:
+            self._bind_kv_cache(num_blocks)
+        else:
+            for layer, (k, v) in zip(layers, pairs):
+                layer.k_cache, layer.v_cache = k, v
         self.executor = self._make_executor(self.graph_budget)
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
         return self.kv_cache_bytes
@@ -243,15 +257,17 @@ class Worker:
             kv_cache_bytes=self.kv_cache_bytes,
             input_buffer_bytes=ex.input_buffer_bytes,
             graph=ex.pool_stats(),
+            **self.sleep_memory.stats(),
         )
 
-    def sleep(self) -> None:
-        """Release the graph pool's physical memory; graphs stay captured (VMM pool)."""
-        self.executor.sleep()
+    def sleep(self, level: int = 1) -> SleepStats:
+        """Release the graph pool and the KV cache (level 1), and the weights (level 2, kept
+        in host memory); graphs stay captured. No step may be in flight or sent until wake."""
+        return self.sleep_memory.sleep(level, self.executor)
 
-    def wake_up(self) -> None:
-        """Map fresh physical memory under the graphs: they replay with no recapture."""
-        self.executor.wake_up()
+    def wake_up(self) -> SleepStats:
+        """Map fresh physical memory at the same addresses: graphs replay, no recapture."""
+        return self.sleep_memory.wake_up(self.executor)
 
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule alone, for in-process use (benchmarks, one GPU).
@@ -262,12 +278,14 @@ class Worker:
         """The barrier before a lockstep capture: refuse a key outside this rank's own
         schedule before any collective is issued, so a disagreement is an error, not a hang."""
         self._maybe_fault("prepare", key)
+        self.sleep_memory.check_awake()
         if not self.executor.allows(key):
             raise KeyMismatch(f"rank {self.rank}: {key} is not in this rank's capture schedule")
 
     def capture(self, key: BucketKey) -> CaptureRecord:
         """Capture one key; every rank of the group is capturing the same key right now."""
         self._maybe_fault("capture", key)
+        self.sleep_memory.check_awake()
         return self.executor.capture(key)
 
     def inject_fault(self, kind: str, phase: str = "capture", key: BucketKey | None = None) -> None:
@@ -305,6 +323,7 @@ class Worker:
         next step's fed tokens read. Every TP rank samples: their logits are bitwise equal
         and their generators advance alike, so they draw the same tokens. The sampling rank
         also computes logprobs when a row asked (None otherwise: no work at all)."""
+        self.sleep_memory.check_awake()
         try:
             logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
@@ -409,6 +428,7 @@ class Worker:
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
+        self.sleep_memory.check_awake()
         return self.executor.logits(plan).cpu()
 
     def time_steps(self, plans: list[StepPlan]) -> list[float]:

@@ -1,0 +1,143 @@
+"""Tensors over one VMM range that can give their physical memory back and get it again at
+the same virtual addresses.
+
+Captured graphs hold the addresses of the weights and of the KV cache, so sleep cannot free
+those tensors and reallocate them: it unmaps the physical chunks under a reserved range and
+wake maps fresh ones at the same place. One arena is a VmmPool with a single space (the
+bookkeeping, sleep and wake are the pool's); it adds typed tensor views and what happens to
+the bytes: an arena that `keeps` its contents copies them to host memory at sleep and back at
+wake (weights), one that does not comes back zero-filled (KV cache: requests were drained).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from raygraph.memory.vmm import ALIGN, CudaBackend, MemfdBackend, VmmBackend, VmmPool, VmmStats
+
+MAX_CHUNK = 1 << 30  # few large chunks: wake costs one create + map per chunk
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def tensor_bytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    """What a tensor takes in an arena, alignment included."""
+    n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return _round_up(max(n, 1), ALIGN)
+
+
+def vmm_backend(device: torch.device) -> VmmBackend | None:
+    """The device's VMM backend (CUDA driver VMM, or a memfd on Linux CPUs); None: none."""
+    if device.type == "cuda":
+        return CudaBackend(device.index or 0)
+    return MemfdBackend() if sys.platform.startswith("linux") else None
+
+
+class VmmArena:
+    """A bump allocator of tensors in one virtual range; sleep() returns its physical memory.
+
+    Every tensor it hands out keeps the arena alive; the last one gone, the arena gives its
+    range and chunks back (so no tensor can outlive the memory under it).
+    """
+
+    def __init__(self, backend: VmmBackend, nbytes: int, keep: bool) -> None:
+        gran = backend.granularity()
+        chunk = _round_up(min(max(nbytes, 1), MAX_CHUNK), gran)
+        self.pool = VmmPool(backend, chunk, _round_up(max(nbytes, 1), chunk))
+        self.base = self.pool.new_space()
+        self.keep = keep
+        self.host: torch.Tensor | None = None  # the kept bytes, once a sleep copied them
+        self.cuda = isinstance(backend, CudaBackend)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.pool.stats().space_peak_bytes[0]
+
+    @property
+    def asleep(self) -> bool:
+        return self.pool.asleep
+
+    def tensor(self, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor of `shape` in the arena (contents: whatever the chunk holds)."""
+        shape = torch.Size(shape)
+        nbytes = shape.numel() * torch.empty(0, dtype=dtype).element_size()
+        addr = self.pool.alloc(max(nbytes, 1))
+        raw = self.pool.backend.tensor(addr, max(nbytes, 1), owner=self)
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def _bytes(self) -> torch.Tensor:
+        return self.pool.tensor(self.base, self.used_bytes)  # [used] uint8: every tensor
+
+    def stats(self) -> VmmStats:
+        return self.pool.stats()
+
+    def sleep(self) -> int:
+        """Unmap and release the physical chunks (the kept bytes go to host memory first:
+        weights never change, so one copy serves every later sleep). Returns bytes released."""
+        held = self.stats().physical_bytes
+        if self.keep and self.host is None and self.used_bytes:
+            self.host = torch.empty(self.used_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self.host.copy_(self._bytes())
+        if self.cuda:
+            torch.cuda.synchronize()  # no kernel may still touch the range
+        self.pool.sleep()
+        return held
+
+    def wake_up(self) -> int:
+        """Fresh chunks at the same addresses, with the kept bytes or zeros. Returns bytes
+        mapped."""
+        self.pool.wake_up()
+        if self.used_bytes:
+            if self.host is not None:
+                self._bytes().copy_(self.host, non_blocking=True)
+            else:
+                self._bytes().zero_()
+            if self.cuda:
+                torch.cuda.synchronize()
+        return self.stats().physical_bytes
+
+    def __del__(self) -> None:
+        if getattr(self, "pool", None) is None or self.pool._released:
+            return
+        try:
+            self.pool.release()
+            self.pool.backend.close()
+        except Exception:  # noqa: BLE001 - interpreter exit: the driver may be gone already
+            pass
+
+
+def kv_arena(backend: VmmBackend, shape: tuple[int, ...], dtype: torch.dtype,
+             layers: int) -> tuple[VmmArena, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One (k_cache, v_cache) pair per layer, zero-filled, in an arena that drops them
+    at sleep."""
+    arena = VmmArena(backend, 2 * layers * tensor_bytes(shape, dtype), keep=False)
+    pairs = [(arena.tensor(shape, dtype), arena.tensor(shape, dtype)) for _ in range(layers)]
+    arena._bytes().zero_()
+    return arena, pairs
+
+
+def move_parameters(model: nn.Module, backend: VmmBackend) -> VmmArena:
+    """Re-home every parameter (tied ones once) in an arena that keeps its contents, before
+    anything captures their addresses. The old storage goes as each is moved (on a GPU the
+    caching allocator's segments are emptied as the arena maps new chunks), so the peak is
+    the weights plus about one chunk."""
+    params = list(model.parameters())
+    arena = VmmArena(backend, sum(tensor_bytes(p.shape, p.dtype) for p in params), keep=True)
+    chunks = 0
+    for p in params:
+        t = arena.tensor(p.shape, p.dtype)
+        t.copy_(p.data)
+        p.data = t
+        if arena.cuda and arena.stats().chunks != chunks:
+            chunks = arena.stats().chunks
+            torch.cuda.empty_cache()
+    if arena.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return arena

@@ -1,0 +1,99 @@
+"""What a worker releases when it sleeps, and maps again when it wakes.
+
+Level 1: the executor's graph pool and the KV cache (its contents are dropped: the
+coordinator drained the requests first). Level 2: the weights too (kept in host memory).
+Both live in VMM arenas (memory/arena.py), so wake maps memory at the same addresses the
+captured graphs hold: no recapture. The eager executor sleeps too; it has no graph pool.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from raygraph.graph.executor import Executor
+from raygraph.memory.arena import VmmArena, kv_arena, move_parameters, vmm_backend
+from raygraph.memory.stats import SleepStats
+from raygraph.worker.state import StateError
+
+
+class SleepMemory:
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.device = device
+        self.weights: VmmArena | None = None  # None: offloaded weights (or no VMM backend)
+        self.kv: VmmArena | None = None
+        self.level = 0  # 0 awake
+
+    def take_weights(self, model: nn.Module) -> None:
+        """Move the model's parameters into an arena (before any capture)."""
+        backend = vmm_backend(self.device)
+        if backend is not None:
+            self.weights = move_parameters(model, backend)
+
+    def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Zeroed (k_cache, v_cache) per layer in an arena (None: no VMM backend here)."""
+        backend = vmm_backend(self.device)
+        if backend is None:
+            return None
+        self.kv, pairs = kv_arena(backend, shape, dtype, layers)
+        return pairs
+
+    def check_awake(self) -> None:
+        """Nothing may touch the released memory: a step there would fault the device."""
+        if self.level:
+            raise StateError(f"rank {self.rank}: asleep (level {self.level}); wake_up() first")
+
+    def sleep(self, level: int, executor: Executor) -> SleepStats:
+        """Release this rank's memory at `level`; refuses before releasing anything."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self.check_awake()
+        if self.kv is None:
+            raise RuntimeError(f"rank {self.rank}: the KV cache is not on VMM memory "
+                               f"({self.device}); sleep needs CUDA or a Linux memfd")
+        if level == 2 and self.weights is None:
+            raise RuntimeError(f"rank {self.rank}: sleep level 2 needs the weights on VMM "
+                               "memory; with weight offload (offload.budget_bytes) the "
+                               "offload engine owns them: use level 1")
+        t0 = self._sync()
+        try:
+            graph = executor.sleep()  # first: a pool that cannot sleep refuses here
+            kv = self.kv.sleep()
+            weights = self.weights.sleep() if level == 2 else 0
+        except BaseException:
+            self.level = level
+            self.wake_up(executor)  # what was released comes back; the rank serves on
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what eager steps left cached goes back too
+        self.level = level
+        return SleepStats(self.rank, level, graph, kv, weights, time.perf_counter() - t0)
+
+    def wake_up(self, executor: Executor) -> SleepStats:
+        """Map whatever sleeps again, at the same addresses; an awake rank does nothing.
+        After a failure (no device memory) it may be called again."""
+        t0 = time.perf_counter()
+        level = self.level
+        if not level:
+            return SleepStats(self.rank, 0, 0, 0, 0, 0.0)
+        weights = self.weights.wake_up() if self.weights and self.weights.asleep else 0
+        kv = self.kv.wake_up() if self.kv.asleep else 0
+        graph = executor.wake_up()
+        self._sync()
+        self.level = 0
+        return SleepStats(self.rank, level, graph, kv, weights, time.perf_counter() - t0)
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def stats(self) -> dict:
+        """MemoryStats fields: the level and both arenas' figures."""
+        return {"sleep_level": self.level,
+                "kv_cache_vmm": self.kv.stats() if self.kv is not None else None,
+                "weight_vmm": self.weights.stats() if self.weights is not None else None}
