@@ -1,5 +1,5 @@
-"""`raygraph demo | serve | generate | check-capture | stop`: one line per error, exit 2 for
-bad input and 1 for a runtime failure (`--verbose` shows the traceback)."""
+"""`raygraph demo | serve | generate | check-capture | stop | sleep | wake`: one line per
+error, exit 2 for bad input and 1 for a runtime failure (`--verbose` shows the traceback)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from raygraph.cluster.connect import (
     get_coordinator,
     start_coordinator,
 )
-from raygraph.cluster.requests import BadRequest
+from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.config import (
     CacheConfig,
     ConfigError,
@@ -234,6 +234,34 @@ def cmd_stop(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sleep(a: argparse.Namespace) -> int:
+    import ray
+
+    connect(a.address or "auto", log_to_driver=False)
+    out = ray.get(get_coordinator().sleep.remote(a.level, not a.no_wait))
+    if out.get("already_asleep"):
+        print(f"already asleep at level {out['level']}")
+    else:
+        print(f"asleep at level {out['level']}: released {max(out['bytes']) / 2**20:.1f} MiB "
+              f"per rank on {len(out['bytes'])} rank(s) in {out['seconds']:.3f}s; wake: "
+              "raygraph wake")
+    return 0
+
+
+def cmd_wake(a: argparse.Namespace) -> int:
+    import ray
+
+    connect(a.address or "auto", log_to_driver=False)
+    out = ray.get(get_coordinator().wake_up.remote())
+    if "bytes" not in out:
+        print("cancelled the sleep in progress" if out.get("cancelled_sleep")
+              else "already awake")
+    else:
+        print(f"awake: mapped {max(out['bytes']) / 2**20:.1f} MiB per rank again on "
+              f"{len(out['bytes'])} rank(s) in {out['seconds']:.3f}s")
+    return 0
+
+
 def cmd_submit(a: argparse.Namespace) -> int:
     """`ray job submit` of deploy/job.py. Ray's job CLI sends the auth token only when
     RAY_AUTH_MODE=token; set it when this machine holds a token (a cluster without auth
@@ -269,7 +297,7 @@ def explain(err: BaseException) -> tuple[int, str]:
         causes = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
         return 1, causes[-1] if causes else lines[0]
     code = 2 if isinstance(err, BAD_INPUT) else 1
-    if isinstance(err, (ConfigError, ClusterError, BadRequest)) or code == 2:
+    if isinstance(err, (ConfigError, ClusterError, BadRequest, Busy, Asleep)) or code == 2:
         return code, first_line(err)
     return code, f"{type(err).__name__}: {first_line(err)}"
 
@@ -325,9 +353,21 @@ def main(argv: list[str] | None = None) -> int:
     stop = sub.add_parser("stop", help="shut the named coordinator down")
     stop.add_argument("--address", default=None,
                       help="the Ray address `raygraph serve` printed (default: auto)")
+    nap = sub.add_parser("sleep", help="release the workers' memory (graphs stay captured)")
+    nap.add_argument("--level", type=int, choices=[1, 2], default=1,
+                     help="1: graph pool and KV cache; 2: the weights too, to host memory "
+                          "(default: 1)")
+    nap.add_argument("--no-wait", action="store_true",
+                     help="refuse if requests are in flight instead of letting them finish")
+    nap.add_argument("--address", default=None,
+                     help="the Ray address `raygraph serve` printed (default: auto)")
+    wake = sub.add_parser("wake", help="map the workers' memory back and serve again")
+    wake.add_argument("--address", default=None,
+                      help="the Ray address `raygraph serve` printed (default: auto)")
     a = parser.parse_args(argv)
     handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate,
-                "check-capture": cmd_check_capture, "submit": cmd_submit, "stop": cmd_stop}
+                "check-capture": cmd_check_capture, "submit": cmd_submit, "stop": cmd_stop,
+                "sleep": cmd_sleep, "wake": cmd_wake}
     try:
         return handlers[a.cmd](a)
     except KeyboardInterrupt:

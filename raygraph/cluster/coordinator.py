@@ -35,7 +35,9 @@ from raygraph.cluster.lockstep import (
     remote_call_all,
 )
 from raygraph.cluster.requests import (
+    Asleep,
     BadRequest,
+    Busy,
     Request,
     RequestTable,
     WorkerFailure,
@@ -45,6 +47,7 @@ from raygraph.cluster.requests import (
     split_prompts,
 )
 from raygraph.cluster.scheduler import Scheduler, Sequence
+from raygraph.cluster.sleep import SleepControl
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
@@ -75,6 +78,8 @@ class Coordinator:
         self.core: EngineCore | None = None
         self.group: WorkerGroup | None = None
         self.clients = RequestTable(self.tokenizer, self._finish_on_stop_string)
+        self.sleeper = SleepControl(lambda: len(self.clients.requests), self._on_step_thread,
+                                    self._call, offload=cfg.offload.budget_bytes is not None)
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
@@ -254,6 +259,7 @@ class Coordinator:
             if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
             "kv_utilization": max((s.pool.utilization for s in ss), default=0.0),
+            "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
             # counters for /metrics (cumulative; every HTTP replica reads the same)
             "prompt_tokens": self.clients.prompt_tokens,
             "generation_tokens": self.clients.generation_tokens,
@@ -283,6 +289,26 @@ class Coordinator:
             else:
                 ray.get(self.workers[rank].inject_fault.remote(kind, phase, key))
         await self._on_step_thread(arm)
+
+    # ---- sleep and wake (cluster/sleep.py) -----------------------------------------------
+    async def sleep(self, level: int = 1, wait: bool = True) -> dict:
+        """Stop admitting requests, let those in flight finish (wait=False: Busy if any),
+        then every worker releases its memory: level 1 the graph pool and KV cache, level 2
+        the weights too. Returns bytes released per rank and seconds."""
+        if not self.healthy:
+            raise WorkerFailure(f"coordinator is not serving: {self.unhealthy_reason}")
+        return await self.sleeper.sleep(level, wait)
+
+    async def wake_up(self) -> dict:
+        """Map the workers' memory back at the same addresses (no recapture) and serve."""
+        return await self.sleeper.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.sleeper.asleep
+
+    def sleep_level(self) -> int:
+        """0 awake, else the level the workers sleep at."""
+        return self.sleeper.level
 
     # ---- client API -------------------------------------------------------------------
     async def generate(self, prompts: Any, params: Any = None) -> list[GenerateResult]:
@@ -321,6 +347,7 @@ class Coordinator:
         if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
             raise WorkerFailure(f"coordinator is not serving: {reason}")
+        self.sleeper.check_admit()  # Asleep: refused, nothing queued, nothing restarted
         sp = parse_params(params)
         items = [prompts] if stream else split_prompts(prompts)
         m = self.model_cfg
@@ -366,7 +393,7 @@ class Coordinator:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return self.healthy and self.core is not None
+                return self.healthy and self.core is not None and not self.sleeper.asleep
             kind = item[0]
             if kind == "add":
                 if not self.healthy or self.core is None:
@@ -524,4 +551,4 @@ class Coordinator:
         return list(self.workers)
 
 
-__all__ = ["BadRequest", "Coordinator", "WorkerFailure"]
+__all__ = ["Asleep", "BadRequest", "Busy", "Coordinator", "WorkerFailure"]

@@ -38,6 +38,14 @@ class WorkerFailure(RuntimeError):
     """A worker died or failed a step; the requests in flight were failed with this."""
 
 
+class Asleep(RuntimeError):
+    """The workers sleep (or are about to): nothing was scheduled; wake them up first."""
+
+
+class Busy(RuntimeError):
+    """Requests are in flight and the caller asked not to wait for them (sleep)."""
+
+
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
     path = Path(model_dir) / "tokenizer.json"
     return Tokenizer.from_file(str(path)) if path.is_file() else None
