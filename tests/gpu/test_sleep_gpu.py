@@ -1,0 +1,123 @@
+"""GPU: sleep releases the graph pool and the KV cache (level 1) and the weights too (level
+2), as device free memory shows; wake maps them at the same addresses, fast, and greedy
+tokens after wake equal those before, with no recapture."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import pytest
+import torch
+
+from bench.sleep import greedy_tokens
+from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.worker.worker import Worker
+from tests.conftest import make_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+BLOCKS = 8192  # 32 KiB a block: a 256 MiB KV cache
+PROMPTS = [[1, 17, 300, 4000, 52], [1, 9, 9, 9], [1, 2000, 3000, 100, 7, 8, 5]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """~20M parameters (40 MiB in bf16): weights big enough to show in mem_get_info."""
+    return make_checkpoint(tmp_path_factory.mktemp("sleep-llama"), "LlamaForCausalLM",
+                           vocab_size=4096, hidden_size=512, intermediate_size=2048,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+
+
+def make_worker(ckpt, mode: str = "graph") -> Worker:
+    cfg = ServeConfig(
+        model=str(ckpt), device="cuda", dtype="bfloat16",
+        cache=CacheConfig(block_size=16, num_blocks=BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256,
+                                  max_model_len=512),
+        graph=GraphConfig(mode=mode, pool="vmm"),
+    )
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(BLOCKS)
+    w.capture_all()
+    return w
+
+
+@pytest.fixture(scope="module")
+def worker(ckpt):
+    w = make_worker(ckpt)
+    yield w
+    w.shutdown()
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def addresses(w: Worker) -> list[int]:
+    layers = w.model.attention_layers()
+    return ([t.data_ptr() for layer in layers for t in (layer.k_cache, layer.v_cache)]
+            + [p.data_ptr() for p in w.model.parameters()])
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_device_memory_and_wake_serves_the_same_tokens(worker, level):
+    w = worker
+    before = greedy_tokens(w, PROMPTS, 16)
+    graphs, ptrs = dict(w.executor.graphs), addresses(w)
+    assert graphs, "the schedule was captured"
+    graph_held = w.executor.pool.held_bytes()
+    m = w.memory_stats()
+    kv_held, weights_held = m.kv_cache_vmm.physical_bytes, m.weight_vmm.physical_bytes
+    assert graph_held > 0 and kv_held >= w.kv_cache_bytes >= 200 * MiB
+    assert weights_held >= w.weight_bytes >= 30 * MiB
+    expected = graph_held + kv_held + (weights_held if level == 2 else 0)
+
+    free_awake = free_bytes()
+    t0 = time.perf_counter()
+    slept = w.sleep(level)
+    sleep_s = time.perf_counter() - t0
+    free_asleep = free_bytes()
+    assert (slept.graph_bytes, slept.kv_cache_bytes) == (graph_held, kv_held)
+    assert slept.weight_bytes == (weights_held if level == 2 else 0)
+    released = free_asleep - free_awake
+    # the driver gives back exactly the chunks; allow for its own bookkeeping
+    assert expected - 8 * MiB <= released <= expected + 64 * MiB, (released, expected)
+    m = w.memory_stats()
+    assert m.sleep_level == level and m.graph.held_bytes == 0
+    assert m.kv_cache_vmm.physical_bytes == 0
+    assert (m.weight_vmm.physical_bytes == 0) == (level == 2)
+
+    t0 = time.perf_counter()
+    woke = w.wake_up()
+    wake_s = time.perf_counter() - t0
+    free_woken = free_bytes()
+    assert woke.total_bytes == expected
+    assert abs(free_woken - free_awake) <= 16 * MiB
+    assert addresses(w) == ptrs
+    assert all(w.executor.graphs[k] is r for k, r in graphs.items())  # no recapture
+    k = w.model.attention_layers()[0].k_cache
+    assert not k.any()  # the KV cache comes back zero-filled
+    assert greedy_tokens(w, PROMPTS, 16) == before
+    print(json.dumps({"level": level, "released_mib": round(released / MiB, 1),
+                      "expected_mib": round(expected / MiB, 1), "sleep_s": round(sleep_s, 4),
+                      "wake_s": round(wake_s, 4)}))
+    assert wake_s < (0.1 if level == 1 else 1.0)
+
+
+def test_eager_executor_sleeps_too(ckpt):
+    w = make_worker(ckpt, mode="eager")
+    before = greedy_tokens(w, PROMPTS, 8)
+    free_awake = free_bytes()
+    slept = w.sleep(2)
+    assert slept.graph_bytes == 0 and slept.kv_cache_bytes > 0 and slept.weight_bytes > 0
+    assert free_bytes() - free_awake >= slept.total_bytes - 8 * MiB
+    w.wake_up()
+    assert greedy_tokens(w, PROMPTS, 8) == before
+    w.shutdown()
