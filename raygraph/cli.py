@@ -86,6 +86,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {D.offload.mode})")
 
 
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="HTTP port; 0 picks a free one (default: 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1, /sleep and /wake_up "
+                        "(default: none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the checkpoint's directory "
+                        "name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (default: the checkpoint's "
+                        "tokenizer_config.json chat_template)")
+    p.add_argument("--no-http", action="store_true",
+                   help="no HTTP server: clients reach the coordinator through Ray only")
+
+
 def serve_config(a: argparse.Namespace) -> ServeConfig:
     cfg = load_toml(a.config) if a.config else ServeConfig()
 
@@ -147,6 +165,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     cfg = serve_config(a)
     check_startup(cfg)  # a bad model or layout fails here, before Ray starts
+    template = None
+    if a.chat_template and not a.no_http:
+        with open(a.chat_template) as f:
+            template = f.read()
     if a.detach and not a.address:
         raise ConfigError(
             "--detach needs a Ray cluster that outlives this command: start one with "
@@ -159,6 +181,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"clients: raygraph generate --address {addr} \"The import statement\"; "
           f"stop: raygraph stop --address {addr}"
           + ("" if a.detach else " (or Ctrl-C here)"), flush=True)
+    if not a.no_http:
+        from raygraph.api.app import HttpConfig
+        from raygraph.api.server import start_http, stop_http
+
+        http = HttpConfig(a.host, a.port, a.api_key, a.served_model_name, template)
+        try:
+            _, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace, a.detach)
+        except BaseException:  # no coordinator left behind that was asked to serve HTTP
+            ray.get(coord.shutdown.remote())
+            ray.kill(coord)
+            raise
+        print(f"OpenAI-compatible HTTP server at {url}/v1 (also {url}/health, {url}/metrics)",
+              flush=True)
     if a.detach:
         return 0
     try:
@@ -166,6 +201,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             time.sleep(10)
             ray.get(coord.ping.remote())
     except KeyboardInterrupt:
+        if not a.no_http:
+            stop_http(cfg.coordinator_name, cfg.namespace)
         ray.get(coord.shutdown.remote())
     except RayActorError:  # `raygraph stop` from another shell
         print("coordinator stopped")
@@ -230,6 +267,10 @@ def cmd_stop(a: argparse.Namespace) -> int:
     coord = get_coordinator()
     ray.get(coord.shutdown.remote())
     ray.kill(coord)
+    from raygraph.api.server import stop_http
+
+    if stop_http("raygraph-coordinator", "raygraph"):
+        print("HTTP server stopped")
     print("coordinator stopped")
     return 0
 
@@ -313,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (default: 48)")
     demo.add_argument("--temperature", type=float, default=0.0,
                       help="0 is greedy (default: 0.0)")
-    serve = sub.add_parser("serve", help="start the named coordinator on a Ray cluster")
+    serve = sub.add_parser("serve", help="start the named coordinator and its OpenAI-compatible "
+                           "HTTP server on a Ray cluster")
     add_serve_args(serve)
     serve.add_argument("--address", default=None,
                        help="Ray cluster to join ('auto': the local one) (default: start a "
@@ -321,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--detach", action="store_true",
                        help="leave the coordinator serving on the cluster and exit "
                             "(needs --address)")
+    add_http_args(serve)
     gen = sub.add_parser("generate", help="a client: send a prompt to the running coordinator")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--address", default=None,

@@ -68,11 +68,11 @@ def submit_job(ray_head: dict) -> subprocess.CompletedProcess:
     machine holds a token); without auth, plain `ray job submit` is the flow."""
     if ray_head["auth"]:
         cmd = [str(BIN / "raygraph"), "submit", "--address", ray_head["dashboard"],
-               "--python", sys.executable, "--", "--num-kv-blocks", "64"]
+               "--python", sys.executable, "--", "--num-kv-blocks", "64", "--port", "0"]
     else:
         cmd = [str(BIN / "ray"), "job", "submit", "--address", ray_head["dashboard"],
                "--working-dir", ".", "--", sys.executable, "deploy/job.py",
-               "--num-kv-blocks", "64"]
+               "--num-kv-blocks", "64", "--port", "0"]  # HTTP on any free port
     submit = None
     deadline = time.time() + 90
     while time.time() < deadline:  # the dashboard's job API comes up a little after the head

@@ -327,13 +327,18 @@ class Coordinator:
         """
         await self._wait_serving()
         (req,) = self._submit(prompt, params, stream=True)
-        while True:
-            delta = await req.deltas.get()
-            yield delta
-            if delta.finish_reason is not None:
-                if req.error:
-                    raise WorkerFailure(req.error)
-                return
+        try:
+            while True:
+                delta = await req.deltas.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    if req.error:
+                        raise WorkerFailure(req.error)
+                    return
+        finally:
+            if req.finish_reason is None:  # cancelled (the client went away): stop computing
+                self.clients.requests.pop(req.seq_id, None)
+                self._finish_on_stop_string(req.seq_id)  # frees it as a stop string would
 
     async def _wait_serving(self) -> None:
         """While the worker group restarts, new requests wait for it instead of failing."""

@@ -1,0 +1,118 @@
+"""Prometheus metrics with vLLM's names under the `raygraph:` prefix.
+
+Several HTTP replicas may share one coordinator, so what must be global (gauges of the
+scheduler, token and finish counters, graph and offload figures) is read from the
+coordinator's `stats()` at scrape time by a custom collector; per-request histograms are
+this replica's own. Each app has its own registry (tests build several in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from raygraph.protocol import RequestTiming
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class CoordinatorCollector:
+    """The coordinator's figures, as of the last `stats()` read (set before each scrape)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.stats: dict | None = None
+        self.offload_h2d_bytes = 0
+
+    def _family(self, kind: type, name: str, doc: str, value: float,
+                labels: dict[str, str] | None = None):
+        f = kind(f"raygraph:{name}", doc, labels=["model_name", *(labels or {})])
+        f.add_metric([self.model, *(labels or {}).values()], value)
+        return f
+
+    def collect(self):
+        s = self.stats
+        if s is None:
+            return
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(G, "num_requests_running", "Sequences running on the workers.",
+                           s["running"])
+        yield self._family(G, "num_requests_waiting", "Sequences waiting to be scheduled.",
+                           s["waiting"])
+        yield self._family(G, "kv_cache_usage_perc", "KV cache use, 0 to 1 (the fullest DP "
+                           "group).", s["kv_utilization"])
+        yield self._family(C, "prompt_tokens", "Prompt tokens of finished requests.",
+                           s["prompt_tokens"])
+        yield self._family(C, "generation_tokens", "Tokens generated for finished requests.",
+                           s["generation_tokens"])
+        yield self._family(C, "num_preemptions", "Sequences preempted (recomputed later).",
+                           s["preemptions"])
+        done = C("raygraph:request_success", "Finished requests by finish reason.",
+                 labels=["model_name", "finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            done.add_metric([self.model, reason], s["finished"].get(reason, 0))
+        yield done
+        # a step of a captured bucket replays its graph; on the eager backend (CPU) or for
+        # steps above the largest bucket nothing was captured: those are eager steps
+        replays = C("raygraph:cuda_graph_replays", "Steps that replayed a CUDA graph, by "
+                    "bucket phase (one per DP group).", labels=["model_name", "phase"])
+        eager = 0
+        for phase, n in sorted(s["steps_by_phase"].items()):
+            if s["graphs_captured"] and phase != "eager":
+                replays.add_metric([self.model, phase], n)
+            else:
+                eager += n
+        yield replays
+        yield self._family(C, "eager_steps", "Steps run eagerly (one per DP group).", eager)
+        yield self._family(G, "cuda_graph_capture_seconds", "Time spent capturing graphs.",
+                           s["capture_s"])
+        yield self._family(G, "graph_pool_bytes", "Graph memory pool bytes (capture records, "
+                           "all ranks).", s["graph_pool_bytes"])
+        yield self._family(C, "offload_h2d_bytes", "Offloaded weight bytes copied to the "
+                           "device (all ranks).", self.offload_h2d_bytes)
+        yield self._family(C, "worker_restarts", "Worker group restarts after a failure.",
+                           s["restarts"])
+
+
+class Metrics:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.coordinator = CoordinatorCollector(model)
+        self.registry.register(self.coordinator)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"raygraph:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Request arrival (at the "
+                              "coordinator) to its first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens (streams: as "
+                             "delivered here; whole responses: their mean gap).", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to its end.",
+                             LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Request arrival to its first "
+                               "scheduled step.", LATENCY_BUCKETS)
+
+    def finished(self, timing: RequestTiming | None, num_tokens: int,
+                 gaps: list[float] | None = None) -> None:
+        """One finished sequence: its coordinator timing, and the gaps between its tokens
+        where they were seen one by one (else the mean gap, once per token after the first)."""
+        if timing is None:
+            return
+        self.ttft.observe(timing.ttft_s)
+        self.e2e.observe(timing.e2e_s)
+        self.queue.observe(timing.queue_s)
+        if gaps is None and num_tokens > 1:
+            gaps = [(timing.e2e_s - timing.ttft_s) / (num_tokens - 1)] * (num_tokens - 1)
+        for g in gaps or ():
+            self.itl.observe(g)
+
+    def render(self, stats: dict, offload_h2d_bytes: int = 0) -> bytes:
+        """Prometheus text, with the coordinator's figures as of `stats`."""
+        self.coordinator.stats = stats
+        self.coordinator.offload_h2d_bytes = offload_h2d_bytes
+        return generate_latest(self.registry)

@@ -1,0 +1,89 @@
+"""The HTTP server as a Ray actor: uvicorn on its own thread and event loop, so it lives on
+the cluster beside the coordinator (and outlives `raygraph serve --detach`)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import ray
+
+from raygraph import setup_logging
+from raygraph.api.app import HttpConfig, build_app
+
+
+class HttpServer:
+    def __init__(self, coord: Any, cfg: HttpConfig) -> None:
+        import uvicorn
+
+        setup_logging()
+        app = build_app(coord, cfg)
+        # bind here, not in uvicorn: port 0 then gives the real port, and a port in use is
+        # this actor's start-up error rather than a thread's log line
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror}") from None
+        self.port = sock.getsockname()[1]
+        host = cfg.host if cfg.host not in ("0.0.0.0", "::") else ray.util.get_node_ip_address()
+        self._url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       name="raygraph-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on {self._url} did not start")
+            time.sleep(0.01)
+
+    def url(self) -> str:
+        return self._url
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def http_actor_name(coordinator_name: str) -> str:
+    return f"{coordinator_name}-http"
+
+
+def start_http(coord: Any, cfg: HttpConfig, coordinator_name: str, namespace: str,
+               detached: bool = False) -> tuple[Any, str]:
+    """Start the named HTTP actor on this node (the URL's host is this node's) and wait until
+    it listens; returns (handle, URL)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    opts: dict[str, Any] = {
+        "name": http_actor_name(coordinator_name), "namespace": namespace, "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    if detached:
+        opts["lifetime"] = "detached"
+    handle = ray.remote(HttpServer).options(**opts).remote(coord, cfg)
+    try:
+        return handle, ray.get(handle.url.remote())
+    except BaseException:
+        ray.kill(handle)
+        raise
+
+
+def stop_http(coordinator_name: str, namespace: str) -> bool:
+    """Stop the named HTTP actor if there is one; whether there was."""
+    try:
+        handle = ray.get_actor(http_actor_name(coordinator_name), namespace=namespace)
+    except ValueError:
+        return False
+    try:
+        ray.get(handle.shutdown.remote(), timeout=15)
+    except Exception:
+        pass  # it is killed anyway
+    ray.kill(handle)
+    return True

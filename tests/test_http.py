@@ -1,0 +1,366 @@
+"""The HTTP front door with the official `openai` client against a real server: the default
+model on CPU, the coordinator and the HTTP actor (port 0) on the test session's Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from raygraph.api.app import HttpConfig
+from raygraph.api.chat import ChatTemplate
+from raygraph.api.errors import ApiError
+from raygraph.api.server import start_http, stop_http
+from raygraph.cluster.connect import start_coordinator
+from raygraph.cluster.requests import load_tokenizer
+from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
+from raygraph.protocol import SamplingParams
+
+KEY = "test-key"
+MODEL = "default_model"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    cfg = ServeConfig(device="cpu", coordinator_name="http-test", step_timeout_s=60,
+                      scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
+    coord = start_coordinator(cfg)
+    _, url = start_http(coord, HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
+                        cfg.namespace)
+    yield coord, url
+    stop_http(cfg.coordinator_name, cfg.namespace)
+    try:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+    except Exception:
+        pass  # the last test stopped it
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0)
+
+
+def http(url: str, method: str = "GET", body: bytes | None = None,
+         headers: dict | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, body, headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sample name (with labels) -> value."""
+    status, text = http(url + "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_models_and_health(server, client):
+    (m,) = client.models.list().data
+    assert m.id == MODEL
+    status, body = http(server[1] + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_completion_equals_the_coordinator_and_streams_alike(ray_session, server, client):
+    coord, _ = server
+    prompt = "The import statement"
+    (ref,) = ray_session.get(coord.generate.remote(prompt, SamplingParams(max_tokens=8,
+                                                                         ignore_eos=True)))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY)
+    (choice,) = r.choices
+    assert choice.text == ref.text and choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == 8 + r.usage.prompt_tokens
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                            stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_prompt_lists_and_token_ids(server, client):
+    tok = load_tokenizer(DEFAULT_MODEL)
+    ids = [0, *tok.encode("A class").ids]
+    r = client.completions.create(model=MODEL, prompt=["A class", "The for statement"],
+                                  max_tokens=4, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == by_ids.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 8
+
+
+def test_chat_uses_the_template_streamed_and_not(server, client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is the import statement?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, **GREEDY)
+    text = "system: Be brief.\nuser: What is the import statement?\nassistant:"
+    same = client.completions.create(model=MODEL, prompt=text, max_tokens=6, **GREEDY)
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.content == same.choices[0].text
+    assert r.usage.prompt_tokens == same.usage.prompt_tokens and r.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_with_top_alternatives(server, client):
+    r = client.completions.create(model=MODEL, prompt="A class", max_tokens=5, logprobs=3,
+                                  **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) >= 3
+        assert top[token] == logprob == max(top.values())  # greedy: the most likely
+
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                 "content": "A class"}],
+                                       max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 2 and values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and values[0] == entry.logprob
+        assert bytes(entry.bytes).decode() == entry.token
+
+    plain = client.completions.create(model=MODEL, prompt="A class", max_tokens=3, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_samples_seeded_and_reproducible(server, client):
+    kw = dict(model=MODEL, prompt="The for statement", max_tokens=12, n=2, temperature=1.0,
+              seed=5, extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # seeds 5 and 6
+    one = client.completions.create(**{**kw, "n": 1, "seed": 6})
+    assert one.choices[0].text == a.choices[1].text
+    assert a.usage.completion_tokens == 24  # both choices'; the prompt counts once
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens
+    streamed = list(client.completions.create(**kw, stream=True,
+                                              stream_options={"include_usage": True}))
+    texts = ["", ""]
+    for c in streamed:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [c.text for c in a.choices]
+    assert streamed[-1].usage.completion_tokens == a.usage.completion_tokens
+    other = client.completions.create(**{**kw, "seed": 99})
+    assert [c.text for c in other.choices] != [c.text for c in a.choices]
+
+
+def test_stop_strings(server, client):
+    full = client.completions.create(model=MODEL, prompt="The import statement",
+                                     max_tokens=24, **GREEDY).choices[0].text
+    stop = full[10:14]
+    cut = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt="The import statement", max_tokens=24,
+                                  stop=stop, **GREEDY)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="The import statement",
+                                            max_tokens=24, stop=[stop, "zzz"], stream=True,
+                                            **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+BAD = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"prompt": []}, "empty prompt"),
+    ({"prompt": [5, 99999]}, "outside the vocabulary"),
+    ({"prompt": [5] * 600}, "context holds"),
+    ({"model": "gpt-4"}, "does not exist"),
+    ({"logprobs": 50}, "logprobs"),
+]
+
+
+def test_64_concurrent_streams_with_bad_requests_mixed_in(server):
+    client = openai.AsyncOpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0)
+
+    async def good(i: int) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"The import statement {i}", max_tokens=3 + i % 4,
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        return reason, chunks[-1].usage.completion_tokens
+
+    async def bad(i: int) -> openai.BadRequestError:
+        fields, _ = BAD[i % len(BAD)]
+        kw = {"model": MODEL, "prompt": "A class", "max_tokens": 4, "stream": i % 2 == 0,
+              **fields}
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(**kw)
+        return e.value
+
+    async def main():
+        jobs = [bad(i // 8) if i % 8 == 3 else good(i) for i in range(64)]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    for i, r in enumerate(results):
+        if i % 8 == 3:
+            fields, msg = BAD[(i // 8) % len(BAD)]
+            err = r.body if "error" not in r.body else r.body["error"]
+            assert r.status_code == 400 and msg in err["message"], (fields, err)
+            assert err["type"] == "invalid_request_error" and "param" in err and "code" in err
+        else:
+            assert r == ("length", 3 + i % 4)
+
+
+def test_malformed_json_and_validation_errors_are_openai_400s(server):
+    url = server[1] + "/v1/completions"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, body = http(url, "POST", b'{"model": "default_model", "prompt": ', auth)
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, body = http(url, "POST", json.dumps({"model": MODEL}).encode(), auth)
+    err = json.loads(body)["error"]
+    assert status == 400 and err["param"] == "prompt"
+    status, body = http(url, "POST", json.dumps({"model": MODEL, "prompt": "A", "n": 0})
+                        .encode(), auth)
+    assert status == 400 and json.loads(body)["error"]["param"] == "n"
+
+
+def test_a_wrong_or_missing_api_key_is_401(server):
+    wrong = openai.OpenAI(base_url=server[1] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.completions.create(model=MODEL, prompt="A class", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
+    body = json.dumps({"model": MODEL, "prompt": "A class"}).encode()
+    status, text = http(server[1] + "/v1/completions", "POST", body,
+                        {"Content-Type": "application/json"})  # no key at all
+    assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+    assert http(server[1] + "/health")[0] == 200  # probes need no key
+
+
+def test_metrics_count_what_was_sent(server, client):
+    url = server[1]
+    before = scrape(url)
+    usages = []
+    for i in range(3):
+        usages.append(client.completions.create(model=MODEL, prompt=f"A class {i}",
+                                                max_tokens=2 + i, **GREEDY).usage)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, **GREEDY)
+    usages.append(list(stream)[-1].usage)
+    after = scrape(url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("raygraph:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("raygraph:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("raygraph:request_success_total{finished_reason=length}") == 4
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds"):
+        assert delta(f"raygraph:{h}_count") == 4, h
+    # inter-token gaps: one per token after the first
+    assert delta("raygraph:inter_token_latency_seconds_count") == sum(
+        u.completion_tokens - 1 for u in usages)
+    assert after["raygraph:num_requests_running"] == 0
+    assert after["raygraph:num_requests_waiting"] == 0
+    assert after["raygraph:kv_cache_usage_perc"] == 0.0
+    assert delta("raygraph:eager_steps_total") >= sum(u.completion_tokens for u in usages) / 4
+    assert not any(k.startswith("raygraph:cuda_graph_replays_total") for k in after)  # CPU
+    for name in ("raygraph:num_preemptions_total", "raygraph:worker_restarts_total",
+                 "raygraph:cuda_graph_capture_seconds", "raygraph:graph_pool_bytes",
+                 "raygraph:offload_h2d_bytes_total"):
+        assert name in after
+
+
+def test_a_client_that_goes_away_stops_its_stream(ray_session, server, client):
+    coord = server[0]
+    before = ray_session.get(coord.stats.remote())["tokens_generated"]
+    stream = client.completions.create(model=MODEL, prompt="A class", max_tokens=400,
+                                       stream=True, **GREEDY)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    stream.close()
+    deadline = time.monotonic() + 20
+    while ray_session.get(coord.stats.remote())["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = ray_session.get(coord.stats.remote())
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["tokens_generated"] - before < 400  # aborted, not run to max_tokens
+
+
+def test_sleep_and_wake_endpoints(server, client):
+    url = server[1]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body = http(url + "/is_sleeping")
+    assert status == 200 and json.loads(body) == {"is_sleeping": False}
+    assert http(url + "/sleep?level=3", "POST", b"", auth)[0] == 400
+    assert http(url + "/sleep", "POST", b"")[0] == 401
+    status, body = http(url + "/sleep?level=1", "POST", b"", auth)
+    if status != 200:
+        pytest.skip(f"the coordinator cannot sleep on this machine: {status} {body}")
+    try:
+        assert json.loads(http(url + "/is_sleeping")[1]) == {"is_sleeping": True}
+        status, body = http(url + "/health")
+        assert status == 503 and "asleep" in json.loads(body)["reason"]
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="A class", max_tokens=2)
+        assert e.value.status_code == 503 and "POST /wake_up" in str(e.value)
+    finally:
+        status, body = http(url + "/wake_up", "POST", b"", auth)
+    assert status == 200, body
+    assert http(url + "/health")[0] == 200
+    assert client.completions.create(model=MODEL, prompt="A class", max_tokens=2).usage
+
+
+def test_health_is_503_once_the_coordinator_stops(ray_session, server, client):
+    """Last in the module: it stops the coordinator."""
+    coord, url = server
+    ray_session.get(coord.shutdown.remote())
+    status, body = http(url + "/health")
+    assert status == 503 and "shut down" in json.loads(body)["reason"]
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=MODEL, prompt="A class", max_tokens=2)
+    assert e.value.status_code == 503
+    ray_session.kill(coord)
+    status, body = http(url + "/health")
+    assert status == 503 and "gone" in json.loads(body)["reason"]
+
+
+def test_chat_without_a_template_is_refused_and_a_given_one_is_used(tmp_path):
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(f"{DEFAULT_MODEL}/{name}", tmp_path / name)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(ChatTemplate(str(tmp_path)).render([{"role": "user", "content": "hi"}]))
+    assert e.value.status == 400 and "no chat template" in e.value.message
+    given = ChatTemplate(str(tmp_path), "{% for m in messages %}<{{ m['content'] }}>"
+                         "{% endfor %}{% if add_generation_prompt %}!{% endif %}")
+    assert asyncio.run(given.render([{"role": "user", "content": "hi"}])) == "<hi>!"
