@@ -19,6 +19,7 @@ Also, per layer, the attention op alone on the issue's compositions: the torch r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -72,9 +73,10 @@ def random_lens(rng: random.Random) -> list[tuple[int, int]]:
 
 
 def timed_step(worker: Worker, plan: StepPlan) -> float:
+    """From the plan to the sampled tokens on the host, as a served step ends."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    worker.executor.logits(plan).cpu()
+    worker.execute(plan)
     return time.perf_counter() - t0
 
 
@@ -125,6 +127,8 @@ def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
     records = [r for r in worker.capture_all() if r.key.phase == "prefill"]
     capture_s = time.perf_counter() - t0
     stats = worker.executor.pool_stats()
+    gc.collect()
+    gc.freeze()  # as a served worker does: no collection of the start-up heap mid-step
     params = sum(p.numel() for p in worker.model.parameters())
     rng = random.Random(a.seed)
     # warm the Triton kernels and the allocator on one step outside the measured ones
@@ -169,6 +173,47 @@ def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
     return out
 
 
+def sweep(worker: Worker, blocks: int) -> None:
+    """Tile configs of the prefill kernel, one layer's attention replayed in a graph (no
+    launch overhead) on the issue's compositions: microseconds per call."""
+    from raygraph.model.triton_attention import paged_prefill_attention
+
+    layer = worker.model.attention_layers()[0]
+    rng = random.Random(2)
+    cases = []
+    for num, n in ((1, 2048), (16, 128), (64, 32), (2, 1024)):
+        md = prepare_batch(plan_of([(0, n)] * num, rng, blocks), BS,
+                           torch.device("cuda")).ctx.attn
+        q = torch.randn(num * n, layer.num_heads, layer.head_dim, device="cuda",
+                        dtype=layer.k_cache.dtype)
+        cases.append((f"{num}x{n}", md, q))
+    for tiles in [(r, n, w, st) for r in (64, 128, 256) for n in (32, 64, 128)
+                  for w in (4, 8) for st in (1, 2, 3)]:
+        row = {"tiles": tiles}
+        try:
+            for name, md, q in cases:
+                def call(md=md, q=q, tiles=tiles):
+                    return paged_prefill_attention(q, layer.k_cache, layer.v_cache,
+                                                   md.block_tables, md.seq_lens, md.query_start,
+                                                   layer.scale, tiles=tiles)
+                call()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(10):
+                        call()
+                graph.replay()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    graph.replay()
+                torch.cuda.synchronize()
+                row[name] = round(1e6 * (time.perf_counter() - t0) / 50, 1)
+        except Exception as e:  # a config the compiler refuses (registers, shared memory)
+            row["error"] = str(e).splitlines()[0][:80]
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-1b")
@@ -178,8 +223,16 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["piecewise", "full"])
     p.add_argument("--no-ops", dest="ops", action="store_false",
                    help="skip the attention-op comparison with the torch reference")
+    p.add_argument("--sweep", action="store_true", help="time the kernel's tile configs only")
     a = p.parse_args()
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    if a.sweep:
+        cfg = ServeConfig(model=model, device="cuda", graph=GraphConfig(mode="eager"),
+                          cache=CacheConfig(block_size=BS, num_blocks=a.blocks)).resolved(1)
+        worker = Worker(cfg, 0)
+        worker.load(("127.0.0.1", 0))
+        worker.allocate_kv_cache(a.blocks)
+        return sweep(worker, a.blocks)
     rate = matmul_rate()
     for mode in a.modes:
         print(json.dumps({"preset": a.preset, **run_mode(model, mode, a, rate),

@@ -73,7 +73,7 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
-        graph=GraphConfig(mode=a.mode),
+        graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph),
     )
     return cfg.resolved(torch.cuda.device_count())
 
@@ -249,7 +249,8 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         where = {"client": "ray", "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
     print(load.format_table(row), file=sys.stderr, flush=True)
-    row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "num_prompts": a.num_prompts,
+    row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "prefill_graph": a.prefill_graph,
+                    "num_prompts": a.num_prompts,
                     "input_len": a.input_len, "output_len": a.output_len,
                     "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
                     "max_num_batched_tokens": a.max_num_batched_tokens,
@@ -273,6 +274,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: max(512, largest batch x prompt length); load mode 2048")
     p.add_argument("--mode", choices=["graph", "eager"], default="graph")
+    p.add_argument("--prefill-graph", choices=["piecewise", "full"],
+                   default=GraphConfig().prefill_graph)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0, seeded sampling (with --top-k)")
     p.add_argument("--top-k", type=int, default=0)

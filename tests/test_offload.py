@@ -155,11 +155,13 @@ def test_check_order_and_host_weights():
 
 # ---- whole workers on the tiny checkpoint ---------------------------------------------
 
-def make_worker(ckpt, offload: OffloadConfig | None, mode: str = "eager") -> Worker:
+def make_worker(ckpt, offload: OffloadConfig | None, mode: str = "eager",
+                prefill_graph: str = "full") -> Worker:
     cfg = ServeConfig(
         model=str(ckpt), device="cpu", cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=200),
-        graph=GraphConfig(mode=mode), offload=offload or OffloadConfig(),
+        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
+        offload=offload or OffloadConfig(),
     )
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
@@ -249,14 +251,18 @@ def test_offloaded_worker_matches_all_resident(tiny_llama, reference, mode, grap
         msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=type(stats))
 
 
-def test_ring_graph_executor_runs_piecewise_prefill(tiny_llama, reference):
-    """CPU eager backend of the graph executor: prefill goes through the split hook that the
-    ring wraps with a join/fork."""
-    w = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**6, mode="ring"), "graph")
+@pytest.mark.parametrize("prefill_graph", ["piecewise", "full"])
+def test_ring_graph_executor_runs_prefill_graphs(tiny_llama, reference, prefill_graph):
+    """CPU eager backend of the graph executor: piecewise prefill goes through the split hook
+    that the ring wraps with a join/fork; a full prefill graph runs the ring as decode does."""
+    w = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**6, mode="ring"), "graph",
+                    prefill_graph)
     got = run(w)
     assert w.executor.last_key.phase == "decode"
+    resident = (reference["graph"][1] if prefill_graph == "full" else
+                run(make_worker(tiny_llama, None, "graph", prefill_graph)))
     # the all-resident graph worker's prefill: the same padded bucket, so bit for bit
-    assert torch.equal(got[0], reference["graph"][1][0])
+    assert torch.equal(got[0], resident[0])
 
 
 def test_budget_below_floor_fails_at_load_with_the_exact_minimum(tiny_llama):

@@ -154,6 +154,42 @@ def paged_decode_attention(
 # ---- prefill: packed queries of any lengths over the paged cache --------------------------
 
 
+@triton.jit
+def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, end, d, dmask,
+                  scale_log2, stride_kb, stride_ks, stride_kh, stride_bt, BS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax; MASK=False: every key is visible to every
+    query row (tiles wholly below the causal diagonal)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        kmask = pos < end
+        blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0)
+    else:
+        blk = tl.load(tables_ptr + b * stride_bt + pos // BS)
+    off = blk.to(tl.int64)[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks \
+        + kvh * stride_kh + d[None, :]
+    if MASK:
+        k = tl.load(k_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASK:
+        seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
+        if WINDOW > 0:
+            seen = seen & (pos[None, :] > qpos[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m - m_use)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_sum
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, num_seqs, scale_log2,
@@ -191,53 +227,50 @@ def _prefill_kernel(
                     + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
         end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)  # past the block's last query
-        start = 0
-        if WINDOW > 0:
+        if WINDOW > 0:  # every tile masked: the window's lower edge crosses them
             start = tl.maximum(0, prefix + q0 - WINDOW + 1) // BLOCK_N * BLOCK_N
+            diag = start
+        else:  # keys up to the block's first query are visible to all its rows
+            start = 0
+            diag = (prefix + q0 + 1) // BLOCK_N * BLOCK_N
         m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
-        t = tl.arange(0, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + t
-            kmask = pos < end
-            blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0)
-            off = blk.to(tl.int64)[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks \
-                + kvh * stride_kh + d[None, :]
-            kv_mask = kmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-            v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
-            if WINDOW > 0:
-                seen = seen & (pos[None, :] > qpos[:, None] - WINDOW)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m - m_use)
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+        for n0 in range(start, diag, BLOCK_N):
+            acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
+                                          kvh, qpos, end, d, dmask, scale_log2, stride_kb,
+                                          stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
+                                          False, PRECISION)
+        for n0 in range(diag, end, BLOCK_N):
+            acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
+                                          kvh, qpos, end, d, dmask, scale_log2, stride_kb,
+                                          stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
+                                          True, PRECISION)
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot
                  + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-def prefill_blocks(head_dim: int, group: int) -> tuple[int, int, int]:
-    """(query positions per program, keys per tile, warps): about 64-128 query rows (positions
-    x the KV head's query heads) per program, fewer keys per tile for wide heads."""
-    group_pad = triton.next_power_of_2(group)
-    rows = 128 if head_dim <= 128 else 64
-    block_n = 64 if head_dim <= 128 else 32
-    return max(1, rows // group_pad), block_n, 4 if head_dim <= 64 else 8
+PrefillTiles = tuple[int, int, int, int]  # query rows, keys per tile, warps, stages
+
+
+def prefill_tiles(head_dim: int) -> PrefillTiles:
+    """Query rows (positions x the KV head's query heads) per program, keys per tile, warps,
+    pipeline stages. Head size 64: the fastest of 54 configs on an H200 (`bench.prefill
+    --sweep`, bench/RESULTS.md); wider heads: more warps, then fewer keys (registers),
+    not swept."""
+    if head_dim <= 64:
+        return 64, 64, 4, 2
+    if head_dim <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 8, 2
 
 
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, window: int = 0,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' paged keys (prefix and the
     chunk itself, already stored): prefill, chunked prefill and mixed steps alike.
@@ -257,7 +290,9 @@ def paged_prefill_attention(
         out = torch.zeros_like(q)
     else:
         out.zero_()
-    block_q, block_n, warps = prefill_blocks(head_dim, group)
+    rows, block_n, warps, stages = tiles or prefill_tiles(head_dim)
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, rows // group_pad)
     num_seqs = block_tables.shape[0]
     # each sequence's query blocks start at a block of their own: at most T / BLOCK_Q + B
     programs = num_tokens // block_q + min(num_seqs, num_tokens)
@@ -266,9 +301,9 @@ def paged_prefill_attention(
         scale * 1.4426950408889634,  # exp2: scores in log2 units
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, D=head_dim,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BS=block_size, BLOCK_N=block_n, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=2,
+        num_stages=stages,
     )
     return out
