@@ -324,6 +324,12 @@ def test_sleep_and_wake_endpoints(server, client):
     assert status == 200 and json.loads(body) == {"is_sleeping": False}
     assert http(url + "/sleep?level=3", "POST", b"", auth)[0] == 400
     assert http(url + "/sleep", "POST", b"")[0] == 401
+    busy = client.completions.create(model=MODEL, prompt="A class", max_tokens=400,
+                                     stream=True, **GREEDY)
+    next(iter(busy))
+    status, body = http(url + "/sleep?level=1&wait=false", "POST", b"", auth)
+    busy.close()  # aborts it
+    assert status == 409 and json.loads(body)["error"]["code"] == "busy", body
     status, body = http(url + "/sleep?level=1", "POST", b"", auth)
     if status != 200:
         pytest.skip(f"the coordinator cannot sleep on this machine: {status} {body}")

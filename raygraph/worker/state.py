@@ -26,14 +26,18 @@ class SeqTable:
     def __init__(self) -> None:
         self.seqs: dict[int, _Seq] = {}
         self.sampled_rows: dict[int, int] = {}  # seq id -> row of the last step's tokens
+        self.logprob_seqs = 0  # tracked sequences that want logprobs (0: steps skip them)
 
     def apply(self, d: StepDelta) -> StepPlan:
         """Update the state and return the step as the executor runs it."""
         seqs = self.seqs
         for seq_id in d.drop:
-            seqs.pop(seq_id, None)
+            s = seqs.pop(seq_id, None)
+            if s is not None and s.params.logprobs >= 0:
+                self.logprob_seqs -= 1
         for n in d.new:
             seqs[n.seq_id] = _Seq(n, [], 0, n.num_generated)
+            self.logprob_seqs += n.logprobs >= 0
         try:
             for seq_id, block in d.blocks:
                 seqs[seq_id].blocks.append(block)
@@ -58,3 +62,4 @@ class SeqTable:
     def clear(self) -> None:
         self.seqs.clear()
         self.sampled_rows = {}
+        self.logprob_seqs = 0

@@ -333,7 +333,7 @@ class Worker:
             return None, None
         tokens = sample_tokens(logits, chunks, self.generator, greedy, self._sampling)
         self.executor.prev_tokens[: len(chunks)].copy_(tokens)
-        rows = logprob_rows(chunks) if self.samples else None
+        rows = logprob_rows(chunks) if self.samples and self.state.logprob_seqs else None
         if not rows:
             return tokens, None
         k = max(chunks[i].logprobs for i in rows)
