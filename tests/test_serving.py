@@ -9,9 +9,9 @@ import time
 import pytest
 
 from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.requests import BadRequest
+from raygraph.cluster.requests import BadRequest, take_deltas
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import SamplingParams, StreamDelta
 from tests.hf_ref import hf_greedy
 
 
@@ -212,3 +212,19 @@ def test_a_worker_failing_mid_step_fails_requests_then_the_group_restarts(ray_se
     finally:
         ray_session.get(handle.shutdown.remote())
         ray_session.kill(handle)
+
+
+def test_a_lagging_stream_takes_what_is_queued_as_one_delta():
+    """Deltas queued behind the one a stream waited for go out merged (tokens, text), up to
+    and including the last one; what follows a finished delta is never merged into it."""
+    async def run() -> list[StreamDelta]:
+        q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        for d in (StreamDelta(7, [4], "b"), StreamDelta(7, [5, 6], "cd"),
+                  StreamDelta(7, [8], "e", "stop"), StreamDelta(7, [9], "x")):
+            q.put_nowait(d)
+        first = take_deltas(q, StreamDelta(7, [3], "a"))
+        return [first, take_deltas(q, await q.get())]
+
+    merged, after = asyncio.run(run())
+    assert merged == StreamDelta(7, [3, 4, 5, 6, 8], "abcde", "stop")
+    assert after == StreamDelta(7, [9], "x")

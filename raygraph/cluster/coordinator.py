@@ -45,6 +45,7 @@ from raygraph.cluster.requests import (
     load_tokenizer,
     parse_params,
     split_prompts,
+    take_deltas,
 )
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.cluster.sleep import SleepControl
@@ -329,7 +330,7 @@ class Coordinator:
         (req,) = self._submit(prompt, params, stream=True)
         try:
             while True:
-                delta = await req.deltas.get()
+                delta = take_deltas(req.deltas, await req.deltas.get())
                 yield delta
                 if delta.finish_reason is not None:
                     if req.error:
