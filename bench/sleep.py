@@ -79,6 +79,7 @@ def cycle(w: Worker, level: int, before: list[list[int]], max_tokens: int) -> di
     woke = w.wake_up()
     wake_s = time.perf_counter() - t0
     free2 = device_free(w)
+    kv_zero = not bool(w.model.attention_layers()[0].k_cache.any())  # what the driver gave
     after = greedy_tokens(w, PROMPTS, max_tokens)
     now = getattr(w.executor, "graphs", {})
     return {
@@ -91,7 +92,8 @@ def cycle(w: Worker, level: int, before: list[list[int]], max_tokens: int) -> di
         "held_awake_mib": mib(held), "held_asleep_mib": mib(asleep),
         "remapped_mib": mib(woke.total_bytes),
         "sleep_s": round(sleep_s, 4), "wake_s": round(wake_s, 4),
-        "tokens_equal": after == before, "tokens": sum(len(t) for t in after),
+        "tokens_equal": after == before, "kv_zero_after_wake": kv_zero,
+        "tokens": sum(len(t) for t in after),
         "recaptured": any(now.get(k) is not r for k, r in graphs.items()),
         "graphs": len(graphs),
     }

@@ -96,7 +96,7 @@ def test_wake_maps_the_same_addresses_the_tensors_hold(worker):
     worker.wake_up()
     assert (k.data_ptr(), p.data_ptr()) == ptrs
     kv = worker.sleep_memory.kv
-    assert kv.base == k.data_ptr() and torch.all(k == 0)  # zero-filled at the same place
+    assert kv.base == k.data_ptr()
     raw = kv.pool.backend.tensor(kv.base, 4)
     raw.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
     assert k.view(torch.uint8).flatten()[:4].tolist() == [1, 2, 3, 4]

@@ -1,9 +1,10 @@
 """What a worker releases when it sleeps, and maps again when it wakes.
 
 Level 1: the executor's graph pool and the KV cache (its contents are dropped: the
-coordinator drained the requests first). Level 2: the weights too (kept in host memory).
-Both live in VMM arenas (memory/arena.py), so wake maps memory at the same addresses the
-captured graphs hold: no recapture. The eager executor sleeps too; it has no graph pool.
+coordinator drained the requests first; NOTE: a future prefix cache must be emptied too).
+Level 2: the weights too (kept in host memory). Both live in VMM arenas (memory/arena.py), so
+wake maps memory at the same addresses the captured graphs hold: no recapture. The eager
+executor sleeps too; it has no graph pool.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """GPU: sleep releases the graph pool and the KV cache (level 1) and the weights too (level
 2), as device free memory shows; wake maps them at the same addresses, fast, and greedy
-tokens after wake equal those before, with no recapture."""
+tokens after wake equal those before, with no recapture. The KV cache comes back with
+unspecified contents: requests were drained, and attention reads only what it wrote."""
 
 from __future__ import annotations
 
@@ -102,8 +103,6 @@ def test_sleep_frees_device_memory_and_wake_serves_the_same_tokens(worker, level
     assert abs(free_woken - free_awake) <= 16 * MiB
     assert addresses(w) == ptrs
     assert all(w.executor.graphs[k] is r for k, r in graphs.items())  # no recapture
-    k = w.model.attention_layers()[0].k_cache
-    assert not k.any()  # the KV cache comes back zero-filled
     assert greedy_tokens(w, PROMPTS, 16) == before
     print(json.dumps({"level": level, "released_mib": round(released / MiB, 1),
                       "expected_mib": round(expected / MiB, 1), "sleep_s": round(sleep_s, 4),
