@@ -194,28 +194,32 @@ async def run_request(client: Client, req: Request) -> RequestRecord:
     return rec
 
 
-async def run_load(client: Client, reqs: Sequence[Request], arrivals: Sequence[float]
-                   ) -> tuple[list[RequestRecord], float]:
-    """Launch each request at its arrival offset, all concurrently; (records, duration: first
-    launch to last completion)."""
+async def run_load(client: Client, reqs: Sequence[Request], arrivals: Sequence[float],
+                   max_concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
+    """Launch each request at its arrival offset, at most `max_concurrency` in flight (as
+    vllm bench serve: a request past the cap waits, and its clock starts when it is sent);
+    (records, duration: first launch to last completion)."""
     t0 = time.perf_counter()
+    cap = asyncio.Semaphore(max_concurrency or len(reqs) or 1)
 
     async def launch(req: Request, at: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-        return await run_request(client, req)
+        async with cap:
+            return await run_request(client, req)
 
     records = await asyncio.gather(*(launch(r, at) for r, at in zip(reqs, arrivals)))
     return list(records), time.perf_counter() - t0
 
 
 async def benchmark(client: Client, reqs: list[Request], warmup: list[Request],
-                    arrivals: list[float]) -> dict[str, Any]:
+                    arrivals: list[float], max_concurrency: int | None = None
+                    ) -> dict[str, Any]:
     """Warm up (untimed, all at once: new shapes are captured there), then the timed load."""
     warm, _ = await run_load(client, warmup, [0.0] * len(warmup))
     failed = [r.error or "no token arrived" for r in warm if not r.ok]
     if failed:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
-    records, duration = await run_load(client, reqs, arrivals)
+    records, duration = await run_load(client, reqs, arrivals, max_concurrency)
     return summarize(records, duration)
 
 
@@ -264,13 +268,15 @@ def http_client(session: Any, endpoint: str, model: str) -> Client:
 
 
 async def benchmark_http(endpoint: str, model: str, reqs: list[Request],
-                         warmup: list[Request], arrivals: list[float]) -> dict[str, Any]:
+                         warmup: list[Request], arrivals: list[float],
+                         max_concurrency: int | None = None) -> dict[str, Any]:
     import aiohttp  # ray[default] brings it; only the --endpoint client needs it
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     conn = aiohttp.TCPConnector(limit=0)  # no client-side cap on concurrent requests
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        return await benchmark(http_client(session, endpoint, model), reqs, warmup, arrivals)
+        return await benchmark(http_client(session, endpoint, model), reqs, warmup, arrivals,
+                               max_concurrency)
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -278,6 +284,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals per second; inf: all at once (the default)")
     g.add_argument("--num-prompts", type=int, default=None, help="default 200")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (default: no cap)")
     g.add_argument("--input-len", type=int, default=512)
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--range-ratio", type=float, default=0.0,

@@ -5,7 +5,8 @@
 Per prefill-graph mode, in one run (a Worker in this process, the whole prefill schedule up
 to 2048 tokens captured first; capture seconds, graph memory and launches reported):
 - `--steps` prefill steps of random compositions, each new: the total drawn uniformly inside
-  one of the buckets 64/256/512/1024/2048 (so each bucket gets several steps), split over
+  one of the buckets 64/256/512/1024/2048 (above the capture size below it, so each of the
+  five buckets gets about a fifth of the steps), split over
   1-64 sequences with random cached prefixes (0-1024 tokens). Every step is timed from the
   plan to the logits on the host, its first and only run; reported: each step over the
   median step of its bucket (the first-shape spike the cuDNN path had: 51-63 ms against
@@ -62,14 +63,15 @@ def plan_of(lens: list[tuple[int, int]], rng: random.Random, blocks: int) -> Ste
     return StepPlan(0, seqs)
 
 
-def random_lens(rng: random.Random) -> list[tuple[int, int]]:
-    """A composition whose total falls inside one of BUCKETS (above the bucket below it)."""
-    i = rng.randrange(len(BUCKETS))
-    total = rng.randrange((BUCKETS[i - 1] if i else 8) + 1, BUCKETS[i] + 1)
+def random_lens(rng: random.Random, sizes: list[int]) -> list[tuple[int, int]]:
+    """A composition whose total lands in one of BUCKETS: above the capture size below it."""
+    b = rng.choice(BUCKETS)
+    below = max([s for s in sizes if s < b], default=7)
+    total = rng.randrange(below + 1, b + 1)
     num = rng.randrange(1, min(64, total) + 1)
     cuts = sorted(rng.sample(range(1, total), num - 1))
-    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
-    return [(rng.randrange(0, 1025), n) for n in sizes]
+    sizes_ = [y - x for x, y in zip([0, *cuts], [*cuts, total])]
+    return [(rng.randrange(0, 1025), n) for n in sizes_]
 
 
 def timed_step(worker: Worker, plan: StepPlan) -> float:
@@ -135,7 +137,8 @@ def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
     timed_step(worker, plan_of([(0, 100)], rng, a.blocks))
     steps = []
     for _ in range(a.steps):
-        plan = plan_of(random_lens(rng), rng, a.blocks)
+        plan = plan_of(random_lens(rng, list(worker.executor.buckets.prefill_sizes)), rng,
+                       a.blocks)
         key = worker.executor.key_for(worker.executor.inputs(plan))
         steps.append((key.num_tokens, len(plan.seqs), timed_step(worker, plan)))
     by_bucket: dict[int, list[float]] = {}

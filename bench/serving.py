@@ -238,19 +238,21 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
     warmup = load.warmup_requests(reqs, m.vocab_size, a.seed)
     arrivals = load.arrival_times(a.num_prompts, a.request_rate, a.seed)
     if a.endpoint:
-        row = asyncio.run(load.benchmark_http(a.endpoint, name, reqs, warmup, arrivals))
+        row = asyncio.run(load.benchmark_http(a.endpoint, name, reqs, warmup, arrivals,
+                                              a.max_concurrency))
         where: dict = {"client": "http", "endpoint": a.endpoint, "device": None, "dtype": None}
     else:
         connect(None, log_to_driver=False)
         cfg = load_cfg(a, model, longest)
         coord = start_coordinator(cfg)
-        row = asyncio.run(load.benchmark(load.ray_client(coord), reqs, warmup, arrivals))
+        row = asyncio.run(load.benchmark(load.ray_client(coord), reqs, warmup, arrivals,
+                                         a.max_concurrency))
         ray.get(coord.shutdown.remote())
         where = {"client": "ray", "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
     print(load.format_table(row), file=sys.stderr, flush=True)
     row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "prefill_graph": a.prefill_graph,
-                    "num_prompts": a.num_prompts,
+                    "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
                     "input_len": a.input_len, "output_len": a.output_len,
                     "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
                     "max_num_batched_tokens": a.max_num_batched_tokens,

@@ -142,3 +142,25 @@ def test_run_load_launches_on_schedule_and_records_failures() -> None:
     assert records[1].error == "RuntimeError: refused"
     assert [r.output_tokens for r in records] == [3, 0, 2]
     assert records[2].start - records[0].start >= 0.05 and duration >= 0.05
+
+
+def test_max_concurrency_caps_requests_in_flight() -> None:
+    """With a cap of 2, never more than 2 clients run at once, and every request completes."""
+    live, peak = [0], [0]
+
+    async def client(prompt: list[int], params: SamplingParams):
+        import time
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0.001)
+                yield Chunk(time.perf_counter(), 1)
+        finally:
+            live[0] -= 1
+
+    reqs = [Request([i + 3], SamplingParams(max_tokens=3)) for i in range(7)]
+    records, _ = asyncio.run(run_load(client, reqs, [0.0] * 7, max_concurrency=2))
+    assert peak[0] == 2 and all(r.ok for r in records)
+    records, _ = asyncio.run(run_load(client, reqs, [0.0] * 7))
+    assert peak[0] == 7  # no cap: all at once

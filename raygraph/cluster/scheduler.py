@@ -62,10 +62,6 @@ class Sequence:
         """Known tokens plus the pending one."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
-    @property
-    def num_outputs(self) -> int:
-        return len(self.output_token_ids) + self.num_pending
-
 
 @dataclass
 class SchedulerOutput:

@@ -56,10 +56,7 @@ class SeqTable:
         s.num_computed += len(tokens)
         s.num_generated += sample
         p = s.params
+        # NOTE: the chunk shares the table's live block list; a plan is consumed before the
+        # next delta can append to it
         return SeqChunk(seq_id, tokens, start, s.blocks, sample, p.temperature, p.top_k,
                         p.top_p, p.seed, gen, feed, p.logprobs)
-
-    def clear(self) -> None:
-        self.seqs.clear()
-        self.sampled_rows = {}
-        self.logprob_seqs = 0

@@ -136,6 +136,7 @@ class Worker:
         self._last_ready: torch.cuda.Event | None = None
         self._thread = threading.get_ident()  # the thread whose CUDA context is set
         self._thread_switches = 0
+        self._frozen = False  # gc.freeze() on the first served call (any device)
         pinned = self.device.type == "cuda"
         n = cfg.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
@@ -347,17 +348,18 @@ class Worker:
         queued, so the device goes from N-1 to N while the host learns N-1's tokens and the
         coordinator schedules N+1. A flush returns the last step's tokens.
         """
+        if not self._frozen:
+            # start-up is over: its objects (model, graphs, records) need no more
+            # collecting, and a full collection over them stalls a step by tens of ms
+            gc.collect()
+            gc.freeze()
+            self._frozen = True
         if self.device.type == "cuda" and threading.get_ident() != self._thread:
             # Ray runs the compiled graph's loop on its own thread: the driver calls of the
             # input upload need this device's context current there
             torch.cuda.set_device(self.device)
             self._thread = threading.get_ident()
             self._thread_switches += 1
-            if self._thread_switches == 1:
-                # start-up is over: its objects (model, graphs, records) need no more
-                # collecting, and a full collection over them stalls a step by tens of ms
-                gc.collect()
-                gc.freeze()
             if self._thread_switches <= 3:  # per-thread state (cuDNN plans) starts over
                 log.info("rank %d: steps now run on thread %#x (switch %d)", self.rank,
                          self._thread, self._thread_switches)
