@@ -18,13 +18,33 @@ DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
 # RoPE variants model/rope.py computes (as transformers does)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
-# HF architecture name -> our model family. Qwen2 differs from Llama only in qkv bias.
+# HF architecture name -> our model family. Qwen2 differs from Llama only in qkv bias, Qwen3
+# in its per-head q/k norms (ModelConfig.attention_bias, .qk_norm).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+# config.json fields that change the math, with the values raygraph computes: any other value
+# is refused by name rather than ignored. An absent (or null) field takes HF's default, which
+# raygraph computes. Per architecture on top: Llama and Qwen3 bias o_proj too when
+# attention_bias is set. (The attention window fields belong to the sliding-window support.)
+MATH_FIELDS: dict[str, tuple[object, ...]] = {
+    "hidden_act": ("silu", "swish"),
+    "mlp_bias": (False,),
+    "partial_rotary_factor": (1.0,),  # also read from rope_parameters
+    "qk_layernorm": (False,),  # q/k norms of other families; Qwen3's come with the arch
+    "use_qk_norm": (False,),
+}
+ARCH_MATH_FIELDS: dict[str, dict[str, tuple[object, ...]]] = {
+    arch: {"attention_bias": (False,)}
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 }
 
 
@@ -48,7 +68,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # checkpoint's rope_parameters / rope_scaling give them (model/rope.py computes them)
     rope_scaling: dict[str, str | float | int | bool | None] = {}
     rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -113,11 +134,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
         if rope["rope_type"] not in ROPE_TYPES:
             raise ConfigError(f"rope type {rope['rope_type']!r} in {cfg_file} is not supported; "
                               f"supported: {list(ROPE_TYPES)}")
+        _check_math_fields(arch, hf, rope, cfg_file)
         rope_theta = hf.get("rope_theta") or rope.pop("rope_theta", None)
         num_heads = hf["num_attention_heads"]
+        # Qwen3Config's head_dim defaults to 128, the others' to hidden / heads
+        head_dim = hf.get("head_dim") or (
+            128 if arch == "Qwen3ForCausalLM" else hf["hidden_size"] // num_heads)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        qwen2_moe = arch == "Qwen2MoeForCausalLM"
         return ModelConfig(
             path=str(path),
             architecture=arch,
@@ -127,13 +151,15 @@ class ModelConfig(msgspec.Struct, frozen=True):
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            # Qwen2 always biases q/k/v, Qwen2-MoE by qkv_bias; the rest refuse or ignore it
             attention_bias=arch == "Qwen2ForCausalLM"
-            or bool(hf.get("attention_bias", hf.get("qkv_bias", qwen2_moe))),
+            or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -142,17 +168,30 @@ class ModelConfig(msgspec.Struct, frozen=True):
         )
 
 
+def _check_math_fields(arch: str, hf: dict, rope: dict, cfg_file: Path) -> None:
+    """Refuse, by name, a field of config.json whose value raygraph would not compute."""
+    fields = {**MATH_FIELDS, **ARCH_MATH_FIELDS.get(arch, {})}
+    for name, accepted in fields.items():
+        value = hf[name] if hf.get(name) is not None else rope.get(name)
+        if value is not None and value not in accepted:
+            raise ConfigError(f"{name}={value!r} in {cfg_file} is not supported for {arch}; "
+                              f"supported: {list(accepted)}")
+
+
 def _moe_fields(hf: dict, arch: str) -> dict:
-    """The MoE fields of a Mixtral or Qwen2-MoE config.json (nothing for dense models)."""
+    """The MoE fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (nothing for dense
+    models). transformers 5 saves Qwen3-MoE's num_experts as num_local_experts."""
     if arch == "MixtralForCausalLM":  # every layer sparse, experts as wide as the dense MLP
         return dict(num_experts=hf["num_local_experts"],
                     num_experts_per_tok=hf["num_experts_per_tok"],
                     moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
-    if arch == "Qwen2MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):  # Qwen3-MoE: no shared expert
+        shared = arch == "Qwen2MoeForCausalLM" and hf.get("shared_expert_intermediate_size")
         return dict(
-            num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+            num_experts=hf.get("num_experts") or hf["num_local_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
             moe_intermediate_size=hf["moe_intermediate_size"],
-            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+            shared_expert_intermediate_size=shared or 0,
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),

@@ -39,8 +39,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
-    """A tiny random HF checkpoint written with save_pretrained (float32)."""
+def make_checkpoint(path: Path, arch: str, random_norms: bool = False, **overrides) -> Path:
+    """A tiny random HF checkpoint written with save_pretrained (float32). random_norms:
+    RMSNorm weights drawn from [0.5, 1.5) instead of HF's ones, so a norm loaded into the
+    wrong place (or not at all) changes the tokens."""
     import transformers
 
     torch.manual_seed(0)
@@ -50,6 +52,10 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     kw.update(overrides)
     cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     model = getattr(transformers, arch)(cfg_cls(**kw)).eval()
+    if random_norms:
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
 

@@ -1,7 +1,7 @@
-"""MoE models (Mixtral, Qwen2-MoE) against HF transformers on tiny random checkpoints: TP=1
-logits and greedy tokens, both expert implementations, padding rows, layout errors, and
-TP=2 / DP=2 x EP=2 / TP=2 + EP=2 over a real 2-process gloo group in which the DP ranks run
-different batches of different lengths, each idle for one step."""
+"""MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE) against HF transformers on tiny random
+checkpoints: TP=1 logits and greedy tokens, both expert implementations, padding rows, layout
+errors, and TP=2 / DP=2 x EP=2 / TP=2 + EP=2 over a real 2-process gloo group in which the
+DP ranks run different batches of different lengths, each idle for one step."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ ARCHS = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
         num_hidden_layers=3, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # q/k norms with head_dim 32 != hidden / heads, renormalised top-2 of 4, layer 1 dense
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        random_norms=True)),
 }
 # two DP ranks' prompts: different counts and lengths
 PROMPTS = ([[5, 9, 33, 100, 7], [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 15, 200, 31]],

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral without sliding window), tensor-parallel.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral without sliding window), tensor-parallel.
 
 Module and parameter names mirror HF transformers so checkpoints load by name.
 """
@@ -64,17 +64,35 @@ class Attention(nn.Module):
                                                    shards=[tp, kv_shards, kv_shards])
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, comm)
         self.rotary = RotaryEmbedding(cfg)
+        # Qwen3: RMSNorm over each q and k head, after the projection and before rotary
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         # Bound by the worker once the paged cache exists: [num_blocks + 1, block_size, Hkv, D].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = ops.linear_rotary(x, self.qkv_proj.weight, self.qkv_proj.bias, positions,
-                                    self.rotary.cos, self.rotary.sin, self.head_dim,
-                                    self.num_heads, self.num_kv_heads)
+        q, k, v = self.qkv(positions, x)
         o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(t, -1))
+
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D]; q and k rotated. Without q/k norms the GEMM
+        and rotary are one op (fused for skinny batches on a GPU); with them the norms must
+        come between the two."""
+        w, b, cos, sin = self.qkv_proj.weight, self.qkv_proj.bias, self.rotary.cos, self.rotary.sin
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is None or self.k_norm is None:
+            return ops.linear_rotary(x, w, b, positions, cos, sin, d, hq, hk)
+        t = x.shape[0]
+        q, k, v = ops.linear(x, w, b).split([hq * d, hk * d, hk * d], dim=-1)
+        # one row per head: the fused rms_norm normalises the rows of a 2D tensor
+        q = self.q_norm(q.reshape(t * hq, d)).view(t, hq, d)
+        k = self.k_norm(k.reshape(t * hk, d)).view(t, hk, d)
+        q, k = ops.rotary(q, k, cos, sin, positions)
+        return q, k, v.view(t, hk, d)
 
 
 class MLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Sparse MoE decoders (Mixtral, Qwen2-MoE) with tensor- or expert-parallel experts.
+"""Sparse MoE decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) with tensor- or expert-parallel experts.
 
 Tensor parallel (no EP group): every rank holds every expert with its intermediate dim split
 over the TP group; the partial outputs are all-reduced, like the dense MLP.
@@ -150,8 +150,8 @@ class SparseMoeBlock(nn.Module):
         # the group whose partial outputs sum to the block's output (recorded at capture)
         self.comm = ep_comm if ep_comm is not None else comm
         self.expert_parallel = ep_comm is not None
-        # Qwen2-MoE weighs expert outputs in the model dtype, Mixtral in fp32 (as HF does)
-        self.scores_in_model_dtype = cfg.family == "qwen2_moe"
+        # Qwen2/3-MoE weigh expert outputs in the model dtype, Mixtral in fp32 (as HF does)
+        self.scores_in_model_dtype = cfg.family in ("qwen2_moe", "qwen3_moe")
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if cfg.shared_expert_intermediate_size:
@@ -187,7 +187,7 @@ class SparseMoeBlock(nn.Module):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """Llama-style attention, norms and embeddings; sparse layers use SparseMoeBlock. One
-    class serves Mixtral and Qwen2-MoE: the config says which parts a layer has."""
+    class serves Mixtral, Qwen2-MoE and Qwen3-MoE: the config says which parts a layer has."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm, ep_comm: Comm | None = None) -> None:
         def make_mlp(layer: int) -> nn.Module:
@@ -200,3 +200,4 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 MixtralForCausalLM = MoeForCausalLM
 Qwen2MoeForCausalLM = MoeForCausalLM
+Qwen3MoeForCausalLM = MoeForCausalLM
