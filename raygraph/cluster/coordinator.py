@@ -42,7 +42,6 @@ from raygraph.cluster.requests import (
     RequestTable,
     WorkerFailure,
     encode_prompt,
-    load_tokenizer,
     parse_params,
     split_prompts,
     take_deltas,
@@ -50,6 +49,7 @@ from raygraph.cluster.requests import (
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.cluster.sleep import SleepControl
 from raygraph.config import ModelConfig, ServeConfig
+from raygraph.generation import sampling_defaults
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
@@ -59,6 +59,7 @@ from raygraph.protocol import (
     StreamDelta,
     WorkerInfo,
 )
+from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger("raygraph.coordinator")
 
@@ -72,7 +73,12 @@ class Coordinator:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         cfg.parallel.check_model(self.model_cfg)
-        self.tokenizer = load_tokenizer(cfg.model)
+        # transformers takes seconds to import: the tokenizer loads while workers start
+        self.tokenizer: TextTokenizer | None = None
+        loader = concurrent.futures.ThreadPoolExecutor(1)
+        self._tokenizer_load = loader.submit(load_tokenizer, cfg.model)
+        loader.shutdown(wait=False)
+        self.sampling_defaults = sampling_defaults(cfg.model)  # generation_config.json
         self.workers: list[Any] = []
         self.infos: list[WorkerInfo] = []
         self.schedulers: list[Scheduler] = []  # one per DP group, each with its own KV pool
@@ -83,6 +89,7 @@ class Coordinator:
                                     self._call, offload=cfg.offload.budget_bytes is not None)
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self._ids = itertools.count()
+        self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -115,6 +122,7 @@ class Coordinator:
         t0 = time.perf_counter()
         self.loop = asyncio.get_running_loop()
         await self._start_workers()
+        self.tokenizer = self.clients.tokenizer = await asyncio.wrap_future(self._tokenizer_load)
         if self._thread is None:
             self._thread = threading.Thread(target=self._step_thread, name="raygraph-steps",
                                             daemon=True)
@@ -331,15 +339,51 @@ class Coordinator:
         try:
             while True:
                 delta = take_deltas(req.deltas, await req.deltas.get())
+                if req.error:  # the worker group failed: this request has no more output
+                    raise WorkerFailure(req.error)
                 yield delta
                 if delta.finish_reason is not None:
-                    if req.error:
-                        raise WorkerFailure(req.error)
                     return
         finally:
             if req.finish_reason is None:  # cancelled (the client went away): stop computing
-                self.clients.requests.pop(req.seq_id, None)
-                self._finish_on_stop_string(req.seq_id)  # frees it as a stop string would
+                self._abort(req.seq_id)
+
+    # ---- multiplexed streams: one Ray stream per client process (an HTTP replica) --------
+    async def subscribe(self, name: str) -> AsyncIterator[list[StreamDelta]]:
+        """Every delta of the streams submitted under `name` (`submit_stream`), as they come,
+        batched: one Ray message per batch instead of one per request and step (each costs
+        the coordinator ~0.2 ms). A delta with finish_reason "error" carries the error as
+        its text. Call with num_returns="streaming"; closing it cancels its streams."""
+        sink = self._sinks.setdefault(name, asyncio.Queue())
+        try:
+            while True:
+                batch = [await sink.get()]
+                while not sink.empty():
+                    batch.append(sink.get_nowait())
+                yield batch
+        finally:
+            self._sinks.pop(name, None)
+            for req in [r for r in self.clients.requests.values() if r.deltas is sink]:
+                self._abort(req.seq_id)
+
+    async def submit_stream(self, name: str, prompt: Any, params: Any = None) -> int:
+        """Start one streamed request whose deltas go to subscriber `name`; its request id.
+        Bad input raises BadRequest here, before anything is scheduled."""
+        await self._wait_serving()
+        (req,) = self._submit(prompt, params, stream=True)
+        # nothing was emitted yet: deltas come from this loop, which has not yielded since
+        req.deltas = self._sinks.setdefault(name, asyncio.Queue())
+        return req.seq_id
+
+    def cancel(self, request_ids: list[int]) -> None:
+        """Stop the given requests (their clients went away); finished ones are ignored."""
+        for seq_id in request_ids:
+            if seq_id in self.clients.requests:
+                self._abort(seq_id)
+
+    def _abort(self, seq_id: int) -> None:
+        self.clients.requests.pop(seq_id, None)
+        self._finish_on_stop_string(seq_id)  # frees it as a stop string would
 
     async def _wait_serving(self) -> None:
         """While the worker group restarts, new requests wait for it instead of failing."""
@@ -354,10 +398,10 @@ class Coordinator:
             reason = self.unhealthy_reason or "not started"
             raise WorkerFailure(f"coordinator is not serving: {reason}")
         self.sleeper.check_admit()  # Asleep: refused, nothing queued, nothing restarted
-        sp = parse_params(params)
+        sp = parse_params(params).resolved(self.sampling_defaults)
         items = [prompts] if stream else split_prompts(prompts)
         m = self.model_cfg
-        encoded = [encode_prompt(p, self.tokenizer, m.vocab_size, m.bos_token_id) for p in items]
+        encoded = [encode_prompt(p, self.tokenizer, m.vocab_size) for p in items]
         for ids in encoded:  # all checked before any is queued
             try:
                 self.schedulers[0].check_prompt(len(ids))
