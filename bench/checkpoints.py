@@ -18,6 +18,20 @@ PRESETS = {
     "mixtral-1b": dict(arch="Mixtral", hidden_size=1024, intermediate_size=2048,
                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                        vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
+    # Llama-3.2-1B's shape: llama3 rope, 128k vocabulary, tied embeddings (1.24 B params)
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      tie_word_embeddings=True, max_position_embeddings=16384,
+                      rope_parameters=dict(
+                          rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                          low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)),
+    # a Qwen3-style ~1B (Qwen3-1.7B's widths, 16 of its 28 layers): q/k norms, head_dim 128
+    # with 16 heads on a 2048 hidden size, 151936 vocabulary, tied embeddings (1.1 B params)
+    "qwen3-1b": dict(arch="Qwen3", hidden_size=2048, intermediate_size=6144,
+                     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                     rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
 }
 
 
@@ -30,7 +44,7 @@ def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16"
     torch.manual_seed(0)
     kw = dict(PRESETS[preset])
     arch = kw.pop("arch", "Llama")
-    cfg = getattr(transformers, f"{arch}Config")(max_position_embeddings=4096, **kw)
+    cfg = getattr(transformers, f"{arch}Config")(**{"max_position_embeddings": 4096, **kw})
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out)

@@ -16,7 +16,7 @@ from raygraph.memory.pages import BlockPool
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import randomise_caches
+from tests.conftest import make_checkpoint, randomise_caches
 
 pytestmark = pytest.mark.gpu
 
@@ -133,8 +133,15 @@ def test_skinny_gemv_kernels_match_torch_reference(m):
 
 
 @pytest.fixture(scope="module")
-def ckpt(gpu_llama):
-    return gpu_llama
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The GPU Llama, or (param "qwen3") its Qwen3 twin: q/k norms between the qkv GEMM and
+    rotary (no fused GEMM+rotary), head_dim 64 != hidden / heads."""
+    if getattr(request, "param", "llama") == "llama":
+        return request.getfixturevalue("gpu_llama")
+    return make_checkpoint(tmp_path_factory.mktemp("gpu-qwen3"), "Qwen3ForCausalLM",
+                           random_norms=True, vocab_size=512, hidden_size=256,
+                           intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=64)
 
 
 def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise") -> Worker:
@@ -163,8 +170,9 @@ def random_plan(rng: random.Random, decode: bool) -> StepPlan:
     return StepPlan(0, seqs)
 
 
-@pytest.mark.parametrize("decode,prefill_graph", [(True, "piecewise"), (False, "piecewise"),
-                                                  (False, "full")])
+@pytest.mark.parametrize("ckpt,decode,prefill_graph", [
+    ("llama", True, "piecewise"), ("llama", False, "piecewise"), ("llama", False, "full"),
+    ("qwen3", True, "piecewise"), ("qwen3", False, "full")], indirect=["ckpt"])
 def test_graph_replay_equals_eager(ckpt, decode, prefill_graph):
     g = worker(ckpt, "graph", "bfloat16", prefill_graph)
     e = worker(ckpt, "eager", "bfloat16")
@@ -178,8 +186,10 @@ def test_graph_replay_equals_eager(ckpt, decode, prefill_graph):
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("prefill_graph,longest", [("piecewise", 150), ("full", 150),
-                                                   ("full", 480), ("piecewise", 480)])
+@pytest.mark.parametrize("ckpt,prefill_graph,longest", [
+    ("llama", "piecewise", 150), ("llama", "full", 150), ("llama", "full", 480),
+    ("llama", "piecewise", 480), ("qwen3", "full", 150), ("qwen3", "piecewise", 480)],
+    indirect=["ckpt"])
 def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt, prefill_graph, longest):
     """Prompts up to `longest` tokens (the model's context is 512) in 128-token chunks:
     prefill, chunked prefill, mixed and decode steps through the served loop's logic."""
