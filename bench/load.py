@@ -233,6 +233,23 @@ def ray_client(coord: Any) -> Client:
     return stream
 
 
+def mux_client(coord: Any) -> Client:
+    """Coordinator streams multiplexed over one subscription (raygraph.cluster.streams, what
+    an HTTP replica uses): one chunk per merged delta, of len(token_ids)."""
+    from raygraph.cluster.streams import StreamHub
+
+    hub = StreamHub(coord)
+
+    async def stream(prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        rid = await hub.open(prompt, params)
+        while True:
+            delta = await hub.next(rid)
+            yield Chunk(time.perf_counter(), len(delta.token_ids))
+            if delta.finish_reason is not None:
+                return
+    return stream
+
+
 def http_client(session: Any, endpoint: str, model: str) -> Client:
     """OpenAI `POST /v1/completions` with stream and include_usage, over an aiohttp session:
     one token per SSE chunk with non-empty choices (text chunks do not say how many tokens
@@ -284,6 +301,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals per second; inf: all at once (the default)")
     g.add_argument("--num-prompts", type=int, default=None, help="default 200")
+    g.add_argument("--client", choices=["ray", "mux"], default="ray",
+                   help="without --endpoint: ray, a Ray stream per request "
+                        "(generate_stream); mux, every stream over one subscription")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at most (default: no cap)")
     g.add_argument("--input-len", type=int, default=512)

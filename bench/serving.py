@@ -245,10 +245,10 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         connect(None, log_to_driver=False)
         cfg = load_cfg(a, model, longest)
         coord = start_coordinator(cfg)
-        row = asyncio.run(load.benchmark(load.ray_client(coord), reqs, warmup, arrivals,
-                                         a.max_concurrency))
+        client = load.ray_client(coord) if a.client == "ray" else load.mux_client(coord)
+        row = asyncio.run(load.benchmark(client, reqs, warmup, arrivals, a.max_concurrency))
         ray.get(coord.shutdown.remote())
-        where = {"client": "ray", "device": cfg.device, "dtype": cfg.dtype}
+        where = {"client": a.client, "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
     print(load.format_table(row), file=sys.stderr, flush=True)
     row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "prefill_graph": a.prefill_graph,
