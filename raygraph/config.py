@@ -13,6 +13,8 @@ from typing import Literal
 
 import msgspec
 
+from raygraph.generation import eos_token_ids
+
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
 
 # RoPE variants model/rope.py computes (as transformers does)
@@ -140,8 +142,6 @@ class ModelConfig(msgspec.Struct, frozen=True):
         # Qwen3Config's head_dim defaults to 128, the others' to hidden / heads
         head_dim = hf.get("head_dim") or (
             128 if arch == "Qwen3ForCausalLM" else hf["hidden_size"] // num_heads)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return ModelConfig(
             path=str(path),
             architecture=arch,
@@ -162,7 +162,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            # config.json's, generation_config.json's and the tokenizer's: each one stops
+            eos_token_ids=eos_token_ids(path, hf.get("eos_token_id")),
             checkpoint_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             **_moe_fields(hf, arch),
         )

@@ -10,19 +10,33 @@ from msgspec import Meta
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# the sampling fields a request may leave out, and their values when the model has no
+# generation_config.json defaults: greedy, no top-k / top-p filter
+SAMPLING_FALLBACK: dict[str, float | int] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters."""
+    """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters.
+    None: not given; the coordinator fills it from the model's generation_config.json
+    (`resolved`), else from SAMPLING_FALLBACK."""
 
     max_tokens: Annotated[int, Meta(ge=1)] = 64
-    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
-    top_k: Annotated[int, Meta(ge=0)] = 0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     seed: int | None = None
     stop_token_ids: list[int] = []
     stop: list[str] = []
     ignore_eos: bool = False
     # return each output token's logprob and this many top alternatives (0: the token's only)
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+    def resolved(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """Every sampling field set: the given ones, else `defaults` (the model's), else
+        SAMPLING_FALLBACK."""
+        fill = {**SAMPLING_FALLBACK, **(defaults or {})}
+        unset = {k: fill[k] for k in SAMPLING_FALLBACK if getattr(self, k) is None}
+        return msgspec.structs.replace(self, **unset) if unset else self
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):

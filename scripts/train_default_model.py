@@ -23,7 +23,7 @@ from pathlib import Path
 from pydoc_data.topics import topics
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -51,7 +51,8 @@ def load_corpus() -> list[str]:
 
 
 def train_tokenizer(docs: list[str]) -> Tokenizer:
-    """Train a byte-level BPE tokenizer (no post-processor: callers add BOS themselves)."""
+    """Train a byte-level BPE tokenizer whose post-processor adds BOS (as AutoTokenizer
+    does with tokenizer_config.json's add_bos_token)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -63,6 +64,8 @@ def train_tokenizer(docs: list[str]) -> Tokenizer:
     )
     tok.train_from_iterator(docs, trainer=trainer)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [BOS_ID, EOS_ID, PAD_ID]
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", BOS_ID)])
     return tok
 
 
@@ -121,11 +124,11 @@ def train(model: LlamaForCausalLM, data: torch.Tensor, args: argparse.Namespace)
 
 
 def sample(model: LlamaForCausalLM, tok: Tokenizer, seed: int) -> dict[str, dict[str, str]]:
-    """Greedy and temperature-0.7 continuations of PROMPTS (BOS prepended by hand)."""
+    """Greedy and temperature-0.7 continuations of PROMPTS (BOS first)."""
     model.eval()
     out: dict[str, dict[str, str]] = {}
     for prompt in PROMPTS:
-        ids = torch.tensor([[BOS_ID] + tok.encode(prompt).ids])
+        ids = torch.tensor([tok.encode(prompt).ids])  # BOS from the post-processor
         texts = {}
         for name, kwargs in (
             ("greedy", {"do_sample": False}),
@@ -152,7 +155,7 @@ it produces Python-documentation-flavoured text, nothing more.
   (the `help()` topics), sorted by key, whitespace-normalised, documents
   separated by `<|eos|>`. License: Python Software Foundation License.
 - Tokenizer: byte-level BPE (`tokenizers`), specials `<|bos|>`=0, `<|eos|>`=1,
-  `<|pad|>`=2; no post-processor (the runtime adds BOS itself).
+  `<|pad|>`=2; the post-processor adds BOS (`add_bos_token` in tokenizer_config.json).
 - Training: {info["steps"]} AdamW steps x {info["batch_size"]} windows of
   {info["seq_len"]} tokens, peak lr {info["lr"]}, warmup + cosine, fp32 on CPU
   ({info["threads"]} threads, {info["train_seconds"]:.0f} s).
@@ -192,7 +195,7 @@ def main() -> None:
     tok = train_tokenizer(docs)
     ids: list[int] = []
     for doc in docs:
-        ids += tok.encode(doc).ids + [EOS_ID]
+        ids += tok.encode(doc, add_special_tokens=False).ids + [EOS_ID]
     data = torch.tensor(ids, dtype=torch.long)
     print(f"corpus: {len(docs)} topics, {sum(map(len, docs)):,} chars, {len(data):,} tokens")
 

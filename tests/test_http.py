@@ -19,9 +19,9 @@ from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError
 from raygraph.api.server import start_http, stop_http
 from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.requests import load_tokenizer
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams
+from raygraph.tokenizer import load_tokenizer
 
 KEY = "test-key"
 MODEL = "default_model"
@@ -101,7 +101,7 @@ def test_completion_equals_the_coordinator_and_streams_alike(ray_session, server
 
 def test_prompt_lists_and_token_ids(server, client):
     tok = load_tokenizer(DEFAULT_MODEL)
-    ids = [0, *tok.encode("A class").ids]
+    ids = tok.encode("A class")  # BOS first
     r = client.completions.create(model=MODEL, prompt=["A class", "The for statement"],
                                   max_tokens=4, **GREEDY)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, **GREEDY)
@@ -364,9 +364,11 @@ def test_health_is_503_once_the_coordinator_stops(ray_session, server, client):
 def test_chat_without_a_template_is_refused_and_a_given_one_is_used(tmp_path):
     for name in ("config.json", "tokenizer.json"):
         shutil.copy(f"{DEFAULT_MODEL}/{name}", tmp_path / name)
+    tok = load_tokenizer(str(tmp_path))
     with pytest.raises(ApiError) as e:
-        asyncio.run(ChatTemplate(str(tmp_path)).render([{"role": "user", "content": "hi"}]))
+        ChatTemplate(tok, str(tmp_path)).render([{"role": "user", "content": "hi"}])
     assert e.value.status == 400 and "no chat template" in e.value.message
-    given = ChatTemplate(str(tmp_path), "{% for m in messages %}<{{ m['content'] }}>"
+    given = ChatTemplate(tok, str(tmp_path), "{% for m in messages %}<{{ m['content'] }}>"
                          "{% endfor %}{% if add_generation_prompt %}!{% endif %}")
-    assert asyncio.run(given.render([{"role": "user", "content": "hi"}])) == "<hi>!"
+    ids = given.render([{"role": "user", "content": "hi"}])
+    assert ids == tok.encode("<hi>!", add_special_tokens=False)  # the template adds no BOS

@@ -30,9 +30,10 @@ from raygraph.api.schemas import (
     new_id,
     usage,
 )
-from raygraph.cluster.requests import encode_prompt, load_tokenizer, split_prompts
+from raygraph.cluster.requests import encode_prompt, split_prompts
 from raygraph.config import ModelConfig
 from raygraph.protocol import GenerateResult, SamplingParams, StreamDelta
+from raygraph.tokenizer import load_tokenizer
 
 
 class HttpConfig(msgspec.Struct, frozen=True):
@@ -59,10 +60,9 @@ class Front:
         self.name = cfg.served_model_name or Path(model_dir).name
         self.max_model_len = info["max_model_len"]
         self.tokenizer = load_tokenizer(model_dir)
-        m = ModelConfig.from_pretrained(model_dir)
-        self.vocab_size, self.bos = m.vocab_size, m.bos_token_id
+        self.vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
         self.logprobs = Logprobs(self.tokenizer)
-        self.chat = ChatTemplate(model_dir, cfg.chat_template)
+        self.chat = ChatTemplate(self.tokenizer, model_dir, cfg.chat_template)
         self.metrics = Metrics(self.name)
 
     # ---- requests in ------------------------------------------------------------------
@@ -72,7 +72,7 @@ class Front:
                            f"`{self.name}`).", "model", "model_not_found")
 
     def encode(self, prompt: Any) -> list[int]:
-        return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.bos)
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size)
 
     @staticmethod
     def choices(prompts: list[list[int]], sp: SamplingParams, n: int) -> list[Choice]:
@@ -297,11 +297,11 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     async def chat(body: ChatRequest, request: Request) -> Response:
         authorize(request)
         front.check_model(body.model)
-        text = await front.chat.render([m.text() for m in body.messages])
+        chat_ids = front.chat.render([m.text() for m in body.messages])
         top = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens or body.max_tokens or front.max_model_len
         try:
-            prompt = front.encode(text)
+            prompt = front.encode(chat_ids)
             sp = check_params(body.params(max_tokens, top if body.logprobs else None))
         except ValueError as e:
             raise translate(e) from None

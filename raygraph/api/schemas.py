@@ -8,9 +8,9 @@ import uuid
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
-from tokenizers import Tokenizer
 
 from raygraph.protocol import SamplingParams, TokenLogprobs
+from raygraph.tokenizer import TextTokenizer
 
 
 class StreamOptions(BaseModel):
@@ -23,8 +23,9 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: not given; the model's generation_config.json defaults apply, else greedy
+    temperature: float | None = None
+    top_p: float | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -32,7 +33,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # extras (vLLM's names)
-    top_k: int = 0  # 0 or -1: off
+    top_k: int | None = None  # 0 or -1: off
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
@@ -108,7 +109,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Logprobs:
     """OpenAI's two logprob shapes from TokenLogprobs; token strings from the tokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None) -> None:
         self.tokenizer = tokenizer
 
     def token(self, token_id: int) -> str:

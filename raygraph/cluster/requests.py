@@ -8,11 +8,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
-from tokenizers import Tokenizer
 
 from raygraph.protocol import (
     FinishReason,
@@ -22,6 +20,7 @@ from raygraph.protocol import (
     StreamDelta,
     TokenLogprobs,
 )
+from raygraph.tokenizer import TextTokenizer
 
 
 class BadRequest(ValueError):
@@ -44,11 +43,6 @@ class Asleep(RuntimeError):
 
 class Busy(RuntimeError):
     """Requests are in flight and the caller asked not to wait for them (sleep)."""
-
-
-def load_tokenizer(model_dir: str) -> Tokenizer | None:
-    path = Path(model_dir) / "tokenizer.json"
-    return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
 def parse_params(params: Any) -> SamplingParams:
@@ -78,17 +72,17 @@ def split_prompts(prompts: Any) -> list[str | list[int]]:
     )
 
 
-def encode_prompt(
-    prompt: Any, tokenizer: Tokenizer | None, vocab_size: int, bos: int | None
-) -> list[int]:
+def encode_prompt(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int) -> list[int]:
+    """Token ids as given (checked against the vocabulary), or text encoded exactly as
+    transformers' AutoTokenizer does (BOS only where the tokenizer adds it)."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise BadRequest("this model has no tokenizer.json: send token ids, not text")
+            raise BadRequest("this model has no tokenizer: send token ids, not text")
         if not prompt:
             raise BadRequest("empty prompt")
-        ids = tokenizer.encode(prompt).ids
-        if bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise BadRequest("the prompt encodes to no tokens")
         return ids
     if not isinstance(prompt, list | tuple) or not all(type(t) is int for t in prompt):
         kind = type(prompt).__name__
@@ -108,7 +102,7 @@ class Detokenizer:
     whole output: the coordinator's loop does this for every running request every step.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.text = ""
@@ -177,7 +171,7 @@ class RequestTable:
     """The requests in flight, on the coordinator's event loop: tokens in, text and stream
     deltas out. `on_stop_string(seq_id)` tells the step loop a stop string ended one."""
 
-    def __init__(self, tokenizer: Tokenizer | None,
+    def __init__(self, tokenizer: TextTokenizer | None,
                  on_stop_string: Callable[[int], None]) -> None:
         self.tokenizer = tokenizer
         self.on_stop_string = on_stop_string
@@ -238,7 +232,7 @@ class RequestTable:
         for req in self.requests.values():
             req.error = msg
             req.finish_reason = "error"
-            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error"))
+            req.deltas.put_nowait(StreamDelta(req.seq_id, [], msg, "error"))
         self.requests.clear()
 
     async def result(self, req: Request) -> GenerateResult:

@@ -176,7 +176,7 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put n tokens of seq into the step and account for them."""
         if not seq.tracked:
-            p = seq.params
+            p = seq.params.resolved()  # fields still None (not through the coordinator)
             out.new.append(NewSeq(seq.seq_id, p.temperature, p.top_k, p.top_p, p.seed,
                                   len(seq.output_token_ids),
                                   -1 if p.logprobs is None else p.logprobs))
