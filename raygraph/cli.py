@@ -30,6 +30,7 @@ from raygraph.config import (
     load_toml,
     parse_bytes,
 )
+from raygraph.hub import resolve_model
 from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams
 
@@ -42,7 +43,13 @@ D = ServeConfig()  # the defaults the flags fall back to (or a --config file's v
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="HF checkpoint dir (default: the built-in model)")
+                   help="HF checkpoint dir, or a hub id (org/name) downloaded before Ray "
+                        "starts (default: the built-in model)")
+    p.add_argument("--revision", default=None,
+                   help="hub branch, tag or commit of a hub id --model (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="hub download cache for a hub id --model; on a multi-node cluster "
+                        "a directory every node sees (default: HF_HUB_CACHE)")
     p.add_argument("--config", default=None, help="a TOML ServeConfig; flags override it")
     p.add_argument("--tp", type=int, default=None,
                    help=f"tensor-parallel size (default: {D.parallel.tp})")
@@ -100,6 +107,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (default: the checkpoint's "
                         "tokenizer_config.json chat_template)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP server actors sharing the port, for many concurrent streams "
+                        "(default: 1)")
     p.add_argument("--no-http", action="store_true",
                    help="no HTTP server: clients reach the coordinator through Ray only")
 
@@ -113,7 +123,7 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
     c, s = cfg.cache, cfg.scheduler
     return msgspec.structs.replace(
         cfg,
-        model=os.path.abspath(a.model) if a.model else cfg.model,
+        model=resolve_model(a.model or cfg.model, a.revision, a.download_dir),
         device=pick(a.device, cfg.device),
         dtype=pick(a.dtype, cfg.dtype),
         parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp), dp=pick(a.dp, cfg.parallel.dp),
@@ -169,6 +179,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.chat_template and not a.no_http:
         with open(a.chat_template) as f:
             template = f.read()
+    if a.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be >= 1, got {a.api_server_count}")
     if a.detach and not a.address:
         raise ConfigError(
             "--detach needs a Ray cluster that outlives this command: start one with "
@@ -185,9 +197,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from raygraph.api.app import HttpConfig
         from raygraph.api.server import start_http, stop_http
 
-        http = HttpConfig(a.host, a.port, a.api_key, a.served_model_name, template)
+        http = HttpConfig(a.host, a.port, a.api_key, a.served_model_name, template,
+                          replicas=a.api_server_count)
         try:
-            _, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace, a.detach)
+            servers, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace,
+                                      a.detach)  # kept: they live while serve runs
         except BaseException:  # no coordinator left behind that was asked to serve HTTP
             ray.get(coord.shutdown.remote())
             ray.kill(coord)
@@ -370,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="the Ray address `raygraph serve` printed (default: auto, the "
                           "local cluster)")
     gen.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0)")
-    gen.add_argument("--top-k", type=int, default=0, help="0 is off (default: 0)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 is greedy (default: the model's generation_config.json, else 0)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="nucleus sampling (default: the model's, else 1.0)")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="0 is off (default: the model's, else 0)")
     gen.add_argument("--seed", type=int, default=None, help="per-request seed (default: none)")
     gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="stop string, repeatable (default: none)")
