@@ -107,6 +107,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (default: the checkpoint's "
                         "tokenizer_config.json chat_template)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP server actors sharing the port, for many concurrent streams "
+                        "(default: 1)")
     p.add_argument("--no-http", action="store_true",
                    help="no HTTP server: clients reach the coordinator through Ray only")
 
@@ -176,6 +179,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.chat_template and not a.no_http:
         with open(a.chat_template) as f:
             template = f.read()
+    if a.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be >= 1, got {a.api_server_count}")
     if a.detach and not a.address:
         raise ConfigError(
             "--detach needs a Ray cluster that outlives this command: start one with "
@@ -192,9 +197,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from raygraph.api.app import HttpConfig
         from raygraph.api.server import start_http, stop_http
 
-        http = HttpConfig(a.host, a.port, a.api_key, a.served_model_name, template)
+        http = HttpConfig(a.host, a.port, a.api_key, a.served_model_name, template,
+                          replicas=a.api_server_count)
         try:
-            _, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace, a.detach)
+            servers, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace,
+                                      a.detach)  # kept: they live while serve runs
         except BaseException:  # no coordinator left behind that was asked to serve HTTP
             ray.get(coord.shutdown.remote())
             ray.kill(coord)

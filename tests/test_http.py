@@ -33,8 +33,8 @@ def server(ray_session):
     cfg = ServeConfig(device="cpu", coordinator_name="http-test", step_timeout_s=60,
                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
     coord = start_coordinator(cfg)
-    _, url = start_http(coord, HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
-                        cfg.namespace)
+    handles, url = start_http(coord, HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
+                              cfg.namespace)
     yield coord, url
     stop_http(cfg.coordinator_name, cfg.namespace)
     try:
@@ -345,6 +345,25 @@ def test_sleep_and_wake_endpoints(server, client):
     assert status == 200, body
     assert http(url + "/health")[0] == 200
     assert client.completions.create(model=MODEL, prompt="A class", max_tokens=2).usage
+
+
+def test_api_servers_share_one_port(ray_session, server):
+    """--api-server-count 2: two HTTP actors on one port (SO_REUSEPORT), one coordinator;
+    requests on fresh connections all succeed; stop_http stops both."""
+    coord, _ = server
+    name, ns = "replica-test", "raygraph"
+    handles, url = start_http(coord, HttpConfig(port=0, replicas=2), name, ns)
+    assert len(handles) == 2
+    ray_session.get_actor(f"{name}-http-1", namespace=ns)  # the second replica is there
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3,
+                       "ignore_eos": True, "stream": True}).encode()
+    for _ in range(12):  # urllib opens a new connection each time: the kernel spreads them
+        status, text = http(url + "/v1/completions", "POST", body,
+                            {"Content-Type": "application/json"})
+        assert status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert stop_http(name, ns)
+    with pytest.raises(ValueError):
+        ray_session.get_actor(f"{name}-http-1", namespace=ns)
 
 
 def test_health_is_503_once_the_coordinator_stops(ray_session, server, client):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible FastAPI app over a coordinator handle. It only translates:
-validates, tokenizes, calls the coordinator (`generate`, `generate_stream`, `stats`,
-sleep/wake) and streams back as SSE; no scheduling happens here."""
+validates, tokenizes, calls the coordinator (`generate`; streams over one subscription per
+replica, `cluster/streams.py`; `stats`, sleep/wake) and streams back as SSE; no scheduling
+happens here."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from raygraph.api.schemas import (
     usage,
 )
 from raygraph.cluster.requests import encode_prompt, split_prompts
+from raygraph.cluster.streams import StreamHub
 from raygraph.config import ModelConfig
 from raygraph.protocol import GenerateResult, SamplingParams, StreamDelta
 from raygraph.tokenizer import load_tokenizer
@@ -45,6 +47,9 @@ class HttpConfig(msgspec.Struct, frozen=True):
     served_model_name: str | None = None  # None: the checkpoint directory's name
     chat_template: str | None = None  # a Jinja template's text; None: the checkpoint's
     probe_timeout_s: float = 5.0  # /health and /metrics calls to the coordinator
+    # API server actors sharing the port (SO_REUSEPORT: the kernel spreads connections):
+    # one Python process sends a few thousand SSE chunks a second
+    replicas: int = 1
 
 
 # one SSE stream per choice: (choice index, prompt token ids, params)
@@ -64,6 +69,7 @@ class Front:
         self.logprobs = Logprobs(self.tokenizer)
         self.chat = ChatTemplate(self.tokenizer, model_dir, cfg.chat_template)
         self.metrics = Metrics(self.name)
+        self.streams = StreamHub(coord)
 
     # ---- requests in ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -109,36 +115,43 @@ class Front:
                            ) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Start a stream per choice and wait for each one's first delta, so a refused
         request fails before any byte is sent; then the merged deltas, as they come."""
-        gens = [self.coord.generate_stream.options(num_returns="streaming").remote(ids, sp)
-                for _, ids, sp in choices]
+        hub = self.streams
+        opened = await asyncio.gather(*(hub.open(ids, sp) for _, ids, sp in choices),
+                                      return_exceptions=True)
+        rids = [r for r in opened if isinstance(r, int)]
         try:
-            firsts = await asyncio.gather(*(_next(g) for g in gens))
+            failed = next((e for e in opened if isinstance(e, BaseException)), None)
+            if failed is not None:
+                raise failed
+            firsts = await asyncio.gather(*(hub.next(r) for r in rids))
         except Exception as e:
-            _cancel(gens)
+            hub.cancel(rids)
             raise translate(e) from None
-        return self._merge([c[0] for c in choices], gens, firsts)
+        return self._merge([c[0] for c in choices], rids, firsts)
 
-    async def _merge(self, indices: list[int], gens: list[Any], firsts: list[StreamDelta]
+    async def _merge(self, indices: list[int], rids: list[int], firsts: list[StreamDelta]
                      ) -> AsyncIterator[tuple[int, StreamDelta]]:
         queue: asyncio.Queue = asyncio.Queue()
+        done: set[int] = set()
 
-        async def pump(index: int, gen: Any, delta: StreamDelta) -> None:
+        async def pump(index: int, rid: int, delta: StreamDelta) -> None:
             gaps, tokens, last = [], 0, time.perf_counter()
             try:
                 while True:
                     tokens += len(delta.token_ids)
                     await queue.put((index, delta))
                     if delta.finish_reason is not None:
+                        done.add(rid)
                         self.metrics.finished(delta.timing, tokens, gaps)
                         return
-                    delta = await _next(gen)
+                    delta = await self.streams.next(rid)
                     now = time.perf_counter()
                     gaps.append(now - last)
                     last = now
             except Exception as e:
                 await queue.put((index, e))
 
-        tasks = [asyncio.create_task(pump(*a)) for a in zip(indices, gens, firsts)]
+        tasks = [asyncio.create_task(pump(*a)) for a in zip(indices, rids, firsts)]
         try:
             left = len(tasks)
             while left:
@@ -150,7 +163,7 @@ class Front:
         finally:  # the client went away, or a stream failed: stop the others
             for t in tasks:
                 t.cancel()
-            _cancel(gens)
+            self.streams.cancel([r for r in rids if r not in done])
 
     async def probe(self) -> tuple[bool, str]:
         """(serving, why not) from the coordinator."""
@@ -177,20 +190,6 @@ class Front:
         except Exception as e:
             raise translate(e) from None
         return stats, h2d
-
-
-async def _next(gen: Any) -> StreamDelta:
-    return await (await gen.__anext__())
-
-
-def _cancel(gens: list[Any]) -> None:
-    import ray
-
-    for g in gens:
-        try:
-            ray.cancel(g)
-        except Exception:
-            pass  # already finished
 
 
 def sse(obj: dict | str) -> str:

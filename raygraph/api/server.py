@@ -24,6 +24,8 @@ class HttpServer:
         # this actor's start-up error rather than a thread's log line
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if cfg.replicas > 1:  # only then: one server alone still fails on a port in use
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((cfg.host, cfg.port))
         except OSError as e:
@@ -51,39 +53,54 @@ class HttpServer:
         self.thread.join(timeout=10)
 
 
-def http_actor_name(coordinator_name: str) -> str:
-    return f"{coordinator_name}-http"
+def http_actor_name(coordinator_name: str, replica: int = 0) -> str:
+    return f"{coordinator_name}-http" + (f"-{replica}" if replica else "")
 
 
 def start_http(coord: Any, cfg: HttpConfig, coordinator_name: str, namespace: str,
-               detached: bool = False) -> tuple[Any, str]:
-    """Start the named HTTP actor on this node (the URL's host is this node's) and wait until
-    it listens; returns (handle, URL)."""
+               detached: bool = False) -> tuple[list[Any], str]:
+    """Start the named HTTP actors (cfg.replicas, on one port) on this node (the URL's host
+    is this node's) and wait until they listen; returns (their handles, URL). NOTE: keep the
+    handles: an actor that is not detached dies with its last handle."""
+    import msgspec
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
-    opts: dict[str, Any] = {
-        "name": http_actor_name(coordinator_name), "namespace": namespace, "num_cpus": 0,
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-    if detached:
-        opts["lifetime"] = "detached"
-    handle = ray.remote(HttpServer).options(**opts).remote(coord, cfg)
+    handles: list[Any] = []
+
+    def start(replica: int, replica_cfg: HttpConfig) -> str:
+        opts: dict[str, Any] = {
+            "name": http_actor_name(coordinator_name, replica), "namespace": namespace,
+            "num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        if detached:
+            opts["lifetime"] = "detached"
+        handles.append(ray.remote(HttpServer).options(**opts).remote(coord, replica_cfg))
+        return ray.get(handles[-1].url.remote())
+
     try:
-        return handle, ray.get(handle.url.remote())
+        url = start(0, cfg)
+        port = int(url.rsplit(":", 1)[1])  # port 0: the others join the one the first got
+        for replica in range(1, cfg.replicas):
+            start(replica, msgspec.structs.replace(cfg, port=port))
+        return handles, url
     except BaseException:
-        ray.kill(handle)
+        for h in handles:
+            ray.kill(h)
         raise
 
 
 def stop_http(coordinator_name: str, namespace: str) -> bool:
-    """Stop the named HTTP actor if there is one; whether there was."""
-    try:
-        handle = ray.get_actor(http_actor_name(coordinator_name), namespace=namespace)
-    except ValueError:
-        return False
-    try:
-        ray.get(handle.shutdown.remote(), timeout=15)
-    except Exception:
-        pass  # it is killed anyway
-    ray.kill(handle)
-    return True
+    """Stop the named HTTP actors if there are any; whether there were."""
+    replica = 0
+    while True:
+        try:
+            handle = ray.get_actor(http_actor_name(coordinator_name, replica),
+                                   namespace=namespace)
+        except ValueError:
+            return replica > 0
+        try:
+            ray.get(handle.shutdown.remote(), timeout=15)
+        except Exception:
+            pass  # it is killed anyway
+        ray.kill(handle)
+        replica += 1
