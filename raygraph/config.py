@@ -36,7 +36,7 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # config.json fields that change the math, with the values raygraph computes: any other value
 # is refused by name rather than ignored. An absent (or null) field takes HF's default, which
 # raygraph computes. Per architecture on top: Llama and Qwen3 bias o_proj too when
-# attention_bias is set. (The attention window fields belong to the sliding-window support.)
+# attention_bias is set. (The attention window fields: `_sliding_window`.)
 MATH_FIELDS: dict[str, tuple[object, ...]] = {
     "hidden_act": ("silu", "swish"),
     "mlp_bias": (False,),
@@ -72,6 +72,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False  # bias on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
+    sliding_window: int = 0  # > 0: each query sees its last this many keys (Mistral); 0: all
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -160,6 +161,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             attention_bias=arch == "Qwen2ForCausalLM"
             or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            sliding_window=_sliding_window(arch, hf, cfg_file),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             bos_token_id=hf.get("bos_token_id"),
             # config.json's, generation_config.json's and the tokenizer's: each one stops
@@ -177,6 +179,22 @@ def _check_math_fields(arch: str, hf: dict, rope: dict, cfg_file: Path) -> None:
         if value is not None and value not in accepted:
             raise ConfigError(f"{name}={value!r} in {cfg_file} is not supported for {arch}; "
                               f"supported: {list(accepted)}")
+
+
+def _sliding_window(arch: str, hf: dict, cfg_file: Path) -> int:
+    """The attention window of every layer (0: none), as transformers applies it: Mistral
+    and Mixtral by `sliding_window`; the Qwen families only with `use_sliding_window`, per
+    layer (refused: one window for all layers is what the kernels take)."""
+    kinds = set(hf.get("layer_types") or ())
+    if "sliding_attention" in kinds and kinds != {"sliding_attention"}:
+        raise ConfigError(f"layer_types in {cfg_file} mixes sliding-window and full attention "
+                          "layers; not supported")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return int(hf.get("sliding_window") or 0)
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"use_sliding_window=true in {cfg_file} is not supported for {arch} "
+                          "(windows per layer)")
+    return 0
 
 
 def _moe_fields(hf: dict, arch: str) -> dict:

@@ -119,13 +119,14 @@ class _Attn:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     scale: float
+    window: int
 
 
 def run_attention(a: _Attn, md: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
     """Eager attention between pieces with this step's metadata, into the shared output
     (K/V stored for the whole bucket, padding slots are -1; padding rows come out zero)."""
     return paged_attention(a.q, a.k, a.v, a.k_cache, a.v_cache, a.scale, md,
-                           out=out[: a.q.shape[0]])
+                           out=out[: a.q.shape[0]], window=a.window)
 
 
 class PiecewiseGraph:
@@ -159,11 +160,11 @@ class PiecewiseGraph:
         graph = new_graph()
         nodes: list[int | None] = []
 
-        def split(q, k, v, k_cache, v_cache, scale) -> torch.Tensor:
+        def split(q, k, v, k_cache, v_cache, scale, window) -> torch.Tensor:
             nonlocal graph
             nodes.append(end_capture(graph))
             self.graphs.append(graph)
-            self.attns.append(_Attn(q, k, v, k_cache, v_cache, scale))
+            self.attns.append(_Attn(q, k, v, k_cache, v_cache, scale, window))
             graph = new_graph()
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             return self.attn_out[:num_tokens]
@@ -183,9 +184,9 @@ class PiecewiseGraph:
     def run(self, md: AttentionMetadata) -> torch.Tensor:
         self.trace = []
         if not self.graphs:  # eager backend: the same split points, run live
-            def split(q, k, v, k_cache, v_cache, scale) -> torch.Tensor:
+            def split(q, k, v, k_cache, v_cache, scale, window) -> torch.Tensor:
                 self.trace += ["piece", "attention"]
-                return run_attention(_Attn(q, k, v, k_cache, v_cache, scale), md,
+                return run_attention(_Attn(q, k, v, k_cache, v_cache, scale, window), md,
                                      self.attn_out)
 
             out = self.forward(ForwardContext(attn=md, split=split))

@@ -31,9 +31,10 @@ class AttentionMetadata:
     decode: bool = False  # every sequence has exactly one query token
 
 
-# (q, k, v, k_cache, v_cache, scale) -> attention output; set by a piecewise executor
+# (q, k, v, k_cache, v_cache, scale, window) -> attention output; set by a piecewise executor
 SplitHook = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int],
+    torch.Tensor,
 ]
 
 

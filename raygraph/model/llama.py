@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral without sliding window), tensor-parallel.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral), tensor-parallel.
 
 Module and parameter names mirror HF transformers so checkpoints load by name.
 """
@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.kv_heads_per_rank(tp)
         self.head_dim = d
         self.scale = d**-0.5
+        self.window = cfg.sliding_window
         kv = cfg.num_kv_heads * d
         kv_shards = cfg.num_kv_heads // self.num_kv_heads  # < tp: KV heads replicated
         self.qkv_proj = MergedColumnParallelLinear(h, [cfg.num_heads * d, kv, kv], comm,
@@ -74,7 +75,7 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(positions, x)
-        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.window)
         return self.o_proj(o.reshape(t, -1))
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor

@@ -149,11 +149,11 @@ def store_kv(
 
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-    scale: float,
+    scale: float, window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each query over its sequence's cached keys (prefill, chunked
-    prefill and decode alike): gather blocks, pad queries per sequence, mask by position.
-    Padding rows (past md.num_tokens) come out as zeros."""
+    prefill and decode alike): gather blocks, pad queries per sequence, mask by position
+    (window > 0: only the last `window` keys). Padding rows (past md.num_tokens) are zeros."""
     # q: [T, Hq, D] -> out: [T, Hq, D]
     n = md.num_tokens
     token_seq, token_row = md.token_seq[:n], md.token_row[:n]
@@ -174,6 +174,8 @@ def paged_attention_ref(
     k = torch.where(owned, k, 0)
     v = torch.where(owned, v, 0)
     mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, Q, L]
+    if window > 0:
+        mask &= keys.view(1, 1, -1) > qpos.unsqueeze(-1) - window
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True,
@@ -186,7 +188,7 @@ def paged_attention_ref(
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, scale: float,
+    v_cache: torch.Tensor, scale: float, window: int = 0,
 ) -> torch.Tensor:
     """Store this step's K/V into the paged cache, then attend. Reads the forward context.
 
@@ -195,13 +197,14 @@ def attention(
     """
     ctx = get_forward_context()
     if ctx.split is not None:
-        return ctx.split(q, k, v, k_cache, v_cache, scale)
-    return paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn)
+        return ctx.split(q, k, v, k_cache, v_cache, scale, window)
+    return paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window)
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float, md: AttentionMetadata, out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Store this step's K/V, then attend: the Triton kernels on a GPU (decode: one query a
     sequence; anything else: the packed prefill kernel, no per-shape plan), the torch
@@ -210,12 +213,12 @@ def paged_attention(
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      k, v)
+                                      k, v, window)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
     if q.is_cuda:
         from raygraph.model.triton_attention import paged_prefill_attention
 
         return paged_prefill_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                       md.query_start, scale, out=out)
-    result = paged_attention_ref(q, k_cache, v_cache, md, scale)
+                                       md.query_start, scale, window, out=out)
+    result = paged_attention_ref(q, k_cache, v_cache, md, scale, window)
     return result if out is None else out.copy_(result)

@@ -28,7 +28,7 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -44,8 +44,11 @@ def _decode_split_kernel(
             off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
             tl.store(k_ptr + off, k_last)
             tl.store(v_ptr + off, v_last)
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
-    start = split * per_split
+    first = 0  # the window's first key (WINDOW > 0: the last WINDOW keys only)
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), TILE) * TILE
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
     t = tl.arange(0, TILE)
@@ -120,9 +123,10 @@ def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TI
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None, window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first."""
+    """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
+    window > 0: the query sees only its sequence's last `window` keys."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -141,7 +145,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        BS=block_size, TILE=TILE, SPLITS=splits, NUM_HEADS=num_heads, STORE=store,
+        BS=block_size, TILE=TILE, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
