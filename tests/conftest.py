@@ -100,6 +100,31 @@ def assert_close_across_shapes(got: torch.Tensor, want: torch.Tensor, msg=None) 
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=msg)
 
 
+def loaded_worker(cfg, num_blocks: int, capture: bool = False):
+    """A rank-0 Worker in this process, built as the coordinator builds it: loaded, its KV
+    cache bound, and (capture) the start-up capture schedule run."""
+    from raygraph.worker.worker import Worker
+
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(num_blocks)
+    if capture:
+        w.capture_all()
+    return w
+
+
+def serve_in_process(cfg, worker, seqs: list, num_blocks: int) -> list:
+    """`seqs` through the served loop's logic (EngineCore: deltas, tokens fed on the device,
+    replies a step late) against `worker` called directly; returns them, finished."""
+    from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
+
+    core = EngineCore.from_config(cfg, worker.model_cfg, num_blocks)
+    for s in seqs:
+        core.schedulers[0].add(s)
+    run_to_completion(core, local_dispatch(worker))
+    return seqs
+
+
 def randomise_caches(workers, seed: int) -> None:
     """The same random K/V contents in every worker's cache (graph and eager compared)."""
     for w in workers:

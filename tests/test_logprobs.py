@@ -16,7 +16,7 @@ from raygraph.config import DEFAULT_MODEL, CacheConfig, SchedulerConfig, ServeCo
 from raygraph.memory.pages import BlockPool
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
-from tests.conftest import dtype_tol
+from tests.conftest import dtype_tol, loaded_worker
 
 PROMPTS = [[0, 464, 1330, 2643], [0, 317, 1398], [0, 383, 329, 2643, 12, 90, 31]]
 
@@ -26,10 +26,7 @@ def worker():
     cfg = ServeConfig(model=DEFAULT_MODEL, device="cpu",
                       cache=CacheConfig(block_size=4, num_blocks=64),
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8))
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
-    w.allocate_kv_cache(64)
-    return w
+    return loaded_worker(cfg, 64)
 
 
 def hf_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, ServeConfig
 from raygraph.model.rope import rope_frequencies
 from raygraph.protocol import SamplingParams
-from raygraph.worker.worker import Worker
-from tests.conftest import make_checkpoint
+from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 from tests.hf_ref import hf_greedy
 
 VARIANTS = {
@@ -53,17 +51,11 @@ def test_greedy_tokens_equal_hf(checkpoint):
     _, path = checkpoint
     cfg = ServeConfig(model=str(path), device="cpu", cache=CacheConfig(block_size=4, num_blocks=96),
                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
-    w.allocate_kv_cache(96)
-    w.capture_all()  # keys as the coordinator captures them at start-up
+    w = loaded_worker(cfg, 96, capture=True)
     prompts = [[5, 9, 11] * 12, [7], [30 + i for i in range(20)]]  # several chunks each
-    core = EngineCore.from_config(cfg, w.model_cfg, 96)
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=12, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    for s in seqs:
-        core.schedulers[0].add(s)
-    run_to_completion(core, local_dispatch(w))
+    seqs = serve_in_process(cfg, w, [Sequence(i, p, SamplingParams(max_tokens=12,
+                                                                   ignore_eos=True))
+                                     for i, p in enumerate(prompts)], 96)
     assert [s.output_token_ids for s in seqs] == hf_greedy(path, prompts, 12)
 
 

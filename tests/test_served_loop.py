@@ -13,6 +13,7 @@ from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
 from raygraph.memory.pages import BlockPool
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
+from tests.conftest import loaded_worker
 from tests.hf_ref import hf_greedy
 
 
@@ -21,10 +22,7 @@ def worker(tiny_llama):
     cfg = ServeConfig(model=str(tiny_llama), device="cpu",
                       cache=CacheConfig(block_size=4, num_blocks=64),
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12))
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
-    w.allocate_kv_cache(64)
-    return w
+    return loaded_worker(cfg, 64)
 
 
 def run(worker: Worker, prompts: list[list[int]], params: list[SamplingParams],

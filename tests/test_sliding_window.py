@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
     CacheConfig,
@@ -20,8 +19,7 @@ from raygraph.config import (
     ServeConfig,
 )
 from raygraph.protocol import SamplingParams
-from raygraph.worker.worker import Worker
-from tests.conftest import make_checkpoint
+from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 from tests.hf_ref import hf_greedy
 
 WINDOW = 8
@@ -41,17 +39,11 @@ def test_greedy_tokens_equal_hf(mistral, mode):
                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                 max_model_len=128),
                       graph=GraphConfig(mode=mode))
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
+    w = loaded_worker(cfg, 96, capture=True)
     assert w.model_cfg.sliding_window == WINDOW
-    w.allocate_kv_cache(96)
-    w.capture_all()  # what the coordinator's start-up does (keys checked on CPU)
-    core = EngineCore.from_config(cfg, w.model_cfg, 96)
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=12, ignore_eos=True))
-            for i, p in enumerate(PROMPTS)]
-    for s in seqs:
-        core.schedulers[0].add(s)
-    run_to_completion(core, local_dispatch(w))
+    seqs = serve_in_process(cfg, w, [Sequence(i, p, SamplingParams(max_tokens=12,
+                                                                   ignore_eos=True))
+                                     for i, p in enumerate(PROMPTS)], 96)
     assert [s.output_token_ids for s in seqs] == hf_greedy(mistral, PROMPTS, 12)
 
 

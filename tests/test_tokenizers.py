@@ -30,7 +30,7 @@ from raygraph.generation import eos_token_ids, sampling_defaults
 from raygraph.hub import resolve_model
 from raygraph.protocol import SamplingParams
 from raygraph.tokenizer import load_tokenizer
-from tests.conftest import make_checkpoint
+from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -138,9 +138,7 @@ def test_eos_ids_merge_config_generation_config_and_tokenizer(tmp_path):
 def test_a_generation_config_eos_list_stops_the_sequence(tmp_path):
     """Any id of generation_config.json's eos_token_id list ends a sequence, through the
     scheduler the served loop runs (a worker in process, greedy tokens as HF's)."""
-    from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
     from raygraph.cluster.scheduler import Sequence
-    from raygraph.worker.worker import Worker
     from tests.hf_ref import hf_greedy
 
     path = make_checkpoint(tmp_path / "m", "LlamaForCausalLM")
@@ -152,16 +150,11 @@ def test_a_generation_config_eos_list_stops_the_sequence(tmp_path):
                                                              "eos_token_id": [2, ref[at]]}))
     cfg = ServeConfig(model=str(path), device="cpu", graph=GraphConfig(mode="eager"),
                       cache=CacheConfig(block_size=4, num_blocks=32))
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
-    w.allocate_kv_cache(32)
+    w = loaded_worker(cfg, 32)
     assert ref[at] in w.model_cfg.eos_token_ids
-    core = EngineCore.from_config(cfg, w.model_cfg, 32)
-    seqs = [Sequence(0, prompt, SamplingParams(max_tokens=12)),
-            Sequence(1, prompt, SamplingParams(max_tokens=12, ignore_eos=True))]
-    for s in seqs:
-        core.schedulers[0].add(s)
-    run_to_completion(core, local_dispatch(w))
+    seqs = serve_in_process(cfg, w, [
+        Sequence(0, prompt, SamplingParams(max_tokens=12)),
+        Sequence(1, prompt, SamplingParams(max_tokens=12, ignore_eos=True))], 32)
     assert seqs[0].finish_reason == "stop" and seqs[0].output_token_ids == ref[: at + 1]
     assert seqs[1].finish_reason == "length" and seqs[1].output_token_ids == ref
 
