@@ -317,6 +317,35 @@ def test_a_client_that_goes_away_stops_its_stream(ray_session, server, client):
     assert stats["tokens_generated"] - before < 400  # aborted, not run to max_tokens
 
 
+def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
+    """StreamHub over the real coordinator: a cancelled request stops, its deltas still in
+    flight are dropped, and the coordinator's closing "abort" delta clears its record, so
+    nothing is kept per cancelled request; the others on the subscription go on."""
+    from raygraph.cluster.streams import StreamHub
+
+    async def run() -> tuple[StreamHub, list[int]]:
+        hub = StreamHub(server[0])
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        gone = await hub.open([5, 6, 7], params)
+        kept = await hub.open([5, 6, 8], SamplingParams(max_tokens=8, ignore_eos=True))
+        await hub.next(gone)
+        hub.cancel([gone])
+        tokens = []
+        while True:
+            d = await hub.next(kept)
+            tokens += d.token_ids
+            if d.finish_reason is not None:
+                break
+        deadline = time.monotonic() + 20
+        while hub._cancelled and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return hub, tokens
+
+    hub, tokens = asyncio.run(run())
+    assert len(tokens) == 8
+    assert hub._cancelled == set() and hub.queues == {}
+
+
 def test_sleep_and_wake_endpoints(server, client):
     url = server[1]
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -376,10 +376,13 @@ class Coordinator:
         return req.seq_id
 
     def cancel(self, request_ids: list[int]) -> None:
-        """Stop the given requests (their clients went away); finished ones are ignored."""
+        """Stop the given requests (their clients went away); finished ones are ignored. A
+        subscribed stream gets a last "abort" delta, after which nothing comes for it."""
         for seq_id in request_ids:
-            if seq_id in self.clients.requests:
+            req = self.clients.requests.get(seq_id)
+            if req is not None:
                 self._abort(seq_id)
+                req.deltas.put_nowait(StreamDelta(seq_id, [], None, "abort"))
 
     def _abort(self, seq_id: int) -> None:
         self.clients.requests.pop(seq_id, None)

@@ -21,6 +21,8 @@ class StreamHub:
         self.coord = coord
         self.name = f"http-{secrets.token_hex(6)}"
         self.queues: dict[int, asyncio.Queue[StreamDelta]] = {}
+        # cancelled here: their deltas still in flight are dropped until their last one
+        self._cancelled: set[int] = set()
         self._pump_task: asyncio.Task | None = None
 
     def _queue(self, request_id: int) -> asyncio.Queue[StreamDelta]:
@@ -32,7 +34,11 @@ class StreamHub:
         try:
             async for ref in gen:
                 for delta in await ref:
-                    self._queue(delta.request_id).put_nowait(delta)
+                    rid = delta.request_id
+                    if rid not in self._cancelled:
+                        self._queue(rid).put_nowait(delta)
+                    elif delta.finish_reason is not None:
+                        self._cancelled.discard(rid)
         except Exception as e:  # the coordinator is gone: every open stream ends with it
             why = f"the stream subscription failed: {last_line(e)}"
         for rid, q in self.queues.items():
@@ -54,7 +60,9 @@ class StreamHub:
         return delta
 
     def cancel(self, request_ids: list[int]) -> None:
+        """Stop requests whose client went away (the coordinator ends each with "abort")."""
         for rid in request_ids:
             self.queues.pop(rid, None)
+        self._cancelled.update(request_ids)
         if request_ids:
             self.coord.cancel.remote(request_ids)
