@@ -282,13 +282,20 @@ class ParallelConfig(msgspec.Struct, frozen=True):
 
 
 class CacheConfig(msgspec.Struct, frozen=True):
-    """KV cache sizing: an explicit block count, a byte budget, or a GPU memory fraction."""
+    """KV cache sizing: an explicit block count, a byte budget, or a GPU memory fraction.
+
+    high_watermark / low_watermark: fractions of the page pool in use (pinned or cached).
+    Once use passes high_watermark, cached pages are evicted (LRU) until it is back at
+    low_watermark: evictions come in batches, not one page per allocation, and some pages
+    stay free. 1.0 / 1.0 evicts only on demand."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_bytes: int = 64 << 20
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -297,6 +304,11 @@ class CacheConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ConfigError(
+                "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, got "
+                f"low {self.low_watermark}, high {self.high_watermark}"
+            )
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):
