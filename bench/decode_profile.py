@@ -26,9 +26,13 @@ from raygraph.worker.worker import Worker
 
 
 def kernel_table(worker: Worker, batch: int, replays: int = 20) -> dict:
-    """GPU time per kernel name over one replay, and the replay's wall time."""
+    """GPU time per kernel name over one replay of the decode graph of `batch`."""
     ex = worker.executor
-    graph = ex.graphs[ex.buckets.key(batch, batch, True)].graph
+    return graph_kernels(ex.graphs[ex.buckets.key(batch, batch, True)].graph, replays)
+
+
+def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 20, top: int = 16) -> dict:
+    """GPU time per kernel name over one replay of a captured graph (torch.profiler)."""
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -44,7 +48,7 @@ def kernel_table(worker: Worker, batch: int, replays: int = 20) -> dict:
                   reverse=True)
     return {"kernels_per_replay": round(sum(r[1] for r in rows), 1),
             "kernel_us_per_replay": round(sum(r[0] for r in rows), 1),
-            "top": [(n, round(us, 1), c) for us, c, n in rows[:16]]}
+            "top": [(n, round(us, 1), c) for us, c, n in rows[:top]]}
 
 
 def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> dict:

@@ -116,15 +116,20 @@ def attention_ops(worker: Worker, blocks: int) -> list[dict]:
     return rows
 
 
-def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
+def prefill_worker(model: str, mode: str, blocks: int) -> Worker:
     cfg = ServeConfig(
-        model=model, device="cuda", cache=CacheConfig(block_size=BS, num_blocks=a.blocks),
+        model=model, device="cuda", cache=CacheConfig(block_size=BS, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
         graph=GraphConfig(decode_sizes=[1], max_prefill=2048, prefill_graph=mode),
     ).resolved(1)
     worker = Worker(cfg, 0)
     worker.load(("127.0.0.1", 0))
-    worker.allocate_kv_cache(a.blocks)
+    worker.allocate_kv_cache(blocks)
+    return worker
+
+
+def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
+    worker = prefill_worker(model, mode, a.blocks)
     t0 = time.perf_counter()
     records = [r for r in worker.capture_all() if r.key.phase == "prefill"]
     capture_s = time.perf_counter() - t0
@@ -174,6 +179,20 @@ def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
         out["attention_op_per_layer"] = attention_ops(worker, a.blocks)
     worker.shutdown()
     return out
+
+
+def profile(worker: Worker, blocks: int) -> None:
+    """Where a 2048-token full prefill graph's time goes: GPU time per kernel of one replay,
+    after a step of each composition has filled the input buffers."""
+    from bench.decode_profile import graph_kernels
+
+    worker.capture_all()
+    rng = random.Random(3)
+    for num, n in ((1, 2048), (16, 128)):
+        timed_step(worker, plan_of([(0, n)] * num, rng, blocks))
+        graph = worker.executor.graphs[worker.executor.last_key].graph
+        print(json.dumps({"composition": f"{num}x{n}", **graph_kernels(graph, top=30)}),
+              flush=True)
 
 
 def sweep(worker: Worker, blocks: int) -> None:
@@ -227,6 +246,8 @@ def main() -> None:
     p.add_argument("--no-ops", dest="ops", action="store_false",
                    help="skip the attention-op comparison with the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernel's tile configs only")
+    p.add_argument("--profile", action="store_true",
+                   help="kernel times inside the full 2048-token prefill graph only")
     a = p.parse_args()
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
     if a.sweep:
@@ -237,6 +258,9 @@ def main() -> None:
         worker.allocate_kv_cache(a.blocks)
         return sweep(worker, a.blocks)
     rate = matmul_rate()
+    if a.profile:
+        print(json.dumps({"matmul_tflops": round(rate / 1e12, 1)}))
+        return profile(prefill_worker(model, "full", a.blocks), a.blocks)
     for mode in a.modes:
         print(json.dumps({"preset": a.preset, **run_mode(model, mode, a, rate),
                           "device": torch.cuda.get_device_name()}), flush=True)

@@ -12,7 +12,7 @@ import torch
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.buckets import bucket, capture_schedule, capture_sizes, default_capture_sizes
 from raygraph.graph.executor import EagerExecutor, GraphExecutor
-from raygraph.graph.inputs import InputBuffers, host_inputs
+from raygraph.graph.inputs import InputBuffers, host_inputs, prepare_batch
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import assert_close_across_shapes, randomise_caches
@@ -53,12 +53,29 @@ def plan_of(seqs: list[tuple[int, int]], rng: random.Random, vocab: int = 256) -
     return StepPlan(1, chunks)
 
 
+def expected_slots(plan: StepPlan) -> list[int]:
+    return [c.block_table[p // BS] * BS + p % BS for c in plan.seqs
+            for p in range(c.start_pos, c.start_pos + len(c.token_ids))]
+
+
+def test_slots_follow_each_sequences_block_table():
+    """Chunks that start mid-block and cross blocks, on scattered tables: the buffers (graph
+    path) and fresh tensors (eager path) get each token's slot in its own block."""
+    plan = plan_of([(5, 30), (0, 1), (17, 40), (0, 16)], random.Random(3))
+    bufs = InputBuffers(max_tokens=128, max_seqs=8, max_blocks=16, device=torch.device("cpu"))
+    bufs.fill(host_inputs(plan, BS), num_tokens=96, num_seqs=8)
+    assert bufs.slot_mapping[:87].tolist() == expected_slots(plan)
+    md = prepare_batch(plan, BS, torch.device("cpu")).ctx.attn
+    assert md.slot_mapping.tolist() == expected_slots(plan)
+
+
 def test_buffers_pad_with_minus_one_slots_and_empty_sequences():
     bufs = InputBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"))
     plan = plan_of([(5, 1), (0, 1), (9, 1)], random.Random(0))
     h = host_inputs(plan, BS)
     bufs.fill(h, num_tokens=8, num_seqs=8)
-    assert bufs.slot_mapping[:3].tolist() == h.slots and (bufs.slot_mapping[3:8] == -1).all()
+    assert bufs.slot_mapping[:3].tolist() == expected_slots(plan)
+    assert (bufs.slot_mapping[3:8] == -1).all()
     assert bufs.seq_lens[:3].tolist() == [6, 1, 10] and (bufs.seq_lens[3:8] == 0).all()
     assert (bufs.block_tables[3:8] == 0).all() and (bufs.input_ids[3:8] == 0).all()
     assert bufs.token_seq[:8].tolist() == list(range(8))  # padding tokens: their own rows
@@ -183,7 +200,7 @@ def test_padding_never_writes_a_real_kv_slot(workers, full_prefill, phase):
         layer.k_cache.fill_(sentinel)
         layer.v_cache.fill_(sentinel)
     ex.logits(plan)
-    real = set(h.slots)
+    real = set(expected_slots(plan))
     for layer in g.model.attention_layers():
         for cache in (layer.k_cache, layer.v_cache):
             flat = cache.view(-1, cache.shape[2] * cache.shape[3])

@@ -162,7 +162,7 @@ def paged_decode_attention(
 def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, end, d, dmask,
                   scale_log2, stride_kb, stride_ks, stride_kh, stride_bt, BS: tl.constexpr,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys into the online softmax; MASK=False: every key is visible to every
     query row (tiles wholly below the causal diagonal)."""
     pos = n0 + tl.arange(0, BLOCK_N)
@@ -176,8 +176,11 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     if MASK:
         k = tl.load(k_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0)
+    elif EVEN_D:  # no mask at all: the loads vectorise
+        k = tl.load(k_ptr + off)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_ptr + off)
     else:
-        k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASK:
@@ -186,7 +189,10 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
             seen = seen & (pos[None, :] > qpos[:, None] - WINDOW)
         s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+    if MASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+    else:  # every key visible: every row's maximum is finite
+        m_use = m_new
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
@@ -194,16 +200,58 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     return acc, m_new, l_sum
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
+def _zero_padding_rows(out_ptr, starts_ptr, num_seqs, num_tokens, z, kvh, stride_ot, stride_oh,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       D: tl.constexpr, D_PAD: tl.constexpr, ZERO_BLOCKS: tl.constexpr):
+    """Zeros for the padding rows (past the last sequence's queries) among this program's
+    ZERO_BLOCKS x BLOCK_Q rows: no separate fill of the whole output."""
+    pad_start = tl.load(starts_ptr + num_seqs)
+    z0 = z * ZERO_BLOCKS * BLOCK_Q
+    if z0 + ZERO_BLOCKS * BLOCK_Q > pad_start:
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        g = rows % GROUP_PAD
+        d = tl.arange(0, D_PAD)
+        zeros = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], out_ptr.dtype.element_ty)
+        for i in range(ZERO_BLOCKS):
+            t = z0 + i * BLOCK_Q + rows // GROUP_PAD
+            mask = (t >= pad_start) & (t < num_tokens) & (g < GROUP)
+            tl.store(out_ptr + t[:, None] * stride_ot + (kvh * GROUP + g)[:, None] * stride_oh
+                     + d[None, :], zeros, mask=mask[:, None] & (d < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "attn_programs"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, num_seqs, scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
-    D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, num_seqs, num_tokens,
+    attn_programs, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
+    stride_kh, stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, ZERO_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)
+    if tl.program_id(1) >= attn_programs:
+        _zero_padding_rows(out_ptr, starts_ptr, num_seqs, num_tokens,
+                           tl.program_id(1) - attn_programs, kvh, stride_ot, stride_oh, GROUP,
+                           GROUP_PAD, BLOCK_Q, D, D_PAD, ZERO_BLOCKS)
+    else:
+        _prefill_block(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr,
+                       num_seqs, attn_programs - 1 - tl.program_id(1), kvh, scale_log2,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
+                       stride_kh, stride_bt, GROUP, GROUP_PAD, BLOCK_Q, D, D_PAD, BS, BLOCK_N,
+                       WINDOW, PRECISION)
+
+
+@triton.jit
+def _prefill_block(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, num_seqs, pid, kvh,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One block of BLOCK_Q query positions x the KV head's query heads. Blocks are taken
+    last first (pid counts down): a causal sequence's heaviest blocks, whose queries see
+    every key, start in the first wave, not the tail."""
     # the sequence of this query block: the last b with starts[b] // BLOCK_Q + b <= pid
     lo = tl.full([], 0, tl.int32)
     hi = lo + num_seqs
@@ -244,12 +292,12 @@ def _prefill_kernel(
             acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
                                           kvh, qpos, end, d, dmask, scale_log2, stride_kb,
                                           stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
-                                          False, PRECISION)
+                                          False, D == D_PAD, PRECISION)
         for n0 in range(diag, end, BLOCK_N):
             acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
                                           kvh, qpos, end, d, dmask, scale_log2, stride_kb,
                                           stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
-                                          True, PRECISION)
+                                          True, D == D_PAD, PRECISION)
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot
                  + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
@@ -257,6 +305,7 @@ def _prefill_kernel(
 
 
 PrefillTiles = tuple[int, int, int, int]  # query rows, keys per tile, warps, stages
+ZERO_BLOCKS = 8  # query blocks of padding rows one program zeroes
 
 
 def prefill_tiles(head_dim: int) -> PrefillTiles:
@@ -291,23 +340,24 @@ def paged_prefill_attention(
     if k_cache.stride(1) != num_kv_heads * head_dim or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must be contiguous and alike")
     if out is None:
-        out = torch.zeros_like(q)
-    else:
-        out.zero_()
+        out = torch.empty_like(q)
     rows, block_n, warps, stages = tiles or prefill_tiles(head_dim)
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, rows // group_pad)
     num_seqs = block_tables.shape[0]
-    # each sequence's query blocks start at a block of their own: at most T / BLOCK_Q + B
-    programs = num_tokens // block_q + min(num_seqs, num_tokens)
-    _prefill_kernel[(programs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, num_seqs,
-        scale * 1.4426950408889634,  # exp2: scores in log2 units
+    # each sequence's query blocks start at a block of their own: at most T / BLOCK_Q + B;
+    # then the programs that zero the padding rows, ZERO_BLOCKS query blocks each
+    attn_programs = num_tokens // block_q + min(num_seqs, num_tokens)
+    zero_programs = -(-num_tokens // (ZERO_BLOCKS * block_q))
+    # KV heads vary fastest: the heads of one query block run side by side
+    _prefill_kernel[(num_kv_heads, attn_programs + zero_programs)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, num_seqs, num_tokens,
+        attn_programs, scale * 1.4426950408889634,  # exp2: scores in log2 units
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BS=block_size, BLOCK_N=block_n, WINDOW=window,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages,
+        ZERO_BLOCKS=ZERO_BLOCKS, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
     )
     return out
