@@ -67,7 +67,8 @@ def mib(n: int | None) -> float | None:
     return None if n is None else round(n / MiB, 1)
 
 
-def cycle(w: Worker, level: int, before: list[list[int]], max_tokens: int) -> dict:
+def cycle(w: Worker, level: int, before: list[list[int]], max_tokens: int,
+          asleep_s: float = 0.0) -> dict:
     graphs = dict(getattr(w.executor, "graphs", {}))
     held = physical_bytes(w)
     free0 = device_free(w)
@@ -75,6 +76,7 @@ def cycle(w: Worker, level: int, before: list[list[int]], max_tokens: int) -> di
     slept = w.sleep(level)
     sleep_s = time.perf_counter() - t0
     free1, asleep = device_free(w), physical_bytes(w)
+    time.sleep(asleep_s)  # the driver scrubs released memory meanwhile (see --asleep-s)
     t0 = time.perf_counter()
     woke = w.wake_up()
     wake_s = time.perf_counter() - t0
@@ -83,7 +85,7 @@ def cycle(w: Worker, level: int, before: list[list[int]], max_tokens: int) -> di
     after = greedy_tokens(w, PROMPTS, max_tokens)
     now = getattr(w.executor, "graphs", {})
     return {
-        "level": level, "device": str(w.device),
+        "level": level, "device": str(w.device), "asleep_s": asleep_s,
         "free_awake_mib": mib(free0), "free_asleep_mib": mib(free1), "free_woken_mib": mib(free2),
         "released_mib": mib(None if free0 is None else free1 - free0),
         "retaken_mib": mib(None if free0 is None else free1 - free2),
@@ -139,6 +141,10 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: sized from free memory, as serving does)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--asleep-s", type=float, nargs="+", default=[0.0],
+                   help="seconds asleep before each wake (every level runs once per value): "
+                        "a wake right after the release waits for the driver to scrub the "
+                        "chunks it hands back")
     a = p.parse_args()
     gpu = a.device == "cuda"
     a.max_decode = a.max_decode or (256 if gpu else 16)
@@ -146,7 +152,8 @@ def main() -> None:
     w = make_worker(a)
     before = greedy_tokens(w, PROMPTS, a.max_tokens)
     for level in a.levels:
-        print(json.dumps(cycle(w, level, before, a.max_tokens)), flush=True)
+        for asleep_s in a.asleep_s:
+            print(json.dumps(cycle(w, level, before, a.max_tokens, asleep_s)), flush=True)
     w.shutdown()
 
 

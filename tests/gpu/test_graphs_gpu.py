@@ -257,3 +257,47 @@ def test_fused_silu_mul_and_store_kv_match_torch_reference():
         # the torch path parks padding rows in the scratch (last) slot; the kernel skips them
         c.view(-1, 2, 64)[-1] = 7.0
         assert torch.equal(c, g.cpu())
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled specialisations of every Triton kernel raygraph launches, by name."""
+    import triton
+
+    from raygraph.model import triton_attention, triton_gemv, triton_ops
+
+    out = {}
+    for mod in (triton_attention, triton_gemv, triton_ops):
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, triton.runtime.JITFunction):
+                continue
+            if hasattr(fn, "device_caches"):  # triton 3.x: device -> (kernel cache, ...)
+                out[name] = sum(len(c[0]) for c in fn.device_caches.values())
+            elif hasattr(fn, "cache"):
+                out[name] = sum(len(c) for c in fn.cache.values())
+            else:
+                pytest.skip("this triton keeps its kernel cache elsewhere")
+    return out
+
+
+@pytest.mark.parametrize("prefill_graph", ["full", "piecewise"])
+def test_no_kernel_compiles_after_capture(gpu_llama, prefill_graph):
+    """Capture compiles everything a served step runs: prefill steps of new compositions
+    (1-11 sequences, so 1-11 sampled rows: each skinny-GEMM regime of the eager logits)
+    compile nothing. A compile in a step is the 150+ ms first-shape spike."""
+    cfg = ServeConfig(
+        model=str(gpu_llama), device="cuda", dtype="bfloat16",
+        cache=CacheConfig(block_size=16, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128),
+        graph=GraphConfig(decode_sizes=[1], prefill_graph=prefill_graph),  # as bench.prefill
+    )
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    w.allocate_kv_cache(256)
+    w.capture_all()
+    before = compiled_variants()
+    rng = random.Random(21)
+    for _ in range(12):
+        w.executor.logits(random_plan(rng, decode=False))
+    torch.cuda.synchronize()
+    assert compiled_variants() == before
+    w.shutdown()
