@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from raygraph.cluster.scheduler import Sequence
-from raygraph.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, ServeConfig
+from raygraph.config import (
+    CacheConfig,
+    ConfigError,
+    GraphConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
 from raygraph.model.rope import rope_frequencies
 from raygraph.protocol import SamplingParams
 from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
@@ -47,16 +54,40 @@ def test_frequencies_equal_transformers(checkpoint):
     assert scale == pytest.approx(want_scale)
 
 
-def test_greedy_tokens_equal_hf(checkpoint):
+# 1 to 150 tokens in 16-token chunks: positions past original_max_position_embeddings
+PROMPTS = [[5, 9, 11] * 12, [7], [30 + i for i in range(20)],
+           [(7 * i) % 250 + 3 for i in range(150)]]
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_greedy_tokens_equal_hf(checkpoint, mode):
     _, path = checkpoint
-    cfg = ServeConfig(model=str(path), device="cpu", cache=CacheConfig(block_size=4, num_blocks=96),
-                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
-    w = loaded_worker(cfg, 96, capture=True)
-    prompts = [[5, 9, 11] * 12, [7], [30 + i for i in range(20)]]  # several chunks each
+    cfg = ServeConfig(model=str(path), device="cpu",
+                      cache=CacheConfig(block_size=4, num_blocks=128),
+                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                      graph=GraphConfig(mode=mode))
+    w = loaded_worker(cfg, 128, capture=mode == "graph")
     seqs = serve_in_process(cfg, w, [Sequence(i, p, SamplingParams(max_tokens=12,
                                                                    ignore_eos=True))
-                                     for i, p in enumerate(prompts)], 96)
-    assert [s.output_token_ids for s in seqs] == hf_greedy(path, prompts, 12)
+                                     for i, p in enumerate(PROMPTS)], 128)
+    assert [s.output_token_ids for s in seqs] == hf_greedy(path, PROMPTS, 12)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn"])
+def test_greedy_tokens_equal_hf_tp2(ray_session, tmp_path, kind):
+    """The scaled variants over two gloo ranks through the coordinator (heads split)."""
+    from tests.test_generate_hf import serve
+
+    path = make_checkpoint(tmp_path / kind, "LlamaForCausalLM",
+                           rope_parameters={**VARIANTS[kind], "rope_theta": 500000.0})
+    coord = serve(ray_session, path, 2)
+    try:
+        results = ray_session.get(coord.generate.remote(
+            PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True)))
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+    assert [r.token_ids for r in results] == hf_greedy(path, PROMPTS, 12)
 
 
 def test_unknown_rope_type_is_refused_by_name(tmp_path):
