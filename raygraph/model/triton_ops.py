@@ -38,15 +38,23 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride
     tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit stride along the row: the norm kernels' layout (any
+    leading dims; a view when x allows it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    n = x.shape[-1]
-    out = torch.empty_like(x)
-    total = torch.empty_like(x)
-    _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, total, x.stride(0),
-                                        residual.stride(0), n, eps,
-                                        BLOCK=triton.next_power_of_2(n), num_warps=4)
-    return out, total
+    x2, r2 = _rows(x), _rows(residual)
+    n = x2.shape[1]
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out)
+    _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0),
+                                         r2.stride(0), n, eps,
+                                         BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out.view(x.shape), total.view(x.shape)
 
 
 @triton.jit
@@ -75,11 +83,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty_like(x)
-    n = x.shape[-1]
-    _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), n, eps,
-                                    BLOCK=triton.next_power_of_2(n), num_warps=4)
-    return out
+    x2 = _rows(x)
+    n = x2.shape[1]
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps,
+                                     BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out.view(x.shape)
 
 
 @triton.jit

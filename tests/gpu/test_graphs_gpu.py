@@ -224,6 +224,12 @@ def test_fused_rms_norm_and_rotary_match_torch_reference():
     ref_norm, ref_sum = ops.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(got_sum.cpu(), ref_sum)
     torch.testing.assert_close(got_norm.cpu(), ref_norm, atol=2e-2, rtol=2e-2)
+    # per-head norms (Qwen3's q/k norms): 3D input and a strided view normalise each row
+    heads = torch.randn(37, 8, 64, dtype=torch.bfloat16)
+    wh = torch.randn(64, dtype=torch.bfloat16)
+    for t in (heads, heads[:, ::2]):
+        torch.testing.assert_close(ops.rms_norm(t.cuda(), wh.cuda(), 1e-6).cpu(),
+                                   ops.rms_norm(t, wh, 1e-6), atol=2e-2, rtol=2e-2)
     qkv = torch.randn(37, (8 + 2 + 2) * 64, dtype=torch.bfloat16)
     pos = torch.randint(0, 500, (37,))
     freqs = torch.outer(torch.arange(512.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
