@@ -22,7 +22,7 @@ import torch
 from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 
@@ -35,7 +35,7 @@ def greedy_tokens(w: Worker, prompts: list[list[int]], max_tokens: int) -> list[
     """Greedy outputs of `prompts` through the served loop's logic, in this process."""
     c = w.cfg
     blocks = w.kv_cache_bytes // w.kv_bytes_per_block()
-    sched = Scheduler(BlockPool(blocks, c.cache.block_size), c.scheduler.max_num_seqs,
+    sched = Scheduler(PagePool(blocks, c.cache.block_size), c.scheduler.max_num_seqs,
                       c.scheduler.max_num_batched_tokens, c.max_model_len(w.model_cfg, blocks),
                       ())
     seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -22,7 +22,6 @@ from raygraph.cluster.connect import (
 )
 from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.config import (
-    CacheConfig,
     ConfigError,
     ParallelConfig,
     SchedulerConfig,
@@ -67,6 +66,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV block (default: {D.cache.block_size})")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per rank (default: sized from free memory)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not keep full KV blocks cached for requests that share a prompt "
+                        "prefix (default: prefix caching on)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"running sequences at most (default: {D.scheduler.max_num_seqs})")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -132,11 +134,10 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
                                       pool=pick(a.graph_pool, cfg.graph.pool),
                                       prefill_graph=pick(a.prefill_graph,
                                                          cfg.graph.prefill_graph)),
-        cache=CacheConfig(
-            block_size=pick(a.block_size, c.block_size),
+        cache=msgspec.structs.replace(
+            c, block_size=pick(a.block_size, c.block_size),
             num_blocks=pick(a.num_kv_blocks, c.num_blocks),
-            kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=c.gpu_memory_utilization,
-            cpu_kv_cache_bytes=c.cpu_kv_cache_bytes,
+            enable_prefix_caching=c.enable_prefix_caching and not a.no_prefix_caching,
         ),
         offload=msgspec.structs.replace(
             cfg.offload, budget_bytes=pick(a.offload_budget, cfg.offload.budget_bytes),

@@ -287,7 +287,8 @@ class CacheConfig(msgspec.Struct, frozen=True):
     high_watermark / low_watermark: fractions of the page pool in use (pinned or cached).
     Once use passes high_watermark, cached pages are evicted (LRU) until it is back at
     low_watermark: evictions come in batches, not one page per allocation, and some pages
-    stay free. 1.0 / 1.0 evicts only on demand."""
+    stay free. 1.0 / 1.0 evicts only on demand (with prefix caching off nothing is cached,
+    and the watermarks do nothing)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -296,6 +297,9 @@ class CacheConfig(msgspec.Struct, frozen=True):
     cpu_kv_cache_bytes: int = 64 << 20
     high_watermark: float = 0.95
     low_watermark: float = 0.90
+    # full KV blocks stay cached by content (a hash chain of their tokens) after their
+    # sequence ends; a request whose prompt starts with cached blocks computes only the rest
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

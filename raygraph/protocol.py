@@ -162,6 +162,9 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None = None
     num_generated: int = 0  # outputs already known (a recompute after preemption)
     logprobs: int = -1  # SeqChunk.logprobs
+    # tokens whose KV its first blocks already hold (prefix cache hits): its first chunk
+    # starts there
+    num_computed: int = 0
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True):

@@ -19,10 +19,10 @@ import pytest
 
 from raygraph.cluster.engine import EngineCore
 from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import NewSeq, SamplingParams, SeqStep, StepDelta, StepOutput
 from raygraph.worker.state import SeqTable, StateError
-from tests.test_scheduler import STOP_CASES
+from tests.test_scheduler import STOP_CASES, check_pool
 
 EOS = 2
 DELTA = msgspec.msgpack.Decoder(StepDelta)
@@ -38,13 +38,15 @@ def seq(seq_id: int, prompt_len: int, **params: object) -> Sequence:
 
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-         max_batched: int = 64, max_model_len: int = 256) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, max_batched,
-                     max_model_len, eos_token_ids=(EOS,))
+         max_batched: int = 64, max_model_len: int = 256, caching: bool = False) -> Scheduler:
+    return Scheduler(PagePool(num_blocks, block_size), max_num_seqs, max_batched,
+                     max_model_len, eos_token_ids=(EOS,), prefix_caching=caching)
 
 
 class FakeGroup:
-    """One DP group's workers: SeqTable state, the fake model, a checked fake KV cache."""
+    """One DP group's workers: SeqTable state, the fake model, a checked fake KV cache whose
+    slots hold the tokens up to their position (the K/V computed from them), so a block
+    shared through the prefix cache must hold the reader's own prefix."""
 
     def __init__(self, sched: Scheduler, forced: dict[int, dict[int, int]] | None = None):
         self.sched = sched
@@ -53,7 +55,7 @@ class FakeGroup:
         self.table = SeqTable()
         self.launched: StepOutput | None = None  # the step on the "device"
         self.prev: list[int] = []  # the last step's sampled tokens, kept on the "device"
-        self.cache: dict[int, tuple[int, int, int]] = {}  # slot -> (seq_id, position, token)
+        self.cache: dict[int, tuple[int, ...]] = {}  # slot -> tokens its K/V came from
         self.sampled: dict[int, list[int]] = defaultdict(list)  # seq -> output indices sampled
         self.deltas: list[StepDelta] = []
         self.sizes: list[int] = []  # encoded bytes of each delta
@@ -70,6 +72,9 @@ class FakeGroup:
         prompt = self.seqs[seq_id].prompt_token_ids
         return prompt[pos] if pos < len(prompt) else self.model(seq_id, pos - len(prompt))
 
+    def prefix(self, seq_id: int, pos: int) -> tuple[int, ...]:
+        return tuple(self.expected(seq_id, p) for p in range(pos + 1))
+
     def run(self, msg: bytes) -> StepOutput:
         """Worker.run: a step's reply carries the previous step's tokens; b"" is a flush."""
         reply, self.launched = self.launched, None
@@ -78,7 +83,7 @@ class FakeGroup:
         return reply if reply is not None else StepOutput(-1, [])
 
     def launch(self, d: StepDelta, size: int) -> StepOutput:
-        s, bs = self.sched, self.sched.pool.block_size
+        s, bs = self.sched, self.sched.pool.page_size
         self.deltas.append(d)
         self.sizes.append(size)
         plan = self.table.apply(d)
@@ -96,11 +101,13 @@ class FakeGroup:
                 ids = [self.prev[c.feed]]
             for pos, t in enumerate(ids, c.start_pos):
                 assert t == self.expected(c.seq_id, pos), (c, pos)
-                self.cache[c.block_table[pos // bs] * bs + pos % bs] = (c.seq_id, pos, t)
+                block = c.block_table[pos // bs]
+                assert s.pool.page_info(block).refs == 1, "a write into a shared block"
+                self.cache[block * bs + pos % bs] = self.prefix(c.seq_id, pos)
             end = c.start_pos + len(ids)
             for pos in range(end):  # attention reads every earlier position through the table
                 slot = c.block_table[pos // bs] * bs + pos % bs
-                assert self.cache.get(slot) == (c.seq_id, pos, self.expected(c.seq_id, pos))
+                assert self.cache.get(slot) == self.prefix(c.seq_id, pos), (c.seq_id, pos)
             if c.sample:
                 # the sampled position follows the last one computed
                 assert c.num_generated == end - len(q.prompt_token_ids)
@@ -154,15 +161,13 @@ def drive(core: EngineCore, groups: list[FakeGroup],
                 emitted[q.seq_id].append(t)
                 assert emitted[q.seq_id] == q.output_token_ids
         for g in groups:
-            s = g.sched
-            used = [b for q in s.running for b in q.block_table]
-            assert len(used) == len(set(used)) == s.pool.num_blocks - s.pool.num_free
-            assert all(q.block_table == [] for q in s.waiting)
+            check_pool(g.sched)
     else:
         raise AssertionError("did not finish")
     for g in groups:
         s = g.sched
-        assert not s.has_work() and s.pool.num_free == s.pool.num_blocks
+        assert not s.has_work() and s.pool.num_pinned == 0
+        assert s.pool.num_free == s.pool.num_pages or s.kv.prefix_caching
     return emitted
 
 
@@ -303,20 +308,24 @@ def test_abort_with_a_token_in_flight() -> None:
     assert a.output_token_ids == emitted_a
     assert sum(0 in d.drop for d in g.deltas) == 1 and 0 not in g.table.seqs
     assert emitted[1] == [token(1, i) for i in range(10)]
-    assert s.pool.num_free == s.pool.num_blocks and not s.has_work()
+    assert s.pool.num_free == s.pool.num_pages and not s.has_work()
 
 
 @pytest.mark.parametrize(
     ("num_blocks", "max_num_seqs", "max_batched", "seed", "groups"),
     [(10, 6, 16, 0, 1), (8, 4, 8, 1, 1), (12, 16, 5, 2, 1), (400, 8, 64, 3, 1),
      (16, 8, 12, 4, 1), (10, 6, 16, 5, 2), (400, 8, 64, 6, 2)])
+@pytest.mark.parametrize("caching", [False, True])
 def test_overlapped_simulation(num_blocks: int, max_num_seqs: int, max_batched: int,
-                               seed: int, groups: int) -> None:
+                               seed: int, groups: int, caching: bool) -> None:
     """Random arrivals, lengths, stop tokens and aborts; tiny pools force preemption (with
-    tokens in flight); two groups run idle steps while the other works."""
+    tokens in flight); two groups run idle steps while the other works. With caching,
+    prompts share prefixes (a few system prompts) and recomputes hit their own blocks."""
     rng = random.Random(seed)
     max_len = min(40, num_blocks * 4)
-    scheds = [make(num_blocks, 4, max_num_seqs, max_batched, max_len) for _ in range(groups)]
+    scheds = [make(num_blocks, 4, max_num_seqs, max_batched, max_len, caching)
+              for _ in range(groups)]
+    heads = [[rng.randrange(10, 90) for _ in range(rng.randint(0, 9))] for _ in range(3)]
     forced: dict[int, dict[int, int]] = {}
     arrivals: dict[int, list[tuple[int, Sequence]]] = defaultdict(list)
     aborts: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -333,7 +342,10 @@ def test_overlapped_simulation(num_blocks: int, max_num_seqs: int, max_batched: 
             params["ignore_eos"] = True
             forced[i] = {rng.randrange(params["max_tokens"]): EOS}
         where[i] = rng.randrange(groups) if groups > 1 and i % 5 else 0
-        arrivals[rng.randrange(30)].append((where[i], seq(i, rng.randint(1, 15), **params)))
+        q = seq(i, rng.randint(1, 15), **params)
+        if caching:
+            q.prompt_token_ids = (rng.choice(heads) + q.prompt_token_ids)[:15]
+        arrivals[rng.randrange(30)].append((where[i], q))
     for i in rng.sample(range(24 * groups), 3):
         aborts[rng.randrange(40)].append((where[i], i))
     fakes = [FakeGroup(s, forced) for s in scheds]
@@ -347,6 +359,7 @@ def test_overlapped_simulation(num_blocks: int, max_num_seqs: int, max_batched: 
     assert (preempted > 0) == (num_blocks < 100)  # tiny pools exercise recompute
     if groups > 1:  # a group with nothing to run still gets a (padding) step
         assert any(not d.feed and not d.chunks for g in fakes for d in g.deltas)
+    assert (sum(s.kv.hits for s in scheds) > 0) == caching
 
 
 def test_steady_decode_message_is_small_and_all_feed() -> None:

@@ -13,7 +13,7 @@ import torch
 from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import DEFAULT_MODEL, CacheConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import dtype_tol, loaded_worker
@@ -41,7 +41,7 @@ def hf_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 def run(worker: Worker, params: list[SamplingParams], num_blocks: int = 64) -> list[Sequence]:
-    sched = Scheduler(BlockPool(num_blocks, 4), 8, 8, 512, (1,))
+    sched = Scheduler(PagePool(num_blocks, 4), 8, 8, 512, (1,))
     seqs = [Sequence(i, p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     for s in seqs:
         sched.add(s)

@@ -1,4 +1,5 @@
-"""Scheduler + BlockPool: chunked prefill, budgets, blocks, preemption, stop conditions.
+"""Scheduler + PagePool: chunked prefill, budgets, blocks, preemption, stop conditions (prefix
+caching: tests/test_prefix_cache.py; off here unless a test says so, so pools empty exactly).
 
 A fake "model" returns token(seq_id, output index), so a sequence's outputs do not depend on
 how it was batched or preempted, and a fake KV cache checks what each step may read.
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import random
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
 import pytest
 
 from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
-from raygraph.memory.pages import BlockPool, OutOfBlocks
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import SamplingParams, SeqChunk, StepDelta, StepPlan
 from raygraph.worker.state import SeqTable
 
@@ -32,9 +34,9 @@ def token(seq_id: int, index: int) -> int:
 
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-         max_batched: int = 64, max_model_len: int = 256) -> Scheduler:
-    s = Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, max_batched,
-                  max_model_len, eos_token_ids=(EOS,))
+         max_batched: int = 64, max_model_len: int = 256, caching: bool = False) -> Scheduler:
+    s = Scheduler(PagePool(num_blocks, block_size), max_num_seqs, max_batched,
+                  max_model_len, eos_token_ids=(EOS,), prefix_caching=caching)
     TABLES[s] = SeqTable()  # the workers' state for this scheduler
     return s
 
@@ -92,25 +94,6 @@ def step(s: Scheduler, tokens: dict[int, list[int]] | None = None) -> Step:
         sampled.append(forced.get(q.seq_id, {}).get(i, token(q.seq_id, i)))
     s.update(out, sampled)
     return Step(out, d, chunks)
-
-
-def test_block_pool() -> None:
-    pool = BlockPool(4, block_size=16)
-    assert pool.blocks_for(0) == 0 and pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
-    a = pool.allocate(3)
-    assert len(set(a)) == 3 and pool.num_free == 1 and pool.utilization == 0.75
-    with pytest.raises(OutOfBlocks):
-        pool.allocate(2)
-    assert pool.num_free == 1  # a failed allocation takes nothing
-    pool.free(a[:1])
-    with pytest.raises(RuntimeError, match="freed twice"):
-        pool.free(a[:1])
-    b = pool.allocate(2)
-    assert not set(b) & set(a[1:])
-    pool.free(a[1:] + b)
-    assert pool.num_free == 4
-    with pytest.raises(ValueError):
-        BlockPool(0, 16)
 
 
 def test_chunked_prefill_respects_budget() -> None:
@@ -297,10 +280,24 @@ def test_abort_frees_blocks() -> None:
     assert 0 not in TABLES[s].seqs
 
 
+def check_pool(s: Scheduler) -> None:
+    """Each running seq's blocks are distinct and pinned once per seq holding them (shared
+    cached blocks: by several); waiting seqs hold none."""
+    held = Counter(b for q in s.running for b in q.block_table)
+    assert all(len(set(q.block_table)) == len(q.block_table) for q in s.running)
+    assert all(q.block_table == [] for q in s.waiting)
+    assert {b: s.pool.page_info(b).refs for b in held} == held
+    assert sum(held.values()) == sum(s.pool.page_info(b).refs for b in held)
+    assert len(held) == s.pool.num_pinned
+    s.pool.check_invariants()
+
+
 def simulate(s: Scheduler, seqs: list[Sequence]) -> int:
-    """Run to completion while checking every read of a fake KV cache; returns preemptions."""
-    bs = s.pool.block_size
-    cache: dict[int, tuple[int, int, int]] = {}  # slot -> (seq_id, position, token)
+    """Run to completion while checking every read of a fake KV cache; returns preemptions.
+    A slot holds the tokens up to its position, as a real one holds K/V computed from them:
+    a block shared through the prefix cache must hold the reader's own prefix."""
+    bs = s.pool.page_size
+    cache: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its K/V was computed from
     preemptions = 0
     for q in seqs:
         s.add(q)
@@ -314,8 +311,7 @@ def simulate(s: Scheduler, seqs: list[Sequence]) -> int:
         assert len(batch) <= s.max_num_seqs
         assert out.num_tokens <= s.max_num_batched_tokens
         assert len({q.seq_id for q in batch}) == len(batch)
-        used = [b for q in s.running for b in q.block_table]
-        assert len(used) == len(set(used)) == s.pool.num_blocks - s.pool.num_free
+        check_pool(s)
         _, p, chunks = plan(s, out)
         assert p.num_tokens == out.num_tokens
         sampled = []
@@ -323,31 +319,47 @@ def simulate(s: Scheduler, seqs: list[Sequence]) -> int:
             assert c.seq_id == q.seq_id and c.block_table == q.block_table
             assert c.start_pos + len(c.token_ids) == q.num_computed  # advanced at schedule
             assert c.token_ids == q.token_ids[c.start_pos : c.start_pos + len(c.token_ids)]
-            for pos, t in enumerate(c.token_ids, c.start_pos):
-                cache[c.block_table[pos // bs] * bs + pos % bs] = (c.seq_id, pos, t)
+            for pos in range(c.start_pos, c.start_pos + len(c.token_ids)):
+                block = c.block_table[pos // bs]
+                assert s.pool.page_info(block).refs == 1, "a write into a shared block"
+                cache[block * bs + pos % bs] = tuple(q.token_ids[: pos + 1])
             end = c.start_pos + len(c.token_ids)
             for pos in range(end):  # attention reads every earlier position through the table
                 slot = c.block_table[pos // bs] * bs + pos % bs
-                assert cache.get(slot) == (c.seq_id, pos, q.token_ids[pos])
+                assert cache.get(slot) == tuple(q.token_ids[: pos + 1]), (q.seq_id, pos)
             if c.sample:
                 assert c.num_generated == len(q.output_token_ids) == end - len(q.prompt_token_ids)
                 sampled.append(token(c.seq_id, c.num_generated))
         s.update(out, sampled)
     assert not s.has_work()
+    assert s.pool.num_pinned == 0
     return preemptions
 
 
 @pytest.mark.parametrize(("num_blocks", "max_num_seqs", "max_batched", "seed"),
                          [(10, 6, 16, 0), (8, 4, 8, 1), (12, 16, 5, 2), (400, 8, 64, 3)])
+@pytest.mark.parametrize("caching", [False, True])
 def test_simulation_every_seq_finishes(num_blocks: int, max_num_seqs: int, max_batched: int,
-                                       seed: int) -> None:
+                                       seed: int, caching: bool) -> None:
+    """Random lengths; with caching, prompts share prefixes (a few system prompts)."""
     rng = random.Random(seed)
-    s = make(num_blocks, 4, max_num_seqs, max_batched, max_model_len=min(40, num_blocks * 4))
-    seqs = [seq(i, rng.randint(1, 15), max_tokens=rng.randint(1, 20)) for i in range(24)]
+    s = make(num_blocks, 4, max_num_seqs, max_batched, max_model_len=min(40, num_blocks * 4),
+             caching=caching)
+    heads = [[rng.randrange(10, 90) for _ in range(rng.randint(0, 9))] for _ in range(3)]
+    seqs = []
+    for i in range(24):
+        q = seq(i, rng.randint(1, 15), max_tokens=rng.randint(1, 20))
+        if caching:
+            q.prompt_token_ids = (rng.choice(heads) + q.prompt_token_ids)[:15]
+        seqs.append(q)
     preemptions = simulate(s, seqs)
     assert (preemptions > 0) == (num_blocks < 100)  # tiny pools exercise recompute
     for q in seqs:  # same tokens however the seq was batched, chunked or preempted
         n = min(q.params.max_tokens, s.max_model_len - len(q.prompt_token_ids))
         assert q.finish_reason == "length" and q.block_table == []
         assert q.output_token_ids == [token(q.seq_id, i) for i in range(n)]
-    assert s.pool.num_free == s.pool.num_blocks
+    if caching:
+        assert s.kv.hits > 0
+        assert s.pool.num_free + s.pool.num_cached == s.pool.num_pages
+    else:
+        assert s.pool.num_free == s.pool.num_pages and s.kv.queries == 0

@@ -10,7 +10,7 @@ import pytest
 from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import loaded_worker
@@ -26,13 +26,15 @@ def worker(tiny_llama):
 
 
 def run(worker: Worker, prompts: list[list[int]], params: list[SamplingParams],
-        num_blocks: int = 64) -> list[Sequence]:
-    sched = Scheduler(BlockPool(num_blocks, 4), 8, 12, 512, (2,))
+        num_blocks: int = 64, caching: bool = True, max_num_seqs: int = 8) -> list[Sequence]:
+    sched = Scheduler(PagePool(num_blocks, 4), max_num_seqs, 12, 512, (2,),
+                      prefix_caching=caching)
     seqs = [Sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     for s in seqs:
         sched.add(s)
     run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(worker))
-    assert sched.pool.num_free == num_blocks and not sched.running and not sched.waiting
+    assert sched.pool.num_pinned == 0 and not sched.running and not sched.waiting
+    assert sched.pool.num_free == num_blocks or caching
     return seqs
 
 
@@ -64,3 +66,28 @@ def test_seeded_sampling_does_not_depend_on_the_batch(worker):
     together = [s.output_token_ids for s in run(worker, PROMPTS, params)]
     alone = [run(worker, [p], [sp])[0].output_token_ids for p, sp in zip(PROMPTS, params)]
     assert together == alone
+
+
+# a shared 10-token head (two full blocks and two tokens), prompts that are prefixes of
+# others, one repeated whole (fully cached: its last block is computed again)
+HEAD = [17, 3, 250, 8, 64, 99, 12, 41, 77, 6]
+SHARED = [HEAD + [5, 9], HEAD, HEAD + [5, 9], HEAD[:8], HEAD + [5, 9, 11, 13, 40],
+          HEAD[:4] + [100, 101], HEAD + [30, 31, 32]]
+
+
+@pytest.mark.parametrize(("num_blocks", "max_num_seqs"), [(64, 3), (8, 4)])  # 8: preempted
+def test_prefix_caching_gives_the_greedy_tokens_of_caching_off(worker, tiny_llama, num_blocks,
+                                                               max_num_seqs):
+    """Sequences admitted a few at a time reuse the blocks of those before them, running or
+    finished; under pressure they are preempted and recompute from what is still cached."""
+    params = [SamplingParams(max_tokens=6 + i % 3, ignore_eos=True) for i in range(7)]
+    on = run(worker, SHARED, params, num_blocks, caching=True, max_num_seqs=max_num_seqs)
+    off = run(worker, SHARED, params, num_blocks, caching=False, max_num_seqs=max_num_seqs)
+    ref = hf_greedy(tiny_llama, SHARED, 8)
+    assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
+    for s, r in zip(on, ref):
+        assert s.output_token_ids == r[: s.params.max_tokens]
+    assert sum(s.num_cached_tokens for s in on) >= 4 * 8
+    assert all(s.num_cached_tokens == 0 for s in off)
+    if num_blocks == 8:
+        assert sum(s.num_preemptions for s in on) > 0

@@ -17,7 +17,7 @@ from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.cluster.sleep import SleepControl
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.memory.stats import SleepStats
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.state import StateError
@@ -48,7 +48,7 @@ def worker(request):
 
 
 def greedy(w: Worker) -> list[list[int]]:
-    sched = Scheduler(BlockPool(BLOCKS, 4), 8, 32, 256, (1,))
+    sched = Scheduler(PagePool(BLOCKS, 4), 8, 32, 256, (1,))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=8, ignore_eos=True))
             for i, p in enumerate(PROMPTS)]
     for s in seqs:
@@ -133,7 +133,8 @@ def control(in_flight: list[int], offload: bool = False, fail: bool = False):
             raise RuntimeError("rank 1: no")
         return [SleepStats(0, args[0] if args else 1, 10, 20, 0, 0.001)]
 
-    return SleepControl(lambda: in_flight[0], on_steps, call, offload), calls
+    return SleepControl(lambda: in_flight[0], on_steps, call, offload,
+                        lambda: calls.append("forget_kv")), calls
 
 
 def test_sleep_control_states():
@@ -164,7 +165,7 @@ def test_sleep_control_states():
         assert (await c.wake_up())["cancelled_sleep"]
         with pytest.raises(Busy, match="cancelled"):
             await task
-        assert calls == ["sleep", "wake_up"] and c.phase == "awake"
+        assert calls == ["sleep", "forget_kv", "wake_up"] and c.phase == "awake"
         with pytest.raises(BadRequest, match="level"):
             await c.sleep(0)
 
@@ -179,6 +180,7 @@ def test_sleep_control_refuses_level_2_with_offload_and_recovers_from_a_failed_s
         c, calls = control([0], fail=True)
         with pytest.raises(RuntimeError, match="rank 1"):
             await c.sleep(1)
+        # the prefix cache is kept: the KV cache was not released
         assert calls == ["sleep", "wake_up"] and c.phase == "awake" and c.level == 0
 
     asyncio.run(run())
@@ -221,8 +223,9 @@ def test_coordinator_sleeps_refuses_requests_without_restart_and_wakes(ray_sessi
     woke = ray.get(coord.wake_up.remote())
     assert woke["level"] == level and woke["bytes"] == out["bytes"]
     assert not ray.get(coord.is_sleeping.remote())
-    assert served_greedy(ray, coord) == before
-    assert ray.get(coord.stats.remote())["restarts"] == 0
+    assert served_greedy(ray, coord) == before  # not from cached blocks of the sleep
+    stats = ray.get(coord.stats.remote())
+    assert stats["restarts"] == 0 and stats["kv_cache"]["pages"]["cached"]["kv"] > 0
 
 
 def test_sleep_without_wait_is_busy_with_a_request_running_and_with_wait_drains(ray_session,

@@ -27,6 +27,7 @@ import ray
 from raygraph import setup_logging
 from raygraph.cluster.engine import EngineCore
 from raygraph.cluster.group import WorkerGroup
+from raygraph.cluster.kv_cache import merge_stats
 from raygraph.cluster.lockstep import (
     CaptureError,
     KeyReport,
@@ -86,7 +87,8 @@ class Coordinator:
         self.group: WorkerGroup | None = None
         self.clients = RequestTable(self.tokenizer, self._finish_on_stop_string)
         self.sleeper = SleepControl(lambda: len(self.clients.requests), self._on_step_thread,
-                                    self._call, offload=cfg.offload.budget_bytes is not None)
+                                    self._call, offload=cfg.offload.budget_bytes is not None,
+                                    forget_kv=lambda: [s.kv.clear() for s in self.schedulers])
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self._ids = itertools.count()
         self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
@@ -238,7 +240,7 @@ class Coordinator:
             "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
             "dp": self.cfg.parallel.dp, "ep": self.cfg.parallel.ep,
-            "num_kv_blocks": self.schedulers[0].pool.num_blocks if self.schedulers else 0,
+            "num_kv_blocks": self.schedulers[0].pool.num_pages if self.schedulers else 0,
             "max_model_len": self.schedulers[0].max_model_len if self.schedulers else 0,
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
             "graph_mode": self.cfg.graph.mode, "buckets_captured": len(reports),
@@ -249,7 +251,10 @@ class Coordinator:
         }
 
     def stats(self) -> dict:
+        """Figures for clients and /metrics. Reads every DP group's page pool (O(pages), ~3 ms
+        at 100k pages): fine per scrape, not per step."""
         ss = self.schedulers
+        kv = merge_stats([s.kv.stats() for s in ss])
         return {
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
             "restarts": self.restarts,
@@ -267,7 +272,9 @@ class Coordinator:
             "msg_bytes_per_step": round(self.core.msg_bytes / max(1, self.core.step_id))
             if self.core else 0,
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
-            "kv_utilization": max((s.pool.utilization for s in ss), default=0.0),
+            "kv_utilization": kv["usage"],  # pinned pages of the fullest DP group
+            "prefix_cache_hit_rate": round(kv["prefix_cache_hit_rate"], 4),
+            "kv_cache": kv,  # the pools of every DP group (cluster/kv_cache.merge_stats)
             "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
             # counters for /metrics (cumulative; every HTTP replica reads the same)
             "prompt_tokens": self.clients.prompt_tokens,

@@ -15,7 +15,7 @@ import msgspec
 from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import BucketKey, StepDelta, StepOutput
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -38,11 +38,12 @@ class EngineCore:
     @staticmethod
     def from_config(cfg: ServeConfig, model: ModelConfig, num_blocks: int) -> EngineCore:
         """What a serving group runs with: a scheduler per DP group (each its own KV pool of
-        `num_blocks`) and the config's bucket plan."""
-        s = cfg.scheduler
+        `num_blocks`, with prefix caching as configured) and the config's bucket plan."""
+        s, c = cfg.scheduler, cfg.cache
         max_len = cfg.max_model_len(model, num_blocks)
-        schedulers = [Scheduler(BlockPool(num_blocks, cfg.cache.block_size), s.max_num_seqs,
-                                s.max_num_batched_tokens, max_len, model.eos_token_ids)
+        schedulers = [Scheduler(PagePool.from_config(num_blocks, c), s.max_num_seqs,
+                                s.max_num_batched_tokens, max_len, model.eos_token_ids,
+                                c.enable_prefix_caching)
                       for _ in range(cfg.parallel.dp)]
         return EngineCore(schedulers, cfg.bucket_plan(), cfg.parallel.ep > 1)
 

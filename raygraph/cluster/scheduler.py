@@ -1,9 +1,12 @@
-"""Continuous batching with chunked prefill and preemption by recompute. Pure Python.
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+Pure Python.
 
 Every step spends a token budget: running sequences first (decode = 1 token, or the next
-chunk of a long prompt), then waiting ones in arrival order. When blocks run out the most
-recently admitted running sequence is preempted: its blocks are freed and it goes back to
-the front of the queue to recompute prompt + output so far.
+chunk of a long prompt), then waiting ones in arrival order. A sequence is admitted with the
+cached blocks of its prefix (cluster/kv_cache.py) and computes from the first token they do
+not hold. When blocks run out the most recently admitted running sequence is preempted: its
+blocks are released (full ones stay cached) and it goes back to the front of the queue to
+recompute prompt + output so far, from what is still cached.
 
 The served loop sends step N+1 before step N's tokens are back, so a sequence may have one
 token *pending*: sampled on the workers, unknown here. Its next decode is sent as "feed"
@@ -21,7 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from raygraph.memory.pages import BlockPool
+from raygraph.cluster.kv_cache import KVCacheManager
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import FinishReason, NewSeq, SamplingParams, SeqStep, TokenLogprobs
 
 
@@ -43,6 +47,13 @@ class Sequence:
     watch: bool = True  # its client wants each token as it comes (a stream, stop strings)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output, when asked for
     scheduled_at: float = 0.0  # perf_counter when first admitted (its queue time ends)
+    # prefix caching (cluster/kv_cache.py): keys of its known full blocks (a hash chain, kept
+    # across preemption), how many leading blocks of block_table are keyed, and the tokens
+    # found cached at its last admission
+    block_hashes: list[int] = field(default_factory=list)
+    num_keyed: int = 0
+    num_cached_tokens: int = 0
+    adapter_id: int = 0  # part of every block's key (0: the base model)
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,10 +103,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-        max_model_len: int, eos_token_ids: tuple[int, ...] = (),
+        self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int,
+        max_model_len: int, eos_token_ids: tuple[int, ...] = (), prefix_caching: bool = True,
     ) -> None:
         self.pool = pool
+        self.kv = KVCacheManager(pool, prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -103,6 +115,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._drop: list[int] = []  # tracked sequences to forget with the next step
+        # sequences with blocks filled this step: keyed once the step is planned, so no
+        # sequence admitted in the same step reads a block that step writes
+        self._filled: list[Sequence] = []
 
     def check_prompt(self, num_tokens: int) -> None:
         """Refuse a prompt that leaves no room for one generated token."""
@@ -132,7 +147,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [], self._drop, [], 0)
         self._drop = []
-        feed, bs, max_len = out.feed, self.pool.block_size, self.max_model_len
+        feed, bs, max_len = out.feed, self.kv.block_size, self.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -158,15 +173,19 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token in flight: readmitted once it is known
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
-            if need > self.pool.num_free:
+            hits = self.kv.match(seq)
+            cached = len(hits) * bs
+            n = min(seq.num_tokens - cached, budget)
+            if not self.kv.admit(seq, hits, self.kv.blocks_for(cached + n) - len(hits)):
                 break
             self.waiting.popleft()
-            seq.block_table += self.pool.allocate(need)
             self.running.append(seq)
             budget -= n
             self._take(seq, n, out)
+        if self._filled:
+            for seq in self._filled:
+                self.kv.commit(seq)
+            self._filled.clear()
         if not feed and not out.chunks:
             self._drop = out.drop + self._drop  # nothing to send them with yet
             return None
@@ -179,7 +198,7 @@ class Scheduler:
             p = seq.params.resolved()  # fields still None (not through the coordinator)
             out.new.append(NewSeq(seq.seq_id, p.temperature, p.top_k, p.top_p, p.seed,
                                   len(seq.output_token_ids),
-                                  -1 if p.logprobs is None else p.logprobs))
+                                  -1 if p.logprobs is None else p.logprobs, seq.num_computed))
             seq.tracked = True
             if not seq.scheduled_at:
                 seq.scheduled_at = time.perf_counter()
@@ -190,6 +209,12 @@ class Scheduler:
         sample = start + n == seq.num_tokens
         seq.num_computed += n
         seq.num_pending += sample
+        # a prompt's blocks are keyed as they fill, for the requests that share it; blocks
+        # of outputs when the sequence releases them (only its own recompute or a later
+        # request with its output in the prompt can use those), so a decode never pays here
+        if (start < len(seq.prompt_token_ids) and self.kv.prefix_caching
+                and seq.num_computed >= (seq.num_keyed + 1) * self.pool.page_size):
+            self._filled.append(seq)
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
@@ -198,19 +223,20 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for n more tokens of seq, preempting from the back of the running list."""
-        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
-        while need > self.pool.num_free:
+        need = -(-(seq.num_computed + n) // self.pool.page_size) - len(seq.block_table)
+        if not need:
+            return True
+        while need > self.pool.num_free and need > self.pool.num_available:
             victim = self.running.pop()
             self._preempt(victim, out)
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        seq.block_table += self.pool.allocate(need)
+        seq.block_table += self.kv.allocate(need, seq.seq_id)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.kv.release(seq)  # not in self._filled: see the NOTE below
         seq.num_computed = seq.sent_blocks = 0
         seq.num_preemptions += 1
         if seq.tracked:  # NOTE: never in this step yet: victims come from the back of running
@@ -256,8 +282,7 @@ class Scheduler:
         self._release(seq, reason)
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.kv.release(seq)
         seq.sent_blocks = 0
         seq.finish_reason = reason
         if seq.tracked:

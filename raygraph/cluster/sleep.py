@@ -37,15 +37,19 @@ def summary(stats: list[SleepStats], seconds: float, **extra: Any) -> dict:
 
 class SleepControl:
     """`in_flight()`: requests not finished yet; `on_steps(fn)` runs fn on the step thread
-    between steps (nothing in flight); `call(method, *args)` (there) calls every worker."""
+    between steps (nothing in flight); `call(method, *args)` (there) calls every worker;
+    `forget_kv()` (there) drops the prefix cache once the workers released the KV cache
+    (woken, it holds no cached block's content)."""
 
     def __init__(self, in_flight: Callable[[], int],
                  on_steps: Callable[[Callable[[], Any]], Awaitable[Any]],
-                 call: Callable[..., list[Any]], offload: bool) -> None:
+                 call: Callable[..., list[Any]], offload: bool,
+                 forget_kv: Callable[[], Any] = lambda: None) -> None:
         self.in_flight = in_flight
         self.on_steps = on_steps
         self.call = call
         self.offload = offload
+        self.forget_kv = forget_kv
         self.phase: Phase = "awake"
         self.level = 0  # the level the workers sleep at; 0 awake
 
@@ -108,6 +112,7 @@ class SleepControl:
             except Exception as e:
                 log.error("waking the ranks after a failed sleep: %s", e)
             raise
+        self.forget_kv()
         self.phase, self.level = "asleep", level
         return stats
 

@@ -36,7 +36,7 @@ class SeqTable:
             if s is not None and s.params.logprobs >= 0:
                 self.logprob_seqs -= 1
         for n in d.new:
-            seqs[n.seq_id] = _Seq(n, [], 0, n.num_generated)
+            seqs[n.seq_id] = _Seq(n, [], n.num_computed, n.num_generated)
             self.logprob_seqs += n.logprobs >= 0
         try:
             for seq_id, block in d.blocks:

@@ -12,7 +12,7 @@ from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completio
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.inputs import prepare_batch
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
@@ -200,7 +200,7 @@ def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt, prefill_graph, lo
     outs = []
     for mode in ("graph", "eager"):
         w = worker(ckpt, mode, "float32", prefill_graph)
-        sched = Scheduler(BlockPool(256, 16), 32, 128, 512)
+        sched = Scheduler(PagePool(256, 16), 32, 128, 512)
         seqs = [Sequence(i, p, SamplingParams(max_tokens=24, ignore_eos=True))
                 for i, p in enumerate(prompts)]
         for s in seqs:

@@ -12,7 +12,7 @@ import pytest
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.memory.pages import BlockPool
+from raygraph.memory.pool import PagePool
 from raygraph.protocol import SamplingParams
 from tests.gpu.test_graphs_gpu import worker
 
@@ -28,7 +28,7 @@ def test_preset_greedy_tokens_full_graphs_equal_eager(preset, tmp_path_factory):
     outs = []
     for mode in ("graph", "eager"):
         w = worker(ckpt, mode, "float32", "full")
-        sched = Scheduler(BlockPool(256, 16), 32, 128, 512)
+        sched = Scheduler(PagePool(256, 16), 32, 128, 512)
         seqs = [Sequence(i, p, SamplingParams(max_tokens=16, ignore_eos=True))
                 for i, p in enumerate(prompts)]
         for s in seqs:

@@ -73,6 +73,37 @@ def test_moe_layouts_generate_hf_greedy_tokens(ray_session, ckpts, arch, tp, dp,
         ray_session.kill(coord)
 
 
+# prefix caching: a shared 10-token head (two full 4-token blocks and two more), prompts that
+# are prefixes of others, one repeated whole (its last block is computed again)
+HEAD = [17, 3, 250, 8, 64, 99, 12, 41, 77, 6]
+SHARED = [HEAD + [5, 9], HEAD + [30, 31, 32], HEAD, HEAD[:8] + [1, 2], HEAD + [5, 9],
+          HEAD + [5, 9, 11, 13, 40], HEAD[:4] + [100], HEAD + [30, 31]]
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(2, 1, 1), (1, 2, 2)])
+def test_prefix_caching_with_preemption_generates_hf_greedy_tokens(ray_session, ckpts, tp, dp,
+                                                                   ep):
+    """TP=2 and DP2 x EP2, each group's pool of 10 blocks: sequences hit the blocks of those
+    running and of those finished (the second wave), are preempted and recompute from what
+    is still cached; the greedy tokens are HF's."""
+    cfg = config(ckpts["mixtral"], f"prefix-{tp}{dp}{ep}", tp, dp, ep)
+    cfg = msgspec.structs.replace(cfg, cache=CacheConfig(block_size=4, num_blocks=10))
+    coord = start_coordinator(cfg)
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        got = []
+        for wave in (SHARED[:5], SHARED[5:]):
+            got += [r.token_ids for r in ray_session.get(coord.generate.remote(wave, params))]
+        stats = ray_session.get(coord.stats.remote())
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+    assert got == hf_greedy(ckpts["mixtral"], SHARED, 6)
+    kv = stats["kv_cache"]
+    assert stats["preemptions"] > 0 and kv["prefix_cache_hits"] >= 8 * 3
+    assert kv["num_pages"] == 10 * dp and kv["pages"]["pinned"]["kv"] == 0
+
+
 def test_same_local_size_different_dispatch_size_selects_different_graphs():
     plan = BucketPlan.from_config(GRAPH, 4, 16, ep=True)
     balanced = plan.key(3, 3, True, plan.comm_tokens([(3, 3, True), (4, 4, True)]))

@@ -1,0 +1,169 @@
+"""Prefix caching in the scheduler (cluster/kv_cache.py over the PagePool): what a request
+with a cached prefix computes, what stays cached, LRU eviction, counters, metrics.
+
+Steps go through the workers' side as in test_scheduler.py (StepDelta -> SeqTable ->
+StepPlan), so start positions and block tables are checked as the workers see them.
+Correctness over random workloads (fake KV contents, tiny pools, preemption): the caching
+runs of test_scheduler.py / test_engine.py's simulations; real models: test_served_loop.py,
+tests/multirank/test_dp_ep.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+import pytest
+
+from raygraph.cli import add_serve_args, serve_config
+from raygraph.cluster.engine import EngineCore
+from raygraph.cluster.scheduler import Scheduler, Sequence
+from raygraph.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ServeConfig
+from raygraph.protocol import NewSeq, SamplingParams
+from tests.test_scheduler import check_pool, make, step, token
+
+SHARED = list(range(20, 30))  # 10 tokens: two full blocks of 4 and two more
+
+
+def req(seq_id: int, prompt: list[int], max_tokens: int = 3) -> Sequence:
+    return Sequence(seq_id, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def run(s: Scheduler, *seqs: Sequence) -> None:
+    for q in seqs:
+        s.add(q)
+    while s.has_work():
+        step(s)
+        check_pool(s)
+    for q in seqs:
+        assert q.output_token_ids == [token(q.seq_id, i) for i in range(q.params.max_tokens)]
+
+
+def test_a_request_with_a_cached_prefix_computes_only_the_rest() -> None:
+    s = make(caching=True)
+    a = req(0, SHARED + [50, 51])  # 12 tokens, 3 blocks
+    run(s, a)
+    # a's 3 prompt blocks and the one holding its first two outputs were computed and keyed
+    assert s.pool.num_cached == 3 and s.pool.num_pinned == 0
+    b = req(1, SHARED + [60, 61, 62])  # shares a's first two blocks, not the third
+    s.add(b)
+    st = step(s)
+    (c,) = st.seqs
+    assert (c.start_pos, c.token_ids, c.sample) == (8, b.prompt_token_ids[8:], True)
+    assert st.out.num_tokens == 5 and b.num_cached_tokens == 8 and b.num_computed == 13
+    assert [(n.seq_id, n.num_computed) for n in st.delta.new] == [(1, 8)]
+    assert st.delta.blocks == [(1, p) for p in b.block_table] and len(b.block_table) == 4
+    assert [s.pool.page_info(p).key for p in b.block_table[:2]] == b.block_hashes[:2]
+    assert (s.kv.queries, s.kv.hits) == (12 + 13, 8)
+    run(s)  # b to the end
+    assert b.output_token_ids == [token(1, i) for i in range(3)]
+
+
+@pytest.mark.parametrize(("length", "start"), [(8, 4), (9, 8), (12, 8)])
+def test_a_fully_cached_prompt_still_computes_its_last_token(length: int, start: int) -> None:
+    """Its logits are sampled: the last prompt token is computed, so when the prompt ends on
+    a block boundary its last block is computed again, into a private block."""
+    s = make(caching=True)
+    prompt = list(range(30, 30 + length))
+    run(s, req(0, prompt + [7] * 4))  # every block of `prompt` is cached
+    b = req(1, prompt)
+    s.add(b)
+    st = step(s)
+    (c,) = st.seqs
+    assert (c.start_pos, c.token_ids, c.sample) == (start, prompt[start:], True)
+    assert b.num_cached_tokens == start and s.kv.hits == start
+    last = b.block_table[-1]
+    run(s)
+    if length % 4 == 0:  # the recomputed block's content is cached already: it goes free
+        assert s.pool.page_info(last).state == "free"
+
+
+def test_finished_blocks_stay_cached_and_are_evicted_lru_from_the_tail() -> None:
+    s = make(num_blocks=6, caching=True)
+    a, b = req(0, range(10, 18), 1), req(1, range(40, 48), 1)  # two blocks each
+    run(s, a)
+    run(s, b)
+    assert s.pool.num_cached == 4 and s.pool.num_free == 2
+    c = req(2, range(60, 72), 1)  # needs 3 blocks: 2 free and the LRU cached one
+    run(s, c)
+    assert s.pool.evictions["kv"] == 1
+    # a's last block went first (a sequence's blocks are released tail first)
+    assert s.pool.lookup(a.block_hashes[1]) is None
+    assert s.pool.lookup(a.block_hashes[0]) is not None
+    assert all(s.pool.lookup(h) is not None for h in b.block_hashes[:2])
+    d = req(3, list(range(10, 18)) + [99], 1)  # a's prompt again: its first block is left
+    s.add(d)
+    (ch,) = step(s).seqs
+    assert ch.start_pos == 4 and d.num_cached_tokens == 4
+    run(s)
+
+
+def test_caching_off_caches_nothing() -> None:
+    s = make(caching=False)
+    run(s, req(0, SHARED + [50, 51]))
+    assert s.pool.num_free == s.pool.num_pages and s.pool.num_cached == 0
+    b = req(1, SHARED + [60, 61, 62])
+    s.add(b)
+    (c,) = step(s).seqs
+    assert c.start_pos == 0 and c.token_ids == b.prompt_token_ids and b.num_cached_tokens == 0
+    run(s)
+    assert s.kv.queries == s.kv.hits == 0 and s.pool.num_free == s.pool.num_pages
+
+
+def test_no_hit_on_a_block_computed_in_the_same_step() -> None:
+    """Keys are made once a step is planned: a block written by a step is read by later
+    steps only (a decode kernel writes and reads in parallel)."""
+    s = make(caching=True)
+    a, b = req(0, SHARED[:8]), req(1, SHARED[:8] + [5])
+    s.add(a), s.add(b)
+    st = step(s)  # both admitted at once: b computes the shared blocks itself
+    assert [len(c.token_ids) for c in st.seqs] == [8, 9] and b.num_cached_tokens == 0
+    # a keyed them first; b's copies stay unkeyed, its own until it ends
+    assert [s.pool.page_info(p).key for p in a.block_table] == a.block_hashes[:2]
+    assert [s.pool.page_info(p).key for p in b.block_table[:2]] == [None, None]
+    c = req(2, SHARED[:8] + [6])
+    s.add(c)
+    st = step(s)
+    assert c.num_cached_tokens == 8 and c.block_table[:2] == a.block_table[:2]
+    assert [s.pool.page_info(p).refs for p in a.block_table[:2]] == [2, 2]
+    copies = b.block_table[:2]
+    run(s)
+    assert [s.pool.page_info(p).state for p in copies] == ["free", "free"]
+    assert s.pool.num_cached == 2  # a's: no third block was full of computed tokens
+
+
+def test_preempted_sequence_recomputes_from_the_shared_blocks() -> None:
+    s = make(num_blocks=5, caching=True)
+    a, b = req(0, SHARED[:8], 6), req(1, SHARED[:8] + [5], 6)
+    s.add(a), s.add(b)
+    step(s)  # a: 2 blocks, b: 3 (its own copies of the shared ones): the pool is full
+    st = step(s)  # a needs a 3rd block for position 8: b (newest) is preempted
+    assert st.preempted == [b] and b.block_table == [] and s.pool.num_free == 2
+    st = step(s)  # b comes back on a's blocks: it recomputes its prompt's last token and
+    # its output, nothing more
+    (ca, cb) = st.seqs
+    assert (cb.seq_id, cb.start_pos, cb.token_ids) == (1, 8, [5, token(1, 0)])
+    assert [(n.seq_id, n.num_computed, n.num_generated) for n in st.delta.new] == [(1, 8, 1)]
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert (s.kv.queries, s.kv.hits) == (8 + 9 + 10, 8)
+    run(s)
+    assert b.output_token_ids == [token(1, i) for i in range(6)]
+
+
+def test_flag_config_and_protocol(tmp_path) -> None:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert serve_config(p.parse_args([])).cache.enable_prefix_caching
+    assert not serve_config(p.parse_args(["--no-prefix-caching"])).cache.enable_prefix_caching
+    toml = tmp_path / "serve.toml"  # the file's cache fields survive the flags
+    toml.write_text("[cache]\nenable_prefix_caching = false\nhigh_watermark = 0.8\n"
+                    "low_watermark = 0.7\n")
+    c = serve_config(p.parse_args(["--config", str(toml), "--block-size", "8"])).cache
+    assert (c.enable_prefix_caching, c.high_watermark, c.low_watermark, c.block_size) == (
+        False, 0.8, 0.7, 8)
+    cfg = ServeConfig(cache=CacheConfig(num_blocks=32, enable_prefix_caching=False))
+    core = EngineCore.from_config(cfg, ModelConfig.from_pretrained(DEFAULT_MODEL), 32)
+    assert not core.schedulers[0].kv.prefix_caching and core.schedulers[0].pool.num_pages == 32
+    # a NewSeq without num_computed (an older sender) still decodes: it starts at 0
+    old = msgspec.msgpack.encode([3, 0.0, 0, 1.0, None, 0, -1])
+    assert msgspec.msgpack.decode(old, type=NewSeq).num_computed == 0
