@@ -336,14 +336,19 @@ def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
             tokens += d.token_ids
             if d.finish_reason is not None:
                 break
+        hub.cancel([kept])  # finished and read: nothing to cancel, nothing kept
+        short = await hub.open([5, 6, 9], SamplingParams(max_tokens=1, ignore_eos=True))
         deadline = time.monotonic() + 20
+        while short not in hub._ended and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        hub.cancel([short])  # finished, its last delta unread: no abort will come for it
         while hub._cancelled and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return hub, tokens
 
     hub, tokens = asyncio.run(run())
     assert len(tokens) == 8
-    assert hub._cancelled == set() and hub.queues == {}
+    assert hub._cancelled == set() and hub.queues == {} and hub._ended == set()
 
 
 def test_sleep_and_wake_endpoints(server, client):

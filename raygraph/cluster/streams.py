@@ -20,8 +20,10 @@ class StreamHub:
     def __init__(self, coord: Any) -> None:
         self.coord = coord
         self.name = f"http-{secrets.token_hex(6)}"
+        # open requests: from open() until their last delta is taken or they are cancelled
         self.queues: dict[int, asyncio.Queue[StreamDelta]] = {}
-        # cancelled here: their deltas still in flight are dropped until their last one
+        self._ended: set[int] = set()  # open, and their last delta is queued
+        # cancelled while running: their deltas still in flight are dropped until the last
         self._cancelled: set[int] = set()
         self._pump_task: asyncio.Task | None = None
 
@@ -37,6 +39,8 @@ class StreamHub:
                     rid = delta.request_id
                     if rid not in self._cancelled:
                         self._queue(rid).put_nowait(delta)
+                        if delta.finish_reason is not None:
+                            self._ended.add(rid)
                     elif delta.finish_reason is not None:
                         self._cancelled.discard(rid)
         except Exception as e:  # the coordinator is gone: every open stream ends with it
@@ -47,7 +51,9 @@ class StreamHub:
     async def open(self, prompt: list[int], params: SamplingParams) -> int:
         if self._pump_task is None or self._pump_task.done():
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
-        return await self.coord.submit_stream.remote(self.name, prompt, params)
+        rid = await self.coord.submit_stream.remote(self.name, prompt, params)
+        self._queue(rid)  # open from now: a cancel before the first delta is known
+        return rid
 
     async def next(self, request_id: int) -> StreamDelta:
         """The request's deltas queued so far, as one (WorkerFailure if it failed)."""
@@ -55,14 +61,21 @@ class StreamHub:
         delta = take_deltas(q, await q.get())
         if delta.finish_reason is not None:
             self.queues.pop(request_id, None)
+            self._ended.discard(request_id)
         if delta.finish_reason == "error":
             raise WorkerFailure(delta.text or "the request failed")
         return delta
 
     def cancel(self, request_ids: list[int]) -> None:
         """Stop requests whose client went away (the coordinator ends each with "abort")."""
+        running = []
         for rid in request_ids:
-            self.queues.pop(rid, None)
-        self._cancelled.update(request_ids)
-        if request_ids:
-            self.coord.cancel.remote(request_ids)
+            if self.queues.pop(rid, None) is None:
+                continue  # its last delta was taken already (or it is not ours)
+            if rid in self._ended:  # finished, its last delta unread: nothing more comes
+                self._ended.discard(rid)
+                continue
+            running.append(rid)
+        self._cancelled.update(running)
+        if running:
+            self.coord.cancel.remote(running)
