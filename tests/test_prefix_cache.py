@@ -14,9 +14,12 @@ import argparse
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from raygraph.api.metrics import Metrics
 from raygraph.cli import add_serve_args, serve_config
 from raygraph.cluster.engine import EngineCore
+from raygraph.cluster.kv_cache import ALLOCATE_BUCKETS, ALLOCATE_SAMPLE, merge_stats
 from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ServeConfig
 from raygraph.protocol import NewSeq, SamplingParams
@@ -148,6 +151,59 @@ def test_preempted_sequence_recomputes_from_the_shared_blocks() -> None:
     assert (s.kv.queries, s.kv.hits) == (8 + 9 + 10, 8)
     run(s)
     assert b.output_token_ids == [token(1, i) for i in range(6)]
+
+
+def stats_dict(scheds: list[Scheduler]) -> dict:
+    """The coordinator.stats() fields the collector reads, around the pools' merge."""
+    kv = merge_stats([s.kv.stats() for s in scheds])
+    return {"running": 0, "waiting": 0, "kv_utilization": kv["usage"], "kv_cache": kv,
+            "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "finished": {},
+            "steps_by_phase": {}, "graphs_captured": 0, "capture_s": 0.0,
+            "graph_pool_bytes": 0, "restarts": 0}
+
+
+def test_pool_metrics_sum_dp_groups() -> None:
+    groups = [make(num_blocks=6, caching=True), make(num_blocks=6, caching=True)]
+    for s in groups:  # the second pass hits, then an allocation must evict
+        run(s, req(0, range(10, 18), 1))
+        run(s, req(1, list(range(10, 18)) + [3], 1))
+        run(s, req(2, range(60, 76), 1))
+    a = req(3, range(80, 84), 4)
+    groups[0].add(a)
+    step(groups[0])  # one sequence running in group 0 only
+    stats = stats_dict(groups)
+    kv = stats["kv_cache"]
+    assert kv["prefix_cache_queries"] == 2 * (8 + 9 + 16) + 4
+    assert kv["prefix_cache_hits"] == 2 * 8 and kv["num_pages"] == 12
+    assert kv["usage"] == 1 / 6  # the fullest group: a holds 1 of its 6 blocks
+    pages = kv["pages"]
+    assert pages["free"] + sum(pages["cached"].values()) + sum(pages["pinned"].values()) == 12
+    assert pages["pinned"] == {"kv": 1, "adapter": 0}
+    assert kv["evictions"]["kv"] == sum(s.pool.evictions["kv"] for s in groups) > 0
+    calls = sum(s.kv._allocations for s in groups)
+    assert kv["allocate_seconds"]["count"] == sum(kv["allocate_seconds"]["counts"]) == sum(
+        n // ALLOCATE_SAMPLE for n in (s.kv._allocations for s in groups)) and calls > 0
+    text = Metrics("m").render(stats).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in fams.values() for s in f.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return values[(name, tuple(sorted({"model_name": "m", **labels}.items())))]
+
+    assert value("raygraph:prefix_cache_queries_total") == kv["prefix_cache_queries"]
+    assert value("raygraph:prefix_cache_hits_total") == 16
+    assert value("raygraph:kv_cache_usage_perc") == pytest.approx(1 / 6)
+    assert value("raygraph:pool_pages", state="pinned", kind="kv") == 1
+    assert value("raygraph:pool_pages", state="free", kind="none") == pages["free"]
+    assert value("raygraph:pool_pages", state="cached", kind="kv") == pages["cached"]["kv"]
+    assert value("raygraph:pool_evictions_total", kind="kv") == kv["evictions"]["kv"]
+    assert value("raygraph:pool_fragmentation_ratio") == kv["fragmentation"]
+    assert value("raygraph:pool_allocate_seconds_count") == kv["allocate_seconds"]["count"]
+    assert value("raygraph:pool_allocate_seconds_bucket", le="+Inf") == kv[
+        "allocate_seconds"]["count"]
+    assert len([k for k in values if k[0] == "raygraph:pool_allocate_seconds_bucket"]) == len(
+        ALLOCATE_BUCKETS) + 1
 
 
 def test_flag_config_and_protocol(tmp_path) -> None:

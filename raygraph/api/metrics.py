@@ -9,8 +9,13 @@ this replica's own. Each app has its own registry (tests build several in one pr
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
+from raygraph.cluster.kv_cache import ALLOCATE_SAMPLE
 from raygraph.protocol import RequestTiming
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -42,8 +47,10 @@ class CoordinatorCollector:
                            s["running"])
         yield self._family(G, "num_requests_waiting", "Sequences waiting to be scheduled.",
                            s["waiting"])
-        yield self._family(G, "kv_cache_usage_perc", "KV cache use, 0 to 1 (the fullest DP "
-                           "group).", s["kv_utilization"])
+        yield self._family(G, "kv_cache_usage_perc", "KV cache use, 0 to 1: pages pinned by "
+                           "running sequences (the fullest DP group); cached pages count as "
+                           "free.", s["kv_utilization"])
+        yield from self._pool(s["kv_cache"])
         yield self._family(C, "prompt_tokens", "Prompt tokens of finished requests.",
                            s["prompt_tokens"])
         yield self._family(C, "generation_tokens", "Tokens generated for finished requests.",
@@ -75,6 +82,42 @@ class CoordinatorCollector:
                            "device (all ranks).", self.offload_h2d_bytes)
         yield self._family(C, "worker_restarts", "Worker group restarts after a failure.",
                            s["restarts"])
+
+
+    def _pool(self, kv: dict):
+        """The KV page pools (cluster/kv_cache.merge_stats): counts summed over DP groups."""
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(C, "prefix_cache_queries", "Prompt tokens (with outputs, for a "
+                           "recompute) looked up in the prefix cache at admission.",
+                           kv["prefix_cache_queries"])
+        yield self._family(C, "prefix_cache_hits", "Of the tokens looked up, those found "
+                           "cached (not computed).", kv["prefix_cache_hits"])
+        pages = G("raygraph:pool_pages", "Page pool pages by state (free, cached: unpinned "
+                  "but kept for their content, pinned: in use) and content kind (free "
+                  "pages: none).", labels=["model_name", "state", "kind"])
+        pages.add_metric([self.model, "free", "none"], kv["pages"]["free"])
+        for state in ("cached", "pinned"):
+            for kind, n in kv["pages"][state].items():
+                pages.add_metric([self.model, state, kind], n)
+        yield pages
+        evictions = C("raygraph:pool_evictions", "Cached pages evicted (LRU) by content "
+                      "kind.", labels=["model_name", "kind"])
+        for kind, n in kv["evictions"].items():
+            evictions.add_metric([self.model, kind], n)
+        yield evictions
+        yield self._family(G, "pool_fragmentation_ratio", "Largest run of free pages / free "
+                           "pages (1: one run; the most fragmented DP group).",
+                           kv["fragmentation"])
+        h = kv["allocate_seconds"]
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, h["bounds"]), "+Inf"], h["counts"]):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        alloc = HistogramMetricFamily("raygraph:pool_allocate_seconds", "Time of one KV page "
+                                      "allocation call by the scheduler (sampled: one call "
+                                      f"in {ALLOCATE_SAMPLE}).", labels=["model_name"])
+        alloc.add_metric([self.model], buckets, h["sum"])
+        yield alloc
 
 
 class Metrics:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from raygraph.api.metrics import Metrics
 from raygraph.cluster.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
@@ -102,6 +103,10 @@ def test_prefix_caching_with_preemption_generates_hf_greedy_tokens(ray_session, 
     kv = stats["kv_cache"]
     assert stats["preemptions"] > 0 and kv["prefix_cache_hits"] >= 8 * 3
     assert kv["num_pages"] == 10 * dp and kv["pages"]["pinned"]["kv"] == 0
+    text = Metrics("m").render(stats).decode()  # the coordinator's figures, as /metrics
+    assert f'raygraph:prefix_cache_hits_total{{model_name="m"}} {kv["prefix_cache_hits"]}.0' \
+        in text.splitlines()
+    assert 'raygraph:pool_pages{kind="kv",model_name="m",state="pinned"} 0.0' in text
 
 
 def test_same_local_size_different_dispatch_size_selects_different_graphs():
