@@ -5,6 +5,10 @@ latency) with the throughputs.
 The workload is vLLM's "random" dataset: each prompt length and each output length is drawn
 uniformly from the integers in [int(L*(1-r)), int(L*(1+r))] (at least 1), prompts are random
 token ids in [3, vocab), requests use ignore_eos with max_tokens = the drawn output length.
+With --shared-prefix-len N every prompt starts with the same random N tokens (a system
+prompt) and goes on with its own drawn suffix; the report then gives the prefix cache's hit
+rate over the timed requests (tokens found cached / tokens looked up), from the
+coordinator's stats or the server's /metrics.
 
 A client is any function (prompt ids, params) -> async iterator of Chunk, one per streamed
 message: `ray_client` (Coordinator.generate_stream) and `http_client` (OpenAI completions SSE)
@@ -31,7 +35,7 @@ import json
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -81,7 +85,9 @@ def make_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
     ins = sample_lengths(a.num_prompts, a.input_len, a.range_ratio, rng)
     outs = sample_lengths(a.num_prompts, a.output_len, a.range_ratio, rng)
     sampled = a.temperature > 0
-    return [Request([rng.randrange(3, vocab) for _ in range(i)],
+    # drawn after the lengths, so the suffixes' lengths do not depend on the prefix's
+    prefix = [rng.randrange(3, vocab) for _ in range(a.shared_prefix_len)]
+    return [Request(prefix + [rng.randrange(3, vocab) for _ in range(i)],
                     SamplingParams(max_tokens=o, ignore_eos=True, temperature=a.temperature,
                                    top_k=a.top_k, seed=a.seed + k if sampled else None))
             for k, (i, o) in enumerate(zip(ins, outs))]
@@ -211,16 +217,62 @@ async def run_load(client: Client, reqs: Sequence[Request], arrivals: Sequence[f
     return list(records), time.perf_counter() - t0
 
 
+Counters = Callable[[], Awaitable[tuple[float, float] | None]]
+
+
 async def benchmark(client: Client, reqs: list[Request], warmup: list[Request],
-                    arrivals: list[float], max_concurrency: int | None = None
-                    ) -> dict[str, Any]:
-    """Warm up (untimed, all at once: new shapes are captured there), then the timed load."""
+                    arrivals: list[float], max_concurrency: int | None = None,
+                    prefix_counters: Counters | None = None) -> dict[str, Any]:
+    """Warm up (untimed, all at once: new shapes are captured there), then the timed load.
+    `prefix_counters()`: the server's prefix cache (queries, hits) in tokens, read around the
+    timed load for its hit rate (None where the server does not say)."""
     warm, _ = await run_load(client, warmup, [0.0] * len(warmup))
     failed = [r.error or "no token arrived" for r in warm if not r.ok]
     if failed:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
+    before = await prefix_counters() if prefix_counters else None
     records, duration = await run_load(client, reqs, arrivals, max_concurrency)
-    return summarize(records, duration)
+    row = summarize(records, duration)
+    after = await prefix_counters() if prefix_counters else None
+    row |= prefix_hit_rate(before, after)
+    return row
+
+
+def prefix_hit_rate(before: tuple[float, float] | None,
+                    after: tuple[float, float] | None) -> dict[str, Any]:
+    """The timed requests' prefix cache figures from (queries, hits) counters around them."""
+    if before is None or after is None:
+        return {"prefix_cache_queries": None, "prefix_cache_hits": None,
+                "prefix_cache_hit_rate": None}
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {"prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits),
+            "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0}
+
+
+def coordinator_counters(coord: Any) -> Counters:
+    """(queries, hits) from coordinator.stats()."""
+    async def read() -> tuple[float, float]:
+        kv = (await coord.stats.remote())["kv_cache"]
+        return kv["prefix_cache_queries"], kv["prefix_cache_hits"]
+    return read
+
+
+def metrics_counters(session: Any, endpoint: str) -> Counters:
+    """(queries, hits) from the server's Prometheus /metrics (None when it has neither)."""
+    names = ("raygraph:prefix_cache_queries_total", "raygraph:prefix_cache_hits_total")
+
+    async def read() -> tuple[float, float] | None:
+        async with session.get(endpoint.rstrip("/") + "/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+        values = {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return (values[names[0]], values[names[1]]) if len(values) == 2 else None
+    return read
 
 
 def ray_client(coord: Any) -> Client:
@@ -293,7 +345,7 @@ async def benchmark_http(endpoint: str, model: str, reqs: list[Request],
     conn = aiohttp.TCPConnector(limit=0)  # no client-side cap on concurrent requests
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         return await benchmark(http_client(session, endpoint, model), reqs, warmup, arrivals,
-                               max_concurrency)
+                               max_concurrency, metrics_counters(session, endpoint))
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -306,7 +358,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "(generate_stream); mux, every stream over one subscription")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at most (default: no cap)")
-    g.add_argument("--input-len", type=int, default=512)
+    g.add_argument("--input-len", type=int, default=512,
+                   help="prompt tokens (after the shared prefix, with --shared-prefix-len)")
+    g.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every prompt starts with the same random N tokens (default: 0)")
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [L*(1-r), L*(1+r)]")
@@ -335,6 +390,7 @@ TABLE = [
     ("Request throughput (req/s)", "request_throughput"),
     ("Output token throughput (tok/s)", "output_throughput"),
     ("Total token throughput (tok/s)", "total_token_throughput"),
+    ("Prefix cache hit rate", "prefix_cache_hit_rate"),
 ]
 SECTIONS = [("ttft", "TTFT", "Time to First Token"),
             ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
@@ -344,7 +400,8 @@ SECTIONS = [("ttft", "TTFT", "Time to First Token"),
 def format_table(row: dict[str, Any]) -> str:
     """The result as vllm bench serve prints it."""
     lines = [f"{' Serving Benchmark Result ':=^50}"]
-    lines += [f"{label + ':':<40}{row[key]}" for label, key in TABLE]
+    lines += [f"{label + ':':<40}{row[key]}" for label, key in TABLE
+              if row.get(key) is not None]
     for key, short, title in SECTIONS:
         lines.append(f"{' ' + title + ' ':-^50}")
         for stat in ("mean", "median", "p90", "p99"):

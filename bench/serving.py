@@ -20,12 +20,16 @@ measures): a Poisson stream of streaming requests, reported like `vllm bench ser
 
     python -m bench.serving --request-rate 8 --num-prompts 200 --input-len 512 --output-len 128
                             [--range-ratio 0.5] [--seed 0] [--max-num-seqs 64] [--json-out F]
+                            [--shared-prefix-len 1024] [--no-prefix-caching]
                             [--endpoint http://HOST:PORT]
 
 It starts a coordinator sized for the load (max_num_seqs, max_num_batched_tokens 2048 unless
 given, KV blocks profiled on GPU and pinned on CPU), or with --endpoint sends the same load to
 an OpenAI-compatible server (the model's config still gives the vocabulary). A few short
 requests run first, untimed, so shapes first seen at run time are not captured in the timing.
+--shared-prefix-len N starts every prompt with one random N-token prefix (then --input-len
+tokens of its own); the result has the prefix cache's hit rate over the timed requests.
+--no-prefix-caching (both modes) turns the coordinator's prefix cache off.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
     """The coordinator's config from the flags, resolved as start_coordinator would."""
     cfg = ServeConfig(
         model=model, device=a.device, parallel=ParallelConfig(tp=a.tp),
-        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
+                          enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
         graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph),
@@ -98,9 +103,12 @@ def load_cfg(a: argparse.Namespace, model: str, max_len: int) -> ServeConfig:
                                                                       num_blocks=blocks))
 
 
-def make_prompts(batch: int, prompt_len: int, vocab: int) -> Prompts:
-    """Random token ids, seeded by batch size: both phases see the same prompts."""
-    rng = random.Random(batch)
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int | str | None = None
+                 ) -> Prompts:
+    """Random token ids, seeded by batch size (or `seed`): both phases see the same prompts.
+    Warm-ups take prompts of their own: a timed prompt seen before would hit the prefix
+    cache in the served phase (a fresh engine in process)."""
+    rng = random.Random(batch if seed is None else seed)
     return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
@@ -246,7 +254,8 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         cfg = load_cfg(a, model, longest)
         coord = start_coordinator(cfg)
         client = load.ray_client(coord) if a.client == "ray" else load.mux_client(coord)
-        row = asyncio.run(load.benchmark(client, reqs, warmup, arrivals, a.max_concurrency))
+        row = asyncio.run(load.benchmark(client, reqs, warmup, arrivals, a.max_concurrency,
+                                         load.coordinator_counters(coord)))
         ray.get(coord.shutdown.remote())
         where = {"client": a.client, "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
@@ -254,6 +263,8 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
     row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "prefill_graph": a.prefill_graph,
                     "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
                     "input_len": a.input_len, "output_len": a.output_len,
+                    "shared_prefix_len": a.shared_prefix_len,
+                    "prefix_caching": None if a.endpoint else not a.no_prefix_caching,
                     "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
                     "max_num_batched_tokens": a.max_num_batched_tokens,
                     "temperature": a.temperature, "top_k": a.top_k}
@@ -281,6 +292,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0, seeded sampling (with --top-k)")
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="the coordinator keeps no KV blocks for shared prefixes")
     load.add_load_args(p)
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL
@@ -297,12 +310,13 @@ def main() -> None:
     connect(None, log_to_driver=False)
     coord = start_coordinator(cfg)
     params, warm = sampling(a)
-    stream_prompt = make_prompts(1, a.prompt_len, vocab)[0]
-    stream_gaps(coord, stream_prompt, warm)
-    ttft_ms, itl_ms = stream_gaps(coord, stream_prompt, params)
+    stream_gaps(coord, make_prompts(1, a.prompt_len, vocab, "stream-warm")[0], warm)
+    ttft_ms, itl_ms = stream_gaps(coord, make_prompts(1, a.prompt_len, vocab, "stream")[0],
+                                  params)
     for b in a.batches:
         prompts = make_prompts(b, a.prompt_len, vocab)
-        ray.get(coord.generate.remote(prompts, warm))  # this shape's keys, before timing
+        # this shape's keys, before timing
+        ray.get(coord.generate.remote(make_prompts(b, a.prompt_len, vocab, f"warm-{b}"), warm))
         served, eng = served_run(coord, prompts, params), engine[b]
         e2e_ms = 1e3 * served["seconds"] / served["steps"]
         in_process = cfg.parallel.world_size == 1

@@ -16,9 +16,12 @@ from bench.load import (
     Request,
     RequestRecord,
     arrival_times,
+    format_table,
     itl_gaps,
     make_requests,
+    metrics_counters,
     percentile,
+    prefix_hit_rate,
     run_load,
     sample_lengths,
     summarize,
@@ -47,7 +50,7 @@ def test_lengths_exact_and_at_least_one() -> None:
 
 def test_requests_follow_the_drawn_lengths() -> None:
     a = argparse.Namespace(seed=3, num_prompts=40, input_len=20, output_len=10,
-                           range_ratio=0.5, temperature=0.7, top_k=5)
+                           range_ratio=0.5, temperature=0.7, top_k=5, shared_prefix_len=0)
     reqs = make_requests(a, vocab=50)
     assert reqs == make_requests(a, vocab=50)
     rng = random.Random(3)
@@ -164,3 +167,62 @@ def test_max_concurrency_caps_requests_in_flight() -> None:
     assert peak[0] == 2 and all(r.ok for r in records)
     records, _ = asyncio.run(run_load(client, reqs, [0.0] * 7))
     assert peak[0] == 7  # no cap: all at once
+
+
+def test_shared_prefix_prompts() -> None:
+    a = argparse.Namespace(seed=3, num_prompts=10, input_len=6, output_len=4, range_ratio=0.5,
+                           temperature=0.0, top_k=0, shared_prefix_len=0)
+    plain = make_requests(a, vocab=50)
+    a.shared_prefix_len = 12
+    shared = make_requests(a, vocab=50)
+    head = shared[0].prompt[:12]
+    assert all(r.prompt[:12] == head for r in shared)
+    # the suffixes are drawn as the prompts without a prefix are: same lengths and params
+    assert [len(r.prompt) - 12 for r in shared] == [len(r.prompt) for r in plain]
+    assert [r.params for r in shared] == [r.params for r in plain]
+    assert len({tuple(r.prompt[12:]) for r in shared}) == 10
+
+
+class FakeSession:
+    """aiohttp's session.get(url) as an async context manager, one fixed body."""
+
+    def __init__(self, text: str, status: int = 200) -> None:
+        self.text, self.status, self.urls = text, status, []
+
+    def get(self, url: str):
+        session = self
+
+        class Response:
+            status = session.status
+
+            async def __aenter__(self):
+                session.urls.append(url)
+                return self
+
+            async def __aexit__(self, *exc):
+                return False
+
+            async def text(self):
+                return session.text
+
+        return Response()
+
+
+def test_prefix_hit_rate_from_counters_and_metrics_text() -> None:
+    assert prefix_hit_rate((100, 20), (1100, 820)) == {
+        "prefix_cache_queries": 1000, "prefix_cache_hits": 800, "prefix_cache_hit_rate": 0.8}
+    assert prefix_hit_rate((5, 0), (5, 0))["prefix_cache_hit_rate"] == 0.0  # caching off
+    assert prefix_hit_rate(None, (5, 0))["prefix_cache_hit_rate"] is None
+    text = ("# HELP raygraph:prefix_cache_hits_total x\n"
+            'raygraph:prefix_cache_queries_total{model_name="m"} 300.0\n'
+            'raygraph:prefix_cache_hits_total{model_name="m"} 120.0\n'
+            'raygraph:prefix_cache_hits_created{model_name="m"} 1.7e9\n')
+    session = FakeSession(text)
+    assert asyncio.run(metrics_counters(session, "http://h:1/")()) == (300.0, 120.0)
+    assert session.urls == ["http://h:1/metrics"]
+    assert asyncio.run(metrics_counters(FakeSession("up 1\n"), "http://h:1")()) is None
+    assert asyncio.run(metrics_counters(FakeSession(text, 500), "http://h:1")()) is None
+    row = summarize([RequestRecord(3, 0.0, [Chunk(0.1, 1)])], 1.0) | {"request_rate": "inf"}
+    assert "Prefix cache hit rate" not in format_table(row | prefix_hit_rate(None, None))
+    assert "Prefix cache hit rate:                  0.8" in format_table(
+        row | prefix_hit_rate((0, 0), (10, 8)))
