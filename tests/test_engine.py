@@ -55,7 +55,9 @@ class FakeGroup:
         self.table = SeqTable()
         self.launched: StepOutput | None = None  # the step on the "device"
         self.prev: list[int] = []  # the last step's sampled tokens, kept on the "device"
-        self.cache: dict[int, tuple[int, ...]] = {}  # slot -> tokens its K/V came from
+        self.cache: dict[int, int] = {}  # slot -> prefix id of the tokens its K/V came from
+        self.trie: dict[tuple[int, int], int] = {}  # (prefix id, next token) -> prefix id
+        self.prefixes: dict[int, list[int]] = defaultdict(list)  # seq -> prefix id per pos
         self.sampled: dict[int, list[int]] = defaultdict(list)  # seq -> output indices sampled
         self.deltas: list[StepDelta] = []
         self.sizes: list[int] = []  # encoded bytes of each delta
@@ -72,8 +74,13 @@ class FakeGroup:
         prompt = self.seqs[seq_id].prompt_token_ids
         return prompt[pos] if pos < len(prompt) else self.model(seq_id, pos - len(prompt))
 
-    def prefix(self, seq_id: int, pos: int) -> tuple[int, ...]:
-        return tuple(self.expected(seq_id, p) for p in range(pos + 1))
+    def prefix(self, seq_id: int, pos: int) -> int:
+        """An id of the expected tokens 0..pos: equal ids, equal token lists (a trie)."""
+        ids = self.prefixes[seq_id]
+        while len(ids) <= pos:
+            key = (ids[-1] if ids else -1, self.expected(seq_id, len(ids)))
+            ids.append(self.trie.setdefault(key, len(self.trie)))
+        return ids[pos]
 
     def run(self, msg: bytes) -> StepOutput:
         """Worker.run: a step's reply carries the previous step's tokens; b"" is a flush."""
