@@ -113,44 +113,56 @@ def test_caching_off_caches_nothing() -> None:
     assert s.kv.queries == s.kv.hits == 0 and s.pool.num_free == s.pool.num_pages
 
 
-def test_no_hit_on_a_block_computed_in_the_same_step() -> None:
+def test_a_block_computed_in_this_step_is_shared_from_the_next() -> None:
     """Keys are made once a step is planned: a block written by a step is read by later
-    steps only (a decode kernel writes and reads in parallel)."""
+    steps only (a decode kernel writes and reads in parallel). So a request whose next block
+    is being computed by one admitted in the same step (n > 1 samples, a burst sharing a
+    system prompt) waits one step and then finds it cached instead of computing it again."""
     s = make(caching=True)
     a, b = req(0, SHARED[:8]), req(1, SHARED[:8] + [5])
-    s.add(a), s.add(b)
-    st = step(s)  # both admitted at once: b computes the shared blocks itself
-    assert [len(c.token_ids) for c in st.seqs] == [8, 9] and b.num_cached_tokens == 0
-    # a keyed them first; b's copies stay unkeyed, its own until it ends
-    assert [s.pool.page_info(p).key for p in a.block_table] == a.block_hashes[:2]
-    assert [s.pool.page_info(p).key for p in b.block_table[:2]] == [None, None]
-    c = req(2, SHARED[:8] + [6])
-    s.add(c)
+    d = req(3, [90, 91, 92, 93, 94])  # behind b: admission stays in arrival order
+    s.add(a), s.add(b), s.add(d)
     st = step(s)
-    assert c.num_cached_tokens == 8 and c.block_table[:2] == a.block_table[:2]
+    assert [c.seq_id for c in st.seqs] == [0] and b.num_computed == 0
+    assert [s.pool.page_info(p).key for p in a.block_table] == a.block_hashes[:2]
+    st = step(s)  # b computes only its last token, on a's two blocks
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert [(c.seq_id, c.start_pos) for c in st.seqs if c.seq_id != 0] == [(1, 8), (3, 0)]
     assert [s.pool.page_info(p).refs for p in a.block_table[:2]] == [2, 2]
-    copies = b.block_table[:2]
     run(s)
-    assert [s.pool.page_info(p).state for p in copies] == ["free", "free"]
-    assert s.pool.num_cached == 2  # a's: no third block was full of computed tokens
+    assert s.pool.num_cached == 3  # a's two, and d's first block
+
+
+def test_n_samples_of_one_prompt_compute_its_blocks_once() -> None:
+    s = make(caching=True)
+    prompt = SHARED + [7, 8, 9]  # 13 tokens: three full blocks
+    samples = [req(i, prompt) for i in range(3)]
+    run(s, *samples)
+    assert [q.num_cached_tokens for q in samples] == [0, 12, 12]
+    assert (s.kv.queries, s.kv.hits) == (3 * 13, 24)
 
 
 def test_preempted_sequence_recomputes_from_the_shared_blocks() -> None:
-    s = make(num_blocks=5, caching=True)
+    s = make(num_blocks=4, caching=True)
     a, b = req(0, SHARED[:8], 6), req(1, SHARED[:8] + [5], 6)
     s.add(a), s.add(b)
-    step(s)  # a: 2 blocks, b: 3 (its own copies of the shared ones): the pool is full
-    st = step(s)  # a needs a 3rd block for position 8: b (newest) is preempted
-    assert st.preempted == [b] and b.block_table == [] and s.pool.num_free == 2
-    st = step(s)  # b comes back on a's blocks: it recomputes its prompt's last token and
-    # its output, nothing more
-    (ca, cb) = st.seqs
-    assert (cb.seq_id, cb.start_pos, cb.token_ids) == (1, 8, [5, token(1, 0)])
-    assert [(n.seq_id, n.num_computed, n.num_generated) for n in st.delta.new] == [(1, 8, 1)]
-    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
-    assert (s.kv.queries, s.kv.hits) == (8 + 9 + 10, 8)
-    run(s)
+    step(s)  # a computes the two shared blocks
+    step(s)  # a's first decode takes a 3rd block; b joins on a's two and takes the 4th
+    assert b.block_table[:2] == a.block_table[:2] and s.pool.num_free == 0
+    for _ in range(10):  # a's decode at position 12 needs a block: b (newest) goes
+        st = step(s)
+        if st.preempted:
+            break
+    assert st.preempted == [b] and b.block_table == [] and b.output_token_ids
+    readmitted = []
+    while s.has_work():
+        st = step(s)
+        check_pool(s)
+        readmitted += [(n.seq_id, n.num_computed) for n in st.delta.new]
+    # b came back on the shared blocks, still cached: it recomputed only what follows them
+    assert readmitted == [(1, 8)] and b.num_cached_tokens == 8
     assert b.output_token_ids == [token(1, i) for i in range(6)]
+    assert a.output_token_ids == [token(0, i) for i in range(6)]
 
 
 def stats_dict(scheds: list[Scheduler]) -> dict:

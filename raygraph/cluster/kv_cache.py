@@ -139,6 +139,12 @@ class KVCacheManager:
             hits.append(page)
         return hits
 
+    def first_miss(self, seq: Sequence, hits: list[int]) -> int | None:
+        """The key of the first full block seq would compute itself (after match()); None
+        when it computes no full block or caching is off."""
+        keys = seq.block_hashes
+        return keys[len(hits)] if self.prefix_caching and len(hits) < len(keys) else None
+
     def admit(self, seq: Sequence, hits: list[int], need: int) -> bool:
         """Give seq (with no blocks) the cached blocks `hits` and `need` new ones, and start it
         after the cached tokens; False when that needs a preemption (then only the hits'

@@ -168,16 +168,25 @@ class Scheduler:
                 break  # seq itself was preempted (it was the last one running)
             budget -= n
             self._take(seq, n, out)
+        computing: set[int] = set()  # first blocks computed by the sequences admitted now
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token in flight: readmitted once it is known
             hits = self.kv.match(seq)
+            miss = self.kv.first_miss(seq, hits)
+            if miss in computing:
+                # its next block is being computed by one admitted in this step (n > 1
+                # samples, a burst sharing a system prompt): admitted next step, it finds
+                # that block cached instead of computing it again
+                break
             cached = len(hits) * bs
             n = min(seq.num_tokens - cached, budget)
             if not self.kv.admit(seq, hits, self.kv.blocks_for(cached + n) - len(hits)):
                 break
+            if miss is not None:
+                computing.add(miss)
             self.waiting.popleft()
             self.running.append(seq)
             budget -= n
