@@ -8,7 +8,13 @@ import random
 import pytest
 
 from raygraph.cluster.connect import start_coordinator
-from raygraph.config import CacheConfig, ParallelConfig, SchedulerConfig, ServeConfig
+from raygraph.config import (
+    CacheConfig,
+    GraphConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
 from raygraph.protocol import SamplingParams
 from tests.hf_ref import hf_greedy
 
@@ -17,15 +23,15 @@ MAX_TOKENS = 12
 
 def prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    # lengths straddle the 16-token chunk budget and the 4-token blocks
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 4, 5, 17, 40)]
+    # lengths straddle the 16-token chunk budget and the 4-token blocks; 150: ten chunks
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 4, 5, 17, 40, 150)]
 
 
-def serve(ray, model, tp: int):
+def serve(ray, model, tp: int, mode: str = "graph"):
     cfg = ServeConfig(
         model=str(model), device="cpu", parallel=ParallelConfig(tp=tp),
         cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(max_num_batched_tokens=16),
-        coordinator_name=f"hf-{model.name}-tp{tp}",
+        graph=GraphConfig(mode=mode), coordinator_name=f"hf-{model.name}-tp{tp}-{mode}",
     )
     return start_coordinator(cfg)
 
@@ -48,8 +54,9 @@ def test_greedy_matches_hf_tp1_and_tp2(ray_session, ckpt: str, request: pytest.F
         assert all(r.finish_reason == "length" for r in results)
 
 
-@pytest.mark.parametrize("kv_heads, tp", [(1, 2), (2, 4), (1, 4)])
-def test_kv_heads_replicated_when_tp_exceeds_them(ray_session, tmp_path, kv_heads, tp):
+@pytest.mark.parametrize("kv_heads, tp, mode", [(1, 2, "graph"), (2, 4, "graph"),
+                                                (1, 4, "graph"), (1, 4, "eager")])
+def test_kv_heads_replicated_when_tp_exceeds_them(ray_session, tmp_path, kv_heads, tp, mode):
     """TP above the KV head count: each rank keeps the KV head its query heads read (the
     loader slices K/V by shard, the cache and kernels size from the per-rank count)."""
     from tests.conftest import make_checkpoint
@@ -57,7 +64,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(ray_session, tmp_path, kv_head
     model = make_checkpoint(tmp_path / f"kv{kv_heads}", "LlamaForCausalLM",
                             num_attention_heads=4, num_key_value_heads=kv_heads)
     ps = prompts(kv_heads + tp)
-    coord = serve(ray_session, model, tp)
+    coord = serve(ray_session, model, tp, mode)
     try:
         results = ray_session.get(coord.generate.remote(
             ps, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
