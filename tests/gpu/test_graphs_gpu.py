@@ -8,15 +8,13 @@ import random
 import pytest
 import torch
 
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Scheduler, Sequence
+from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.inputs import prepare_batch
-from raygraph.memory.pool import PagePool
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import make_checkpoint, randomise_caches
+from tests.conftest import loaded_worker, make_checkpoint, randomise_caches, serve_in_process
 
 pytestmark = pytest.mark.gpu
 
@@ -151,11 +149,7 @@ def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise") -> Wor
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128),
         graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
     )
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
-    w.allocate_kv_cache(256)
-    w.capture_all()
-    return w
+    return loaded_worker(cfg, 256, capture=True)
 
 
 def random_plan(rng: random.Random, decode: bool) -> StepPlan:
@@ -197,18 +191,23 @@ def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt, prefill_graph, lo
     count = 20 if longest <= 150 else 8
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, longest))]
                for _ in range(count)]
+    graph, eager = greedy_graph_and_eager(ckpt, prompts, 24, prefill_graph)
+    assert graph == eager
+
+
+def greedy_graph_and_eager(ckpt, prompts: list[list[int]], max_tokens: int,
+                           prefill_graph: str) -> list[list[list[int]]]:
+    """Greedy outputs through graphs, then eagerly (float32), each through the served loop's
+    logic: deltas, tokens fed on the device, replies a step late."""
     outs = []
     for mode in ("graph", "eager"):
         w = worker(ckpt, mode, "float32", prefill_graph)
-        sched = Scheduler(PagePool(256, 16), 32, 128, 512)
-        seqs = [Sequence(i, p, SamplingParams(max_tokens=24, ignore_eos=True))
-                for i, p in enumerate(prompts)]
-        for s in seqs:
-            sched.add(s)
-        # the served loop's logic: deltas, tokens fed on the device, replies a step late
-        run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(w))
+        seqs = serve_in_process(w.cfg, w, [
+            Sequence(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)], 256)
         outs.append([s.output_token_ids for s in seqs])
-    assert outs[0] == outs[1]
+        w.shutdown()
+    return outs
 
 
 def test_fused_rms_norm_and_rotary_match_torch_reference():
@@ -296,10 +295,7 @@ def test_no_kernel_compiles_after_capture(gpu_llama, prefill_graph):
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128),
         graph=GraphConfig(decode_sizes=[1], prefill_graph=prefill_graph),  # as bench.prefill
     )
-    w = Worker(cfg, 0)
-    w.load(("127.0.0.1", 0))
-    w.allocate_kv_cache(256)
-    w.capture_all()
+    w = loaded_worker(cfg, 256, capture=True)
     before = compiled_variants()
     rng = random.Random(21)
     for _ in range(12):

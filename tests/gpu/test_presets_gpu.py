@@ -10,11 +10,7 @@ import random
 import pytest
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.memory.pool import PagePool
-from raygraph.protocol import SamplingParams
-from tests.gpu.test_graphs_gpu import worker
+from tests.gpu.test_graphs_gpu import greedy_graph_and_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -25,15 +21,5 @@ def test_preset_greedy_tokens_full_graphs_equal_eager(preset, tmp_path_factory):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(1, 150))]
                for _ in range(12)]
-    outs = []
-    for mode in ("graph", "eager"):
-        w = worker(ckpt, mode, "float32", "full")
-        sched = Scheduler(PagePool(256, 16), 32, 128, 512)
-        seqs = [Sequence(i, p, SamplingParams(max_tokens=16, ignore_eos=True))
-                for i, p in enumerate(prompts)]
-        for s in seqs:
-            sched.add(s)
-        run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(w))
-        outs.append([s.output_token_ids for s in seqs])
-        w.shutdown()
-    assert outs[0] == outs[1]
+    graph, eager = greedy_graph_and_eager(ckpt, prompts, 16, "full")
+    assert graph == eager
