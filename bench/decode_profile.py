@@ -188,6 +188,39 @@ def gemm_table(configs: list[tuple[int, int, int, int]], ms: tuple[int, ...] = (
         torch.cuda.empty_cache()
 
 
+def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], heads: int = 32,
+                  kv_heads: int = 8, head_dim: int = 64, bs: int = 16, sets: int = 4) -> dict:
+    """The decode attention kernel alone (split + merge), replayed in a graph: microseconds
+    a call and the KV read rate (GB/s), per config (keys per tile, warps, stages[, splits];
+    "default": the shipped choice). Each call reads its own scattered blocks (`sets`
+    disjoint table sets, as different layers would), so small cases do not live in L2."""
+    from raygraph.model.triton_attention import paged_decode_attention
+
+    dt, nb = torch.bfloat16, -(-context // bs)
+    total = sets * batch * nb
+    kc = torch.randn(total + 1, bs, kv_heads, head_dim, device="cuda", dtype=dt)
+    vc = torch.randn_like(kc)
+    tables = (torch.randperm(total, device="cuda", dtype=torch.int32) + 1).view(sets, batch, nb)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dt)
+    k_new = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=dt)
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * kc.element_size()
+    row: dict = {"batch": batch, "context": context}
+    for cfg in [None, *configs]:
+        tiles, splits = (cfg[:3], cfg[3] if len(cfg) > 3 else None) if cfg else (None, None)
+
+        def call(i: int, tiles=tiles, splits=splits) -> torch.Tensor:  # stores, as in a step
+            return paged_decode_attention(q, kc, vc, tables[i % sets], lens, head_dim**-0.5,
+                                          k_new, k_new, tiles=tiles, splits=splits)
+
+        try:
+            t = time_graph(call)
+            row[str(cfg or "default")] = [round(1e6 * t, 1), round(kv_bytes / t / 1e9)]
+        except Exception as e:  # a config the compiler refuses: say so
+            row[str(cfg)] = type(e).__name__
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-1b")
@@ -197,8 +230,16 @@ def main() -> None:
     p.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8], help="token rows")
     p.add_argument("--gemm-configs", nargs="+", default=None,
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages")
+    p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
+                   help="time the decode attention kernel alone over --cases, per config")
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases]
+    if a.attention is not None:
+        configs = [tuple(int(v) for v in c.split(",")) for c in a.attention]
+        for b, c in cases:
+            print(json.dumps(attention_row(b, c, configs)), flush=True)
+            torch.cuda.empty_cache()
+        return
     if not a.skip_gemm:
         configs = ([tuple(int(v) for v in c.split(",")) for c in a.gemm_configs]
                    if a.gemm_configs else [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4),

@@ -8,8 +8,10 @@ fits it. A second kernel merges the splits. Rows with seq_len 0 (padding) produc
 The query heads of one KV head go through tensor cores together (the group padded to 16
 rows), so K and V are read once per KV head. With `k_new`/`v_new` given, the step's own
 K/V is stored here too (by split 0, at the slot its block table gives position
-seq_len - 1) and every split takes that position from `k_new`/`v_new`, not the cache: no
-separate store kernel and no ordering between programs. Padding rows store nothing.
+seq_len - 1) and the split holding that position folds it in from registers after its
+loop over cached keys, not from the cache: no separate store kernel and no ordering between
+programs. Padding rows store nothing. A split with no keys stores nothing either; the merge
+derives the same split bounds from `seq_lens` and skips it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -36,6 +38,8 @@ def _decode_split_kernel(
     seq_len = tl.load(lens_ptr + b)
     last = seq_len - 1
     d = tl.arange(0, D)
+    k_last = tl.zeros([D], tl.float32)
+    v_last = k_last
     if STORE:
         k_last = tl.load(kn_ptr + b * stride_kt + kvh * stride_kh + d)
         v_last = tl.load(vn_ptr + b * stride_vt + kvh * stride_vh + d)
@@ -44,12 +48,34 @@ def _decode_split_kernel(
             off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
             tl.store(k_ptr + off, k_last)
             tl.store(v_ptr + off, v_last)
-    first = 0  # the window's first key (WINDOW > 0: the last WINDOW keys only)
+    start, end = _split_range(seq_len, split, SPLITS, TILE, WINDOW)
+    if start < end:  # NOTE: an empty split stores nothing; the merge skips it the same way
+        _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, k_last, v_last,
+                      b, kvh, split, start, end, last, d, stride_qt, stride_qh, stride_kb,
+                      stride_ks, stride_ch, stride_bt, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
+                      NUM_HEADS, STORE, PRECISION, STAGES)
+
+
+@triton.jit
+def _split_range(seq_len, split, SPLITS: tl.constexpr, TILE: tl.constexpr,
+                 WINDOW: tl.constexpr):
+    """Keys [start, end) of one split (a vector of splits in the merge): whole tiles, the
+    last WINDOW keys only when WINDOW > 0."""
+    first = 0
     if WINDOW > 0:
         first = tl.maximum(seq_len - WINDOW, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), TILE) * TILE
     start = first + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    return start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
+def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, k_last, v_last,
+                  b, kvh, split, start, end, last, d, stride_qt, stride_qh, stride_kb,
+                  stride_ks, stride_ch, stride_bt, GROUP: tl.constexpr,
+                  GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  STORE: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     g = tl.arange(0, GROUP_PAD)
     t = tl.arange(0, TILE)
     gmask = g < GROUP
@@ -59,21 +85,17 @@ def _decode_split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for pos0 in range(start, end, TILE):
+    cached_end = end
+    if STORE:  # the newest key is folded in after the loop, from registers
+        cached_end = tl.minimum(end, last)
+    for pos0 in tl.range(start, cached_end, TILE, num_stages=STAGES):
         pos = pos0 + t
-        kmask = pos < end
-        cached = kmask
-        if STORE:
-            cached = kmask & (pos != last)
+        kmask = pos < cached_end
         blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0).to(tl.int64)
         off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
             + d[None, :]
-        k = tl.load(k_ptr + off, mask=cached[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(v_ptr + off, mask=cached[:, None], other=0.0)
-        if STORE:
-            now = (pos == last)[:, None]
-            k = tl.where(now, k_last[None, :], k)
-            v = tl.where(now, v_last[None, :], v)
+        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, TILE]
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -82,6 +104,16 @@ def _decode_split_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if STORE:
+        if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop cost
+            # ~50% of the kernel (a layout conversion every tile); one rank-1 update here
+            s_last = tl.sum(q.to(tl.float32) * k_last.to(tl.float32)[None, :], axis=1) * scale
+            m_new = tl.maximum(m, s_last)
+            p_last = tl.exp(s_last - m_new)
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + p_last
+            acc = acc * alpha[:, None] + p_last[:, None] * v_last.to(tl.float32)[None, :]
+            m = m_new
     # partials: ml [B, Hq, SPLITS, 2], acc [B, Hq, SPLITS, D]
     row = (b * NUM_HEADS + heads) * SPLITS + split
     tl.store(ml_ptr + row * 2, m, mask=gmask)
@@ -90,16 +122,19 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
-                         D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, stride_ot, stride_oh,
+                         D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                         TILE: tl.constexpr, WINDOW: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
+    start, end = _split_range(tl.load(lens_ptr + b), s, SPLITS, TILE, WINDOW)
+    used = start < end  # the splits that stored partials (none for a padding row: zeros)
     row = (b * NUM_HEADS + h) * SPLITS + s
-    m = tl.load(ml_ptr + row * 2)
-    l_sum = tl.load(ml_ptr + row * 2 + 1)
-    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :])
+    m = tl.load(ml_ptr + row * 2, mask=used, other=float("-inf"))
+    l_sum = tl.load(ml_ptr + row * 2 + 1, mask=used, other=0.0)
+    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(l_sum > 0, tl.exp(m - m_max), 0.0)
@@ -108,6 +143,8 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, stride_ot, stride_oh,
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+DecodeTiles = tuple[int, int, int]  # keys per tile, warps, pipeline stages
+DECODE_TILES: DecodeTiles = (TILE, 2, 3)  # bench.decode_profile --attention, H200
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
 
 
@@ -123,15 +160,19 @@ def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TI
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None, window: int = 0,
+    v_new: torch.Tensor | None = None, window: int = 0, tiles: DecodeTiles | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
-    window > 0: the query sees only its sequence's last `window` keys."""
+    window > 0: the query sees only its sequence's last `window` keys. `tiles` and `splits`
+    override the defaults (the bench's sweep)."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    splits = num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads)
+    tile, warps, stages = tiles or DECODE_TILES
+    splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
+                                  tile)
     ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
                       device=q.device)
@@ -145,12 +186,12 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        BS=block_size, TILE=TILE, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STAGES=stages, num_warps=warps,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
-        ml, acc, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
-        NUM_HEADS=num_heads, num_warps=1,
+        ml, acc, out, seq_lens, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
+        NUM_HEADS=num_heads, TILE=tile, WINDOW=window, num_warps=1,
     )
     return out
 
