@@ -396,6 +396,30 @@ class OffloadConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"offload budget must be >= 1 byte, got {self.budget_bytes}")
 
 
+class LoRAConfig(msgspec.Struct, frozen=True):
+    """Multi-LoRA: `max_loras` adapter slots on every rank, each holding one adapter of rank
+    <= max_lora_rank; a step mixes tokens of any slots and of the base model. 0 slots: off
+    (no buffers, no kernels: the graphs of the plain model)."""
+
+    max_loras: int = 0
+    max_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+    @property
+    def padded_rank(self) -> int:
+        """The slots' rank dimension: max_lora_rank rounded up to 16 (tensor-core tiles)."""
+        return -(-self.max_lora_rank // 16) * 16
+
+
 class ServeConfig(msgspec.Struct, frozen=True):
     model: str = DEFAULT_MODEL
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -406,9 +430,15 @@ class ServeConfig(msgspec.Struct, frozen=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     graph: GraphConfig = GraphConfig()
     offload: OffloadConfig = OffloadConfig()
+    lora: LoRAConfig = LoRAConfig()
     coordinator_name: str = "raygraph-coordinator"
     namespace: str = "raygraph"
     step_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.lora.enabled and self.offload.budget_bytes is not None:
+            raise ConfigError("LoRA adapters (lora.max_loras > 0) and weight offload "
+                              "(offload.budget_bytes) cannot be combined")
 
     @property
     def uses_graphs(self) -> bool:

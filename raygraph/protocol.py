@@ -135,6 +135,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     num_generated: int = 0
     feed: int = -1  # >= 0: the token is this row of the previous step's sampled tokens
     logprobs: int = -1  # >= 0: return the sampled token's logprob and this many alternatives
+    lora_slot: int = -1  # the adapter slot its tokens read (-1: the base model)
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -165,6 +166,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True):
     # tokens whose KV its first blocks already hold (prefix cache hits): its first chunk
     # starts there
     num_computed: int = 0
+    lora_slot: int = -1  # SeqChunk.lora_slot
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True):

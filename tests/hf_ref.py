@@ -1,4 +1,5 @@
-"""Reference greedy decoding with HF transformers (full recompute each step: no cache API)."""
+"""Reference greedy decoding with HF transformers (full recompute each step: no cache API),
+optionally with a PEFT adapter."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ from pathlib import Path
 import torch
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+              adapter: Path | None = None) -> list[list[int]]:
+    """`adapter`: a PEFT LoRA adapter directory applied on top (peft, unmerged)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
     model.eval()
     out = []
     with torch.no_grad():

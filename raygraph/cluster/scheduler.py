@@ -54,6 +54,7 @@ class Sequence:
     num_keyed: int = 0
     num_cached_tokens: int = 0
     adapter_id: int = 0  # part of every block's key (0: the base model)
+    lora_slot: int = -1  # the workers' adapter slot holding it (-1: the base model)
 
     @property
     def token_ids(self) -> list[int]:
@@ -207,7 +208,8 @@ class Scheduler:
             p = seq.params.resolved()  # fields still None (not through the coordinator)
             out.new.append(NewSeq(seq.seq_id, p.temperature, p.top_k, p.top_p, p.seed,
                                   len(seq.output_token_ids),
-                                  -1 if p.logprobs is None else p.logprobs, seq.num_computed))
+                                  -1 if p.logprobs is None else p.logprobs, seq.num_computed,
+                                  seq.lora_slot))
             seq.tracked = True
             if not seq.scheduled_at:
                 seq.scheduled_at = time.perf_counter()

@@ -31,6 +31,7 @@ from raygraph.memory.stats import GraphPoolStats
 from raygraph.model import ops
 from raygraph.model.context import ForwardContext, forward_context
 from raygraph.model.llama import LlamaForCausalLM
+from raygraph.model.lora_ops import num_lora_slots
 from raygraph.model.parallel import comms_of, recording
 from raygraph.protocol import BucketKey, BufferInfo, CaptureRecord, StepPlan
 
@@ -132,8 +133,9 @@ class GraphExecutor(Executor):
         self.buckets = buckets
         max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
+        # with LoRA every graph reads each token's slot: one graph serves any mix of adapters
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
-                                 self.device)
+                                 self.device, lora=num_lora_slots(model) > 0)
         attn = model.attention_layers()[0]
         dtype = next(model.parameters()).dtype
         # one attention output buffer serves every layer and bucket: pieces run in order
@@ -205,9 +207,11 @@ class GraphExecutor(Executor):
         n = key.num_tokens
         ids, pos, feed = (self.bufs.input_ids[:n], self.bufs.positions[:n],
                           self.bufs.feed[:n])
+        lora = self.bufs.lora_inputs(n)
 
         def forward(ctx: ForwardContext):
             ctx.num_comm_tokens = key.num_comm_tokens  # the EP dispatch size is in the key
+            ctx.lora = lora
             with forward_context(ctx):
                 hidden = self.model(feed_tokens(ids, feed, self.prev_tokens), pos)
             if not with_logits:
@@ -260,6 +264,8 @@ class GraphExecutor(Executor):
         """The persistent buffers every graph reads: one set, so the same on every key."""
         named = {"tokens": self.bufs.tokens, "block_tables": self.bufs.block_tables,
                  "seq_lens": self.bufs.seq_lens, "attn_out": self.attn_out}
+        if self.bufs.lora is not None:
+            named["lora"] = self.bufs.lora
         return [BufferInfo(n, t.data_ptr(), list(t.shape)) for n, t in named.items()]
 
     def _dummy(self, key: BucketKey):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raygraph.model.context import AttentionMetadata, ForwardContext
+from raygraph.model.context import AttentionMetadata, ForwardContext, LoRAInputs
 from raygraph.protocol import StepPlan
 
 
@@ -28,6 +28,7 @@ class HostInputs:
     # is this token; None: no token is fed
     feed: list[int] | None = None
     block_size: int = 0  # the tables' block size, when slots is None
+    lora: list[int] | None = None  # per token: its adapter slot (-1: base); None: all base
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +61,8 @@ def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
     if any(s.feed >= 0 for s in plan.seqs):
         h.feed = [f for s in plan.seqs for f in ([s.feed] if len(s.token_ids) == 1
                                                  else [-1] * len(s.token_ids))]
+    if any(s.lora_slot >= 0 for s in plan.seqs):
+        h.lora = [s.lora_slot for s in plan.seqs for _ in s.token_ids]
     for b, s in enumerate(plan.seqs):
         n = len(s.token_ids)
         end = s.start_pos + n
@@ -105,6 +108,12 @@ def query_starts(token_row: list[int] | np.ndarray, num_seqs: int) -> np.ndarray
     return np.append(starts, len(rows))
 
 
+def sort_by_slot(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, sorted slots): the tokens grouped by adapter slot, a stable sort (LoRAInputs)."""
+    order = np.argsort(slots, kind="stable")
+    return order, slots[order]
+
+
 def _padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
@@ -131,7 +140,13 @@ def batch_from(h: HostInputs, device: torch.device) -> Batch:
         num_tokens=h.num_tokens, max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
         decode=h.decode,
     )
-    return Batch(t(h.ids), positions, ForwardContext(attn=md), t(h.sample_idx),
+    lora = None
+    if h.lora is not None:
+        slots = np.array(h.lora, dtype=np.int32)
+        order, ordered = sort_by_slot(slots)
+        lora = LoRAInputs(*(torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True)
+                            for a in (slots, order, ordered)))
+    return Batch(t(h.ids), positions, ForwardContext(attn=md, lora=lora), t(h.sample_idx),
                  t(h.feed) if h.feed is not None else None)
 
 
@@ -145,11 +160,13 @@ class InputBuffers:
     step's copy has run: the served loop sends step N+1 while step N runs, so write() waits
     on an event recorded after the last upload (it has nearly always run by then).
 
-    Layout: one byte buffer, [seq lens | query starts | token rows | block tables], so a
-    step's inputs are
-    one contiguous prefix (the tables' first rows end it) and move in one copy. Strided
-    copy_ calls of row slices stage through pageable memory instead: with three of them,
-    the fill took ~100 us a step on an H100 host (bench/RESULTS.md, third decode pass).
+    Layout: one byte buffer, [seq lens | query starts | token rows | LoRA rows | block
+    tables], so a step's inputs are one contiguous prefix (the tables' first rows end it) and
+    move in one copy. Strided copy_ calls of row slices stage through pageable memory
+    instead: with three of them, the fill took ~100 us a step on an H100 host
+    (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's slot, the
+    tokens sorted by slot, their slots in that order; padding tokens -1) exist only when
+    `lora` is set: without it the layout is the plain model's.
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
     from a list costs about a microsecond, a torch op several, and this runs on the critical
@@ -161,10 +178,12 @@ class InputBuffers:
     ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx",
             "feed")
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 lora: bool = False):
         starts_at = max_seqs * 4
         lens_end = -(-(starts_at + (max_seqs + 1) * 4) // 64) * 64  # token rows 8-byte aligned
-        self._tables_at = lens_end + len(self.ROWS) * max_tokens * 8
+        rows_end = lens_end + len(self.ROWS) * max_tokens * 8
+        self._tables_at = rows_end + (3 * max_tokens * 4 if lora else 0)
         size = self._tables_at + max_seqs * max_blocks * 4
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
@@ -172,12 +191,17 @@ class InputBuffers:
         def views(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return (buf[:starts_at].view(torch.int32),
                     buf[starts_at: starts_at + (max_seqs + 1) * 4].view(torch.int32),
-                    buf[lens_end: self._tables_at].view(torch.long).view(len(self.ROWS), -1),
+                    buf[lens_end: rows_end].view(torch.long).view(len(self.ROWS), -1),
                     buf[self._tables_at:].view(torch.int32).view(max_seqs, max_blocks))
 
         self.host_lens, self.host_starts, self.host_tokens, self.host_tables = views(self.host)
         self.seq_lens, self.query_start, self.tokens, self.block_tables = views(
             self.device_bytes)
+        # [slot | order | sorted slot] x max_tokens, int32
+        self.lora = (self.device_bytes[rows_end: self._tables_at].view(torch.int32)
+                     .view(3, max_tokens) if lora else None)
+        self._lora = (self.host[rows_end: self._tables_at].view(torch.int32).view(3, max_tokens)
+                      .numpy() if lora else None)
         self._tok, self._tables, self._lens, self._starts = (t.numpy() for t in (
             self.host_tokens, self.host_tables, self.host_lens, self.host_starts))
         self._arange = np.arange(max(max_tokens, max_seqs), dtype=np.int64)
@@ -188,6 +212,7 @@ class InputBuffers:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self._widths = [0] * max_seqs  # table row lengths last written
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._lora_views: dict[int, LoRAInputs] = {}
         self._streams: dict[int, object] = {}  # raw stream handle -> its driver CUstream
         self._driver = None
         if device.type == "cuda":
@@ -244,6 +269,8 @@ class InputBuffers:
             tok[:5, :n] = (h.ids, h.positions, h.slots, h.token_seq, h.token_row)
         tok[5, : len(h.sample_idx)] = h.sample_idx
         tok[6, :n] = -1 if h.feed is None else h.feed
+        if self._lora is not None:
+            self._write_lora(h.lora, n, num_tokens)
         if n < num_tokens:
             tok[:, n:num_tokens] = 0
             tok[[2, 6], n:num_tokens] = -1  # padding slots, nothing fed
@@ -269,6 +296,26 @@ class InputBuffers:
                 widths[b:num_seqs] = [0] * (num_seqs - b)
             self._lens[b:num_seqs] = 0
         return self._tables_at + num_seqs * self.max_blocks * 4
+
+    def _write_lora(self, slots: list[int] | None, n: int, num_tokens: int) -> None:
+        """Each token's slot (padding -1) and the bucket's tokens sorted by slot."""
+        lora = self._lora
+        if slots is None:  # every token the base model's: already in slot order
+            lora[[0, 2], :num_tokens] = -1
+            lora[1, :num_tokens] = self._arange[:num_tokens]
+            return
+        lora[0, :n] = slots
+        lora[0, n:num_tokens] = -1
+        lora[1, :num_tokens], lora[2, :num_tokens] = sort_by_slot(lora[0, :num_tokens])
+
+    def lora_inputs(self, num_tokens: int) -> LoRAInputs | None:
+        """The LoRA rows of a bucket's size (fixed addresses; None: LoRA off)."""
+        if self.lora is None:
+            return None
+        views = self._lora_views.get(num_tokens)
+        if views is None:
+            views = self._lora_views[num_tokens] = LoRAInputs(*self.lora[:, :num_tokens])
+        return views
 
     def metadata(self, num_tokens: int, num_seqs: int, num_real: int, max_q_len: int,
                  max_kv_len: int, decode: bool) -> AttentionMetadata:

@@ -31,6 +31,20 @@ class AttentionMetadata:
     decode: bool = False  # every sequence has exactly one query token
 
 
+@dataclass
+class LoRAInputs:
+    """Which adapter slot each token reads: -1 is the base model (and every padding row).
+
+    `order` lists the tokens grouped by slot (a stable sort, made on the host) and
+    `sorted_slot` their slots in that order: the GPU kernels tile over it, so a tile of
+    tokens mostly reads one adapter's weights.
+    """
+
+    token_slot: torch.Tensor  # [T] int32
+    order: torch.Tensor  # [T] int32: a permutation of the rows
+    sorted_slot: torch.Tensor  # [T] int32: token_slot[order]
+
+
 # (q, k, v, k_cache, v_cache, scale, window) -> attention output; set by a piecewise executor
 SplitHook = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int],
@@ -45,6 +59,8 @@ class ForwardContext:
     # MoE expert parallelism: every rank of the EP group pads its tokens to this many before
     # dispatch (the largest batch in the DP group, bucketed); 0 = no padding (no EP).
     num_comm_tokens: int = 0
+    # multi-LoRA: each token's adapter slot; None: no token reads one (or LoRA is off)
+    lora: LoRAInputs | None = None
 
 
 _CONTEXT: ForwardContext | None = None

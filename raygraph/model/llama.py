@@ -12,6 +12,7 @@ from torch import nn
 
 from raygraph.config import ModelConfig
 from raygraph.model import ops
+from raygraph.model.lora_ops import lora_active
 from raygraph.model.parallel import (
     Comm,
     MergedColumnParallelLinear,
@@ -80,19 +81,20 @@ class Attention(nn.Module):
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D]; q and k rotated. Without q/k norms the GEMM
-        and rotary are one op (fused for skinny batches on a GPU); with them the norms must
-        come between the two."""
-        w, b, cos, sin = self.qkv_proj.weight, self.qkv_proj.bias, self.rotary.cos, self.rotary.sin
+        """q [T, Hq, D], k and v [T, Hkv, D]; q and k rotated. Without q/k norms or a LoRA
+        delta the GEMM and rotary are one op (fused for skinny batches on a GPU); with them
+        the norms or the delta must come between the two."""
+        proj, cos, sin = self.qkv_proj, self.rotary.cos, self.rotary.sin
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.q_norm is None or self.k_norm is None:
-            return ops.linear_rotary(x, w, b, positions, cos, sin, d, hq, hk)
+        if self.q_norm is None and not lora_active(proj.lora):
+            return ops.linear_rotary(x, proj.weight, proj.bias, positions, cos, sin, d, hq, hk)
         t = x.shape[0]
-        q, k, v = ops.linear(x, w, b).split([hq * d, hk * d, hk * d], dim=-1)
-        # one row per head: the fused rms_norm normalises the rows of a 2D tensor
-        q = self.q_norm(q.reshape(t * hq, d)).view(t, hq, d)
-        k = self.k_norm(k.reshape(t * hk, d)).view(t, hk, d)
-        q, k = ops.rotary(q, k, cos, sin, positions)
+        q, k, v = proj(x).split([hq * d, hk * d, hk * d], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            # one row per head: the fused rms_norm normalises the rows of a 2D tensor
+            q = self.q_norm(q.reshape(t * hq, d))
+            k = self.k_norm(k.reshape(t * hk, d))
+        q, k = ops.rotary(q.view(t, hq, d), k.view(t, hk, d), cos, sin, positions)
         return q, k, v.view(t, hk, d)
 
 
@@ -104,6 +106,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, h, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if lora_active(self.gate_up_proj.lora):  # the delta comes before the activation
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))
 
 

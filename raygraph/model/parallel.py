@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raygraph.model import ops
+from raygraph.model.lora_ops import LoRAWeights, add_lora
 from raygraph.protocol import Collective
 
 
@@ -105,9 +106,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_f), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
         self.shard_dim = 0
+        self.lora: LoRAWeights | None = None  # adapter slots (raygraph/lora); B split as W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return add_lora(ops.linear(x, self.weight, self.bias), x, self.lora)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -148,9 +150,11 @@ class RowParallelLinear(nn.Module):
         local = _divide(in_f, comm.world_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_f, local), requires_grad=False)
         self.shard_dim = 1
+        self.lora: LoRAWeights | None = None  # adapter slots; A split as W, B replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(ops.linear(x, self.weight))
+        # each rank's delta is partial (A split on the input), like its GEMM: one all-reduce
+        return self.comm.all_reduce(add_lora(ops.linear(x, self.weight), x, self.lora))
 
 
 class VocabParallelEmbedding(nn.Module):

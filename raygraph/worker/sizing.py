@@ -85,7 +85,9 @@ def _activation_bytes(w: Worker) -> int:
     w._bind_kv_cache(blocks)
     torch.cuda.reset_peak_memory_stats(w.device)
     before = torch.cuda.memory_allocated(w.device)
-    chunk = SeqChunk(0, [0] * n, 0, list(range(blocks)), True)
+    # with LoRA, through an (empty) adapter slot: its deltas' activations count too
+    chunk = SeqChunk(0, [0] * n, 0, list(range(blocks)), True,
+                     lora_slot=0 if w.cfg.lora.enabled else -1)
     EagerExecutor(w.model, bs).logits(StepPlan(-1, [chunk], num_comm_tokens=n))
     torch.cuda.synchronize(w.device)
     peak = torch.cuda.max_memory_allocated(w.device) - before

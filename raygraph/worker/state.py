@@ -59,4 +59,4 @@ class SeqTable:
         # NOTE: the chunk shares the table's live block list; a plan is consumed before the
         # next delta can append to it
         return SeqChunk(seq_id, tokens, start, s.blocks, sample, p.temperature, p.top_k,
-                        p.top_p, p.seed, gen, feed, p.logprobs)
+                        p.top_p, p.seed, gen, feed, p.logprobs, p.lora_slot)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from raygraph import setup_logging
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, Executor, KeyMismatch, make_executor
+from raygraph.lora import clear_slot, enable_lora, load_adapter_into_slot, read_adapter
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats, SleepStats
 from raygraph.model.loader import build_model
@@ -102,7 +103,7 @@ class _Pending:
 
 # what the coordinator may call over the compiled graph
 CALLS = frozenset({"prepare_capture", "capture", "memory_stats", "offload_stats", "sleep",
-                   "wake_up", "inject_fault", "logits"})
+                   "wake_up", "inject_fault", "logits", "load_lora", "unload_lora"})
 DELTA = msgspec.msgpack.Decoder(StepDelta)
 OUTPUT = msgspec.msgpack.Encoder()
 
@@ -168,6 +169,10 @@ class Worker:
             self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm,
                                      progress)
             self.sleep_memory.take_weights(self.model)  # level-2 sleep can release them
+            if self.cfg.lora.enabled:  # before the KV cache is sized around what is in use
+                lora_bytes = enable_lora(self.model, self.cfg.lora)
+                log.info("rank %d: %d LoRA slots of rank %d, %.1f MiB", self.rank,
+                         self.cfg.lora.max_loras, self.cfg.lora.padded_rank, lora_bytes / 2**20)
         else:  # weights stay in host memory; the engine moves the rest to the device
             self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"),
                                      ep_comm, progress)
@@ -206,6 +211,23 @@ class Worker:
         plan = StepPlan(-1, [chunk], num_comm_tokens=1)
         EagerExecutor(self.model, self.cfg.cache.block_size).logits(plan)
         self._bind_kv_cache(0)
+
+    def load_lora(self, slot: int, path: str) -> float:
+        """Read a PEFT adapter and write this rank's shard of it into `slot`, in place
+        (captured graphs stay valid); returns the seconds it took. Every rank of the group
+        loads the same adapter into the same slot before a step names the slot."""
+        t0 = time.perf_counter()
+        adapter = read_adapter(path, self.model_cfg, self.cfg.lora.max_lora_rank)
+        load_adapter_into_slot(self.model, slot, adapter)
+        if self.device.type == "cuda":  # steps may run on another thread's stream
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def unload_lora(self, slot: int) -> None:
+        """Zero `slot`: a token still naming it would compute the base model."""
+        clear_slot(self.model, slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def offload_stats(self) -> OffloadStats | None:
         """Bytes copied per step, achieved H2D GB/s, stall time, hit rate (None: no offload)."""

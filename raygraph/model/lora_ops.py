@@ -1,0 +1,78 @@
+"""Multi-LoRA deltas: y += (x A_s^T) B_s^T for each token's adapter slot s, base rows untouched.
+
+A linear layer with LoRA holds every slot's A and B in two persistent stacked tensors
+(`LoRAWeights`), so one captured graph serves any mix of adapters: loading an adapter
+writes its slot in place. The torch reference here runs everywhere (CPU, and it is what the
+Triton kernels of model/triton_lora.py are checked against); neither path syncs with the
+host or has a data-dependent shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raygraph.model.context import LoRAInputs, get_forward_context
+
+
+@dataclass
+class LoRAWeights:
+    """One linear layer's adapter slots, zero-padded to the max rank R, scaling folded into B.
+
+    A merged layer (q|k|v, gate|up) has one A per part, stacked along the rank dim, and one B
+    whose rows are the layer's output rows: part p's rows read A rows [p*R, (p+1)*R).
+    """
+
+    a: torch.Tensor  # [max_loras, parts * R, in_local]
+    b: torch.Tensor  # [max_loras, out_local, R]
+    slices: tuple[int, ...]  # each part's output rows on this rank, in order
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[2]
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
+               slices: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[T, out]: for a token t of slot s >= 0, (x[t] A[s]^T) B[s]^T (per part); 0 for s = -1.
+
+    Branch-free: every slot's shrink in one GEMM, the other slots' rows masked to exact
+    zeros, then one contraction over (slot, rank) per part."""
+    # x: [T, in]; a: [L, P*R, in]; b: [L, out, R]; token_slot: [T]
+    num, _, r = b.shape
+    slices = slices or (b.shape[1],)
+    t = x.shape[0]
+    hot = F.one_hot(token_slot.long().clamp(min=0), num).to(x.dtype)
+    hot = hot * (token_slot >= 0).unsqueeze(1).to(x.dtype)  # [T, L]; -1 rows all zero
+    u = (x @ a.reshape(-1, a.shape[2]).T).view(t, num, len(slices), r)
+    u = u * hot[:, :, None, None]
+    return torch.cat([torch.einsum("tlr,lor->to", u[:, :, p], part)
+                      for p, part in enumerate(b.split(slices, dim=1))], dim=1)
+
+
+def lora_active(w: LoRAWeights | None) -> bool:
+    """Whether this step adds a delta to a layer with weights `w` (None: no LoRA on it)."""
+    return w is not None and get_forward_context().lora is not None
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights | None) -> torch.Tensor:
+    """y (a linear layer's output for x) plus each token's adapter delta, in place; y as is
+    when the layer has no LoRA or the step reads no adapter."""
+    if not lora_active(w):
+        return y
+    lora: LoRAInputs = get_forward_context().lora
+    if y.is_cuda:
+        from raygraph.model.triton_lora import add_lora_ as fused
+
+        fused(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices)
+        return y
+    return y.add_(lora_delta(x, w.a, w.b, lora.token_slot, w.slices))
+
+
+def num_lora_slots(model: nn.Module) -> int:
+    """The adapter slots a model was built with (0: LoRA off)."""
+    return max((m.lora.a.shape[0] for m in model.modules()
+                if getattr(m, "lora", None) is not None), default=0)

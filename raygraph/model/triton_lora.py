@@ -1,0 +1,152 @@
+"""Multi-LoRA shrink and expand kernels, GPU only; imported lazily by model/lora_ops.py.
+
+A step's tokens each read their own adapter slot (-1: none). The host sorts the tokens by
+slot (LoRAInputs.order / sorted_slot), and both kernels tile over that order: a program
+takes BM consecutive sorted tokens, and for each distinct slot among them (nearly always
+one or two) runs a tensor-core tile over those rows only, reading that slot's A or B tile
+once. Base rows (-1) are skipped. The grid depends only on the token count and the shapes,
+and every index is read from device memory, so one captured graph serves any mix of slots.
+
+- shrink: u[t, :] = x[t] @ A[s]^T, all of a merged layer's parts at once ([T, parts * R]);
+- expand: y[t, part p's columns] += u[t, p*R:(p+1)*R] @ B[s, those rows]^T, in place.
+Rounding follows the torch reference: u is stored in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BM = 16  # tokens per tile: tl.dot needs 16 rows
+NONE = tl.constexpr(1 << 30)  # above every slot: "no slot left in this tile"
+
+
+@triton.jit
+def _first_slot(slot, after):
+    """The smallest slot > `after` among a tile's rows (NONE: none left)."""
+    return tl.min(tl.where(slot > after, slot, NONE), axis=0)
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, u_ptr, order_ptr, slot_ptr, T, stride_xm, stride_al, stride_an, stride_um,
+    N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    valid = rm < T
+    slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
+    tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = cols < N
+    rk = tl.arange(0, BK)
+    x_rows = x_ptr + tok[:, None] * stride_xm + rk[None, :]
+    cur = _first_slot(slot, -1)
+    while cur < NONE:
+        rows = slot == cur
+        a_rows = a_ptr + cur.to(tl.int64) * stride_al + cols[:, None] * stride_an + rk[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kmask = (k0 + rk) < K
+            x = tl.load(x_rows + k0, mask=rows[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(a_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
+        out = u_ptr + tok[:, None] * stride_um + cols[None, :]
+        tl.store(out, acc.to(u_ptr.dtype.element_ty), mask=rows[:, None] & nmask[None, :])
+        cur = _first_slot(slot, cur)
+
+
+@triton.jit
+def _expand_kernel(
+    u_ptr, b_ptr, y_ptr, order_ptr, slot_ptr, T, stride_um, stride_bl, stride_bn, stride_ym,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, R: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # up to three parts' column tiles along axis 1, part by part (q|k|v, gate|up, or one)
+    pid_n = tl.program_id(1)
+    t0: tl.constexpr = (N0 + BN - 1) // BN
+    t1: tl.constexpr = (N1 + BN - 1) // BN
+    in1 = (pid_n >= t0).to(tl.int32)
+    in2 = (pid_n >= t0 + t1).to(tl.int32)
+    part = in1 + in2
+    local = (pid_n - in1 * t0 - in2 * t1) * BN + tl.arange(0, BN)
+    nmask = local < N0 + in1 * (N1 - N0) + in2 * (N2 - N1)
+    cols = in1 * N0 + in2 * N1 + local  # the part's first output column, then the tile's
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    valid = rm < T
+    slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
+    tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
+    rk = tl.arange(0, BK)
+    u_rows = u_ptr + tok[:, None] * stride_um + part * R + rk[None, :]
+    cur = _first_slot(slot, -1)
+    while cur < NONE:
+        rows = slot == cur
+        b_rows = b_ptr + cur.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rk[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, R, BK):
+            u = tl.load(u_rows + k0, mask=rows[:, None], other=0.0)
+            b = tl.load(b_rows + k0, mask=nmask[:, None], other=0.0)
+            acc = tl.dot(u.to(b.dtype), tl.trans(b), acc, input_precision=PRECISION)
+        out = y_ptr + tok[:, None] * stride_ym + cols[None, :]
+        smask = rows[:, None] & nmask[None, :]
+        y = tl.load(out, mask=smask, other=0.0)
+        # as torch adds the reference's delta: rounded to the activation dtype first
+        delta = acc.to(y_ptr.dtype.element_ty)
+        tl.store(out, (y.to(tl.float32) + delta.to(tl.float32)).to(y.dtype), mask=smask)
+        cur = _first_slot(slot, cur)
+
+
+def _precision(x: torch.Tensor) -> str:
+    """fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
+                sorted_slot: torch.Tensor) -> torch.Tensor:
+    """u [T, parts * R] in x's dtype: each token's row of x times its slot's A^T. Rows of
+    slot -1 are left unwritten (expand never reads them)."""
+    # x: [T, K]; a: [L, N, K]
+    t, k = x.shape
+    n = a.shape[1]
+    u = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    bn = min(64, triton.next_power_of_2(n))
+    grid = (triton.cdiv(t, BM), triton.cdiv(n, bn))
+    _shrink_kernel[grid](
+        x, a, u, order, sorted_slot, t, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
+        N=n, K=k, BM=BM, BN=bn, BK=64 if k >= 64 else 16, PRECISION=_precision(x),
+        num_warps=4,
+    )
+    return u
+
+
+def lora_expand_(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, order: torch.Tensor,
+                 sorted_slot: torch.Tensor, slices: tuple[int, ...]) -> None:
+    """y[:, part p] += u[:, part p's ranks] @ B[slot, part p's rows]^T for each token with a
+    slot, in place."""
+    # y: [T, out]; u: [T, parts * R]; b: [L, out, R]
+    if len(slices) > 3:
+        raise ValueError(f"at most 3 merged parts, got {len(slices)}")
+    t, r = y.shape[0], b.shape[2]
+    n0, n1, n2 = (*slices, 0, 0)[:3]
+    bn = 64
+    tiles = sum(triton.cdiv(s, bn) for s in slices)
+    _expand_kernel[(triton.cdiv(t, BM), tiles)](
+        u, b, y, order, sorted_slot, t, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        N0=n0, N1=n1, N2=n2, R=r, BM=BM, BN=bn,
+        BK=next(bk for bk in (64, 32, 16) if r % bk == 0), PRECISION=_precision(y),
+        num_warps=4,
+    )
+
+
+def add_lora_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              order: torch.Tensor, sorted_slot: torch.Tensor, slices: tuple[int, ...]) -> None:
+    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand."""
+    if x.shape[0] == 0:
+        return
+    if x.stride(1) != 1 or y.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("LoRA kernels need unit-stride rows and contiguous A/B stacks")
+    if b.shape[2] % 16:
+        raise ValueError(f"the slots' rank {b.shape[2]} is not a multiple of 16")
+    u = lora_shrink(x, a, order, sorted_slot)
+    lora_expand_(y, u, b, order, sorted_slot, slices)
