@@ -110,7 +110,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
     t, k = x.shape
     n = a.shape[1]
     u = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    bn = min(64, triton.next_power_of_2(n))
+    # few tokens: narrow column tiles, so enough programs stream A; many: wide ones, so
+    # fewer programs read each row of x again
+    bn = min(16 if t <= 64 else 64, triton.next_power_of_2(n))
     grid = (triton.cdiv(t, BM), triton.cdiv(n, bn))
     _shrink_kernel[grid](
         x, a, u, order, sorted_slot, t, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
