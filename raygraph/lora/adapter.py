@@ -32,6 +32,9 @@ class LoRAError(ValueError):
     """An adapter raygraph cannot serve, with its path and the reason."""
 
 
+Fail = Callable[[str], LoRAError]  # reason -> the error naming the adapter
+
+
 @dataclass(frozen=True)
 class LoRAModule:
     """One adapted projection: delta(x) = scaling * (x A^T) B^T."""
@@ -78,6 +81,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapt
         conf = json.loads((root / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise fail(f"cannot read {CONFIG_FILE}: {e}") from None
+    if not isinstance(conf, dict):
+        raise fail(f"{CONFIG_FILE} is not a JSON object")
     rank, scaling = _check_config(conf, fail, max_rank)
     tensors = _read_tensors(root / WEIGHTS_FILE, fail)
     shapes = module_shapes(cfg)
@@ -110,9 +115,6 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapt
                        f"lora_{'B' if 'A' in ab else 'A'}")
         layers.setdefault(layer, {})[module] = LoRAModule(ab["A"], ab["B"], scaling)
     return LoRAAdapter(str(root), rank, layers)
-
-
-Fail = Callable[[str], LoRAError]  # reason -> the error naming the adapter
 
 
 def _check_config(conf: dict, fail: Fail, max_rank: int) -> tuple[int, float]:
