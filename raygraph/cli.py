@@ -85,6 +85,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graph", choices=["piecewise", "full"], default=None,
                    help="prefill buckets: piecewise (attention eager between graphs) or full "
                         f"(one graph, attention inside) (default: {D.graph.prefill_graph})")
+    p.add_argument("--capture", choices=["background", "at_start", "lazy"], default=None,
+                   help="when the capture schedule runs: background (serve at once, eager "
+                        "steps until each shape is captured between steps), at_start (before "
+                        "serving), lazy (a shape when first needed) "
+                        f"(default: {D.graph.capture})")
     p.add_argument("--offload-budget", type=parse_bytes, default=None,
                    help="keep weights in host memory with at most this much of them on the GPU "
                         "(bytes, or e.g. 1.5GiB, 800MB); fails at load below the floor "
@@ -133,7 +138,8 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         graph=msgspec.structs.replace(cfg.graph, mode="eager" if a.eager else cfg.graph.mode,
                                       pool=pick(a.graph_pool, cfg.graph.pool),
                                       prefill_graph=pick(a.prefill_graph,
-                                                         cfg.graph.prefill_graph)),
+                                                         cfg.graph.prefill_graph),
+                                      capture=pick(a.capture, cfg.graph.capture)),
         cache=msgspec.structs.replace(
             c, block_size=pick(a.block_size, c.block_size),
             num_blocks=pick(a.num_kv_blocks, c.num_blocks),
@@ -212,9 +218,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.detach:
         return 0
     try:
+        report_capture = cfg.graph.capture == "background" and cfg.graph.mode == "graph"
         while True:
-            time.sleep(10)
+            time.sleep(0.5 if report_capture else 10)
             ray.get(coord.ping.remote())
+            if report_capture:
+                p = ray.get(coord.capture_progress.remote())
+                if p["done"]:
+                    print(f"capture schedule complete: {p['total']} keys in {p['seconds']}s "
+                          f"of capture, {p['complete_after_s']}s after serving started "
+                          f"({p['eager_steps']} steps ran eagerly meanwhile)", flush=True)
+                    report_capture = False
     except KeyboardInterrupt:
         if not a.no_http:
             stop_http(cfg.coordinator_name, cfg.namespace)
@@ -253,7 +267,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     cfg = serve_config(a)
     check_startup(cfg)  # a bad model or layout fails here, before Ray starts
     cfg = msgspec.structs.replace(
-        cfg, graph=msgspec.structs.replace(cfg.graph, mode="graph", capture_at_start=False))
+        cfg, graph=msgspec.structs.replace(cfg.graph, mode="graph", capture="lazy"))
     connect(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1,
             log_to_driver=a.verbose)
     coord = start_coordinator(cfg)

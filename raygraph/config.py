@@ -300,6 +300,11 @@ class CacheConfig(msgspec.Struct, frozen=True):
     # full KV blocks stay cached by content (a hash chain of their tokens) after their
     # sequence ends; a request whose prompt starts with cached blocks computes only the rest
     enable_prefix_caching: bool = True
+    # after sleep, wake maps the first blocks (about wake_first_bytes of KV per rank, plus
+    # up to a chunk per K/V tensor) and serves at once; the rest map in the background and
+    # the scheduler gains them as they come. False: wake maps the whole cache first
+    staged_wake: bool = True
+    wake_first_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -308,6 +313,8 @@ class CacheConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.wake_first_bytes < 1:
+            raise ConfigError(f"wake_first_bytes must be >= 1, got {self.wake_first_bytes}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError(
                 "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, got "
@@ -346,7 +353,12 @@ class GraphConfig(msgspec.Struct, frozen=True):
     max_decode: int = 256
     max_prefill: int = 2048
     prefill_graph: Literal["piecewise", "full"] = "full"  # measured faster: bench/RESULTS.md
-    capture_at_start: bool = True
+    # when the capture schedule runs: `background` serves at once (steps of keys not yet
+    # captured run eagerly) and captures between steps, busiest shapes first
+    # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs
+    # it (that step waits)
+    capture: Literal["background", "at_start", "lazy"] = "background"
+    capture_share: float = 0.5  # background, under load: the step thread's time it may take
     capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
     pool: Literal["vmm", "torch", "private"] = "vmm"
     vmm_chunk_bytes: int = 2 << 20  # rounded up to the driver's granularity
@@ -363,6 +375,8 @@ class GraphConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"vmm_chunk_bytes must be >= 1, got {self.vmm_chunk_bytes}")
         if self.vmm_headroom < 0:
             raise ConfigError(f"vmm_headroom must be >= 0, got {self.vmm_headroom}")
+        if not 0 < self.capture_share <= 1:
+            raise ConfigError(f"capture_share must be in (0, 1], got {self.capture_share}")
 
 
 BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

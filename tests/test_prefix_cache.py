@@ -170,7 +170,7 @@ def stats_dict(scheds: list[Scheduler]) -> dict:
     kv = merge_stats([s.kv.stats() for s in scheds])
     return {"running": 0, "waiting": 0, "kv_utilization": kv["usage"], "kv_cache": kv,
             "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "finished": {},
-            "steps_by_phase": {}, "graphs_captured": 0, "capture_s": 0.0,
+            "steps_by_phase": {}, "graphs_captured": 0, "keys_captured": 0, "capture_s": 0.0,
             "graph_pool_bytes": 0, "restarts": 0}
 
 

@@ -49,7 +49,8 @@ class CoordinatorCollector:
                            s["waiting"])
         yield self._family(G, "kv_cache_usage_perc", "KV cache use, 0 to 1: pages pinned by "
                            "running sequences (the fullest DP group); cached pages count as "
-                           "free.", s["kv_utilization"])
+                           "free, offline pages (a wake still mapping them) not at all.",
+                           s["kv_utilization"])
         yield from self._pool(s["kv_cache"])
         yield self._family(C, "prompt_tokens", "Prompt tokens of finished requests.",
                            s["prompt_tokens"])
@@ -76,6 +77,9 @@ class CoordinatorCollector:
         yield self._family(C, "eager_steps", "Steps run eagerly (one per DP group).", eager)
         yield self._family(G, "cuda_graph_capture_seconds", "Time spent capturing graphs.",
                            s["capture_s"])
+        yield self._family(G, "cuda_graph_keys_captured", "Bucket keys captured on every rank "
+                           "(with background capture, the schedule's progress).",
+                           s["keys_captured"])
         yield self._family(G, "graph_pool_bytes", "Graph memory pool bytes (capture records, "
                            "all ranks).", s["graph_pool_bytes"])
         yield self._family(C, "offload_h2d_bytes", "Offloaded weight bytes copied to the "
@@ -93,9 +97,11 @@ class CoordinatorCollector:
         yield self._family(C, "prefix_cache_hits", "Of the tokens looked up, those found "
                            "cached (not computed).", kv["prefix_cache_hits"])
         pages = G("raygraph:pool_pages", "Page pool pages by state (free, cached: unpinned "
-                  "but kept for their content, pinned: in use) and content kind (free "
-                  "pages: none).", labels=["model_name", "state", "kind"])
+                  "but kept for their content, pinned: in use, offline: not mapped yet after "
+                  "a wake) and content kind (free and offline pages: none).",
+                  labels=["model_name", "state", "kind"])
         pages.add_metric([self.model, "free", "none"], kv["pages"]["free"])
+        pages.add_metric([self.model, "offline", "none"], kv["pages"]["offline"])
         for state in ("cached", "pinned"):
             for kind, n in kv["pages"][state].items():
                 pages.add_metric([self.model, state, kind], n)

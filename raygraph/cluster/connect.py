@@ -127,9 +127,13 @@ def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool =
 
 
 def summary_line(info: dict, seconds: float) -> str:
-    graphs = (f"{info['buckets_captured']} buckets captured ({info['graphs_captured']} graphs, "
-              f"{info['graph_pool_bytes'] / 2**20:.1f} MiB graph pool)"
-              if info["graphs_captured"] else f"{info['graph_mode']} mode, no graphs")
+    if info.get("capture") == "background" and info["graph_mode"] == "graph":
+        graphs = f"serving eagerly while {info['keys_total']} keys are captured in the background"
+    elif info["graphs_captured"]:
+        graphs = (f"{info['buckets_captured']} buckets captured ({info['graphs_captured']} "
+                  f"graphs, {info['graph_pool_bytes'] / 2**20:.1f} MiB graph pool)")
+    else:
+        graphs = f"{info['graph_mode']} mode, no graphs"
     return (f"ready in {seconds:.1f}s: {info['model']} on {info['tp'] * info['dp']} "
             f"{info['device']} worker(s), {info['dtype']}, "
             f"{sum(info['weight_bytes_per_rank']) / 2**20:.1f} MiB of weights, "

@@ -25,6 +25,7 @@ import msgspec
 import ray
 
 from raygraph import setup_logging
+from raygraph.cluster.capture import BackgroundCapture
 from raygraph.cluster.engine import EngineCore
 from raygraph.cluster.group import WorkerGroup
 from raygraph.cluster.kv_cache import merge_stats
@@ -48,9 +49,10 @@ from raygraph.cluster.requests import (
     take_deltas,
 )
 from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.cluster.sleep import SleepControl
+from raygraph.cluster.sleep import KV_POLL_S, SleepControl
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.generation import sampling_defaults
+from raygraph.graph.buckets import IDLE_TOKENS
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
@@ -88,7 +90,8 @@ class Coordinator:
         self.clients = RequestTable(self.tokenizer, self._finish_on_stop_string)
         self.sleeper = SleepControl(lambda: len(self.clients.requests), self._on_step_thread,
                                     self._call, offload=cfg.offload.budget_bytes is not None,
-                                    forget_kv=lambda: [s.kv.clear() for s in self.schedulers])
+                                    forget_kv=lambda: [s.kv.clear() for s in self.schedulers],
+                                    pools=lambda: [s.pool for s in self.schedulers])
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self._ids = itertools.count()
         self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
@@ -115,6 +118,7 @@ class Coordinator:
         self.capture_s = 0.0
         self.buckets = cfg.bucket_plan()
         self.lockstep: LockstepCapture | None = None
+        self.background: BackgroundCapture | None = None  # graph.capture == "background"
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
         self._progress = StartupProgress()
 
@@ -131,6 +135,7 @@ class Coordinator:
             self._thread.start()
         self.healthy = True
         self._serving.set()
+        self._wake.set()  # a background capture starts at once, traffic or not
         gc.collect()
         gc.freeze()  # start-up's objects never need collecting: no full-collection stalls
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
@@ -144,8 +149,11 @@ class Coordinator:
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
         self.lockstep = LockstepCapture(cfg.parallel.world_size)
-        if self.buckets is not None and cfg.graph.capture_at_start:
+        self.background = None
+        if self.buckets is not None and cfg.graph.capture == "at_start":
             await asyncio.to_thread(self._capture_schedule)
+        elif self.buckets is not None and cfg.graph.capture == "background":
+            self.background = BackgroundCapture(self.buckets.schedule(), cfg.graph.capture_share)
         self.core = EngineCore.from_config(cfg, self.model_cfg, num_blocks)
         self.schedulers = self.core.schedulers
         self._seqs = {}
@@ -172,17 +180,60 @@ class Coordinator:
                           r.nodes, r.collectives, r.pool_bytes / 2**20, r.seconds)
             self._progress = msgspec.structs.replace(self._progress, capture=(i, len(keys)))
         self.capture_s += time.perf_counter() - t0
+        self._log_schedule(self.capture_s)
+        return self.lockstep.reports
+
+    def _log_schedule(self, seconds: float, since_serving: float | None = None) -> None:
+        """Once the whole schedule is captured: memory figures and one line of totals."""
         self.memory = self._call("memory_stats")
         reports = self.lockstep.reports
         graphs = sum(r.pieces for r in reports)
+        where = "" if since_serving is None else \
+            f" in the background, complete {since_serving:.2f}s after serving started;"
         if graphs:
-            log.info("capture schedule: %d buckets, %d graphs, %.1f MiB of graph pool in %.2fs",
-                     len(reports), graphs, sum(r.pool_bytes for r in reports) / 2**20,
-                     self.capture_s)
+            log.info("capture schedule:%s %d buckets, %d graphs, %.1f MiB of graph pool in "
+                     "%.2fs", where, len(reports), graphs,
+                     sum(r.pool_bytes for r in reports) / 2**20, seconds)
         else:  # the eager backend (CPU): the protocol ran, nothing was captured
-            log.info("capture schedule: %d keys checked in lockstep in %.2fs (eager backend: "
-                     "no graphs)", len(reports), self.capture_s)
-        return reports
+            log.info("capture schedule:%s %d keys checked in lockstep in %.2fs (eager "
+                     "backend: no graphs)", where, len(reports), seconds)
+
+    def _capture_in_background(self, busy: bool) -> bool:
+        """Between steps: capture the next key of a background schedule if it is due; True
+        if one was captured."""
+        bg = self.background
+        if bg is None or not bg.due(busy) or not self.healthy:
+            return False
+        self._flush()  # nothing in flight during a capture
+        key = bg.next_key()
+        if key in self.lockstep.captured:  # captured meanwhile (`capture_schedule`)
+            bg.captured_key(key, 0.0)
+        else:
+            t0 = time.perf_counter()
+            report = self._capture_key(key)
+            bg.captured_key(key, time.perf_counter() - t0)
+            log.debug("background capture %d/%d %s: %.3fs", bg.captured, bg.total, key,
+                      report.seconds)
+        self.capture_s = bg.capture_s
+        self._progress = msgspec.structs.replace(self._progress,
+                                                 capture=(bg.captured, bg.total))
+        if bg.done:
+            self._log_schedule(bg.capture_s, bg.finished_at - bg.started)
+        return True
+
+    def capture_progress(self) -> dict:
+        """Keys captured so far and in all, the steps run eagerly meanwhile, and whether
+        the schedule is complete (always, once `at_start` returned)."""
+        bg = self.background
+        captured = len(self.lockstep.reports) if self.lockstep else 0
+        if bg is None:
+            return {"mode": self.cfg.graph.capture, "captured": captured, "total": captured,
+                    "eager_steps": 0, "done": True, "seconds": round(self.capture_s, 3)}
+        return {"mode": "background", "captured": bg.captured, "total": bg.total,
+                "eager_steps": bg.eager_steps, "done": bg.done,
+                "seconds": round(bg.capture_s, 3),
+                "complete_after_s": None if bg.finished_at is None
+                else round(bg.finished_at - bg.started, 3)}
 
     def _capture_key(self, key: BucketKey) -> KeyReport:
         try:
@@ -244,6 +295,8 @@ class Coordinator:
             "max_model_len": self.schedulers[0].max_model_len if self.schedulers else 0,
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
             "graph_mode": self.cfg.graph.mode, "buckets_captured": len(reports),
+            "capture": self.cfg.graph.capture,
+            "keys_total": self.background.total if self.background else len(reports),
             "graphs_captured": sum(r.pieces for r in reports),
             "capture_s": round(self.capture_s, 2),
             "graph_pool_bytes": sum(r.pool_bytes for r in reports),
@@ -276,12 +329,14 @@ class Coordinator:
             "prefix_cache_hit_rate": round(kv["prefix_cache_hit_rate"], 4),
             "kv_cache": kv,  # the pools of every DP group (cluster/kv_cache.merge_stats)
             "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
+            "kv_wake_error": self.sleeper.kv_error,  # a staged wake's mapping stopped short
             # counters for /metrics (cumulative; every HTTP replica reads the same)
             "prompt_tokens": self.clients.prompt_tokens,
             "generation_tokens": self.clients.generation_tokens,
             "finished": dict(self.clients.finished),
             "steps_by_phase": dict(self.phase_steps),
             "graphs_captured": sum(r.pieces for r in self.capture_report()),
+            "keys_captured": len(self.capture_report()),
             "capture_s": self.capture_s,
             "graph_pool_bytes": sum(r.pool_bytes for r in self.capture_report()),
             "offload": self.cfg.offload.budget_bytes is not None,
@@ -434,14 +489,17 @@ class Coordinator:
     # ---- the step loop (its own thread) -------------------------------------------------
     def _step_thread(self) -> None:
         while not self._stopping:
-            self._wake.wait(timeout=1.0)
+            self._wake.wait(timeout=KV_POLL_S if self.sleeper.kv_growing else 1.0)
             self._wake.clear()
             try:
                 while self._drain_inbox() and not self._stopping:
+                    if self.sleeper.poll_due():  # a staged wake: blocks mapped since
+                        self._flush()
+                        self.sleeper.poll_kv()
                     t0 = time.perf_counter()
                     busy = self._step()
                     self.loop_s += time.perf_counter() - t0
-                    if not busy:
+                    if not self._capture_in_background(busy) and not busy:
                         break
             except Exception as e:  # actor death, a raised step, a hang past the timeout
                 self._on_failure(e)
@@ -491,8 +549,14 @@ class Coordinator:
             self._flush()
             return True
         outs, keys, comm = planned
-        for key in dict.fromkeys(keys):  # new shapes: all ranks at once, nothing in flight
-            if key is not None and key.phase != "eager" and key not in self.lockstep.captured:
+        for i, key in enumerate(keys):  # new shapes: all ranks at once, nothing in flight
+            if key is None or key.phase == "eager" or key in self.lockstep.captured:
+                continue
+            if self.background is not None:  # every rank runs this group's step eagerly
+                self.background.missed(key)
+                keys[i] = BucketKey("eager", outs[i].num_tokens if outs[i] else IDLE_TOKENS,
+                                    key.num_comm_tokens)
+            else:
                 self._flush()
                 self._capture_key(key)
         for o in outs:

@@ -169,6 +169,9 @@ class GraphExecutor(Executor):
             raise RuntimeError("the graph executor is asleep (graph memory released); "
                                "call wake_up() before running steps")
         if plan.key is not None and plan.key != key:
+            if plan.key == BucketKey("eager", h.num_tokens, plan.num_comm_tokens):
+                # not captured on every rank yet (background capture): all run it eagerly
+                return self.eager.run(h, plan.num_comm_tokens), None
             raise KeyMismatch(f"step {plan.step_id}: the coordinator chose {plan.key} but this "
                               f"rank's batch ({h.num_tokens} tokens, {h.num_seqs} seqs) "
                               f"gives {key}")

@@ -4,6 +4,8 @@ the dispatch size."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -29,7 +31,7 @@ ARCHS = {
         num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
 }
-GRAPH = GraphConfig(decode_sizes=[1, 2, 4], prefill_sizes=[8, 16, 32])
+GRAPH = GraphConfig(decode_sizes=[1, 2, 4], prefill_sizes=[8, 16, 32], capture="at_start")
 # uneven: 5 requests over 2 DP groups, lengths and output counts differ so that one group
 # idles while the other still prefills or decodes
 PROMPTS = [[5, 9, 33, 100, 7], [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 15, 200, 31, 9, 4, 8, 2],
@@ -109,6 +111,44 @@ def test_prefix_caching_with_preemption_generates_hf_greedy_tokens(ray_session, 
     assert 'raygraph:pool_pages{kind="kv",model_name="m",state="pinned"} 0.0' in text
 
 
+def wait_captured(ray, coord, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not (p := ray.get(coord.capture_progress.remote()))["done"]:
+        assert time.monotonic() < deadline, p
+        time.sleep(0.05)
+    return p
+
+
+def test_background_capture_runs_new_dispatch_sizes_eagerly_then_replays(ray_session, ckpts):
+    """Background capture (the default) at DP2 x EP2: a key first seen in traffic (an
+    unbalanced dispatch size, outside the schedule) runs eagerly on every rank, is captured
+    between steps, and the greedy tokens are HF's across the switch. A capture failure in
+    the background fails the requests in flight with the key and rank named."""
+    cfg = config(ckpts["mixtral"], "bg-dpep", 1, 2, 2)
+    cfg = msgspec.structs.replace(cfg, graph=msgspec.structs.replace(GRAPH, capture="background"))
+    coord = start_coordinator(cfg)
+    try:
+        schedule = wait_captured(ray_session, coord)["total"]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        got = [r.token_ids for r in ray_session.get(coord.generate.remote(PROMPTS[:3], params))]
+        assert got == hf_greedy(ckpts["mixtral"], PROMPTS[:3], 6)
+        p = wait_captured(ray_session, coord)
+        assert p["eager_steps"] > 0 and p["total"] > schedule  # the new keys, then captured
+        keys = [r.key for r in ray_session.get(coord.capture_report.remote())]
+        assert any(k.num_comm_tokens > k.num_tokens for k in keys)
+        again = [r.token_ids for r in ray_session.get(coord.generate.remote(PROMPTS[:3],
+                                                                            params))]
+        assert again == got
+        wait_captured(ray_session, coord)
+        # five prompts: new unbalanced keys again, whose capture fails on rank 1
+        ray_session.get(coord.inject_fault.remote(1, "raise", "capture"))
+        with pytest.raises(Exception, match=r"capture of .*rank.*1"):
+            ray_session.get(coord.generate.remote(PROMPTS, params), timeout=120)
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+
+
 def test_same_local_size_different_dispatch_size_selects_different_graphs():
     plan = BucketPlan.from_config(GRAPH, 4, 16, ep=True)
     balanced = plan.key(3, 3, True, plan.comm_tokens([(3, 3, True), (4, 4, True)]))
@@ -124,7 +164,7 @@ def test_same_local_size_different_dispatch_size_selects_different_graphs():
 
 def test_a_plan_for_the_wrong_dispatch_size_is_refused(ckpts):
     cfg = config(ckpts["mixtral"], "x", 1, 1, 1)
-    cfg = msgspec.structs.replace(cfg, graph=msgspec.structs.replace(GRAPH, capture_at_start=True))
+    cfg = msgspec.structs.replace(cfg, graph=msgspec.structs.replace(GRAPH, capture="at_start"))
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
     w.allocate_kv_cache(16)

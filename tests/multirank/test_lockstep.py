@@ -73,7 +73,8 @@ def capture_keys(workers, keys: list[BucketKey]) -> LockstepCapture:
 
 
 def test_tp2_schedule_is_captured_in_lockstep_and_serves(ray_session, tiny_llama):
-    coord = start_coordinator(config(tiny_llama, "lockstep-ok"))
+    coord = start_coordinator(config(tiny_llama, "lockstep-ok",
+                                        msgspec.structs.replace(SIZES, capture="at_start")))
     try:
         reports = ray_session.get(coord.capture_report.remote())
         keys = [r.key for r in reports]
@@ -94,8 +95,36 @@ def test_tp2_schedule_is_captured_in_lockstep_and_serves(ray_session, tiny_llama
         ray_session.kill(coord)
 
 
+def test_background_capture_serves_hf_tokens_before_and_after_the_schedule(ray_session,
+                                                                          tiny_llama):
+    """The default: the coordinator serves at once while the schedule is captured between
+    steps (eager steps until a key is captured on every rank); the greedy tokens are HF's
+    whether a step ran eagerly or replayed, before and after the schedule completes."""
+    coord = start_coordinator(config(tiny_llama, "lockstep-bg"))
+    try:
+        info = ray_session.get(coord.describe.remote())
+        assert info["capture"] == "background" and info["keys_total"] == 6
+        prompts = [[5, 6, 7], [9] * 20]
+        want = hf_greedy(tiny_llama, prompts, 6)
+        first = ray_session.get(coord.generate.remote(prompts, greedy(6)))
+        assert [r.token_ids for r in first] == want
+        deadline = time.monotonic() + 120
+        while not (p := ray_session.get(coord.capture_progress.remote()))["done"]:
+            assert time.monotonic() < deadline, p
+            time.sleep(0.05)
+        assert p["captured"] == p["total"] == 6 and p["complete_after_s"] is not None
+        reports = ray_session.get(coord.capture_report.remote())
+        assert len(reports) == 6 and all(r.agree for r in reports)
+        again = ray_session.get(coord.generate.remote(prompts, greedy(6)))
+        assert [r.token_ids for r in again] == want
+        assert ray_session.get(coord.stats.remote())["keys_captured"] == 6
+    finally:
+        ray_session.get(coord.shutdown.remote())
+        ray_session.kill(coord)
+
+
 def test_keys_first_seen_at_run_time_are_captured_on_all_ranks(ray_session, tiny_llama):
-    graph = msgspec.structs.replace(SIZES, capture_at_start=False)
+    graph = msgspec.structs.replace(SIZES, capture="lazy")
     coord = start_coordinator(config(tiny_llama, "lockstep-lazy", graph))
     try:
         assert ray_session.get(coord.capture_report.remote()) == []
@@ -154,7 +183,7 @@ def test_ranks_padding_to_different_graphs_fail_the_step_naming_the_rank(ray_ses
 @pytest.mark.parametrize("kind", ["exit", "stall"])
 def test_a_rank_dying_or_stalling_in_capture_is_an_error_within_the_timeout(
         ray_session, tiny_llama, kind):
-    graph = msgspec.structs.replace(SIZES, capture_at_start=False, capture_timeout_s=5)
+    graph = msgspec.structs.replace(SIZES, capture="lazy", capture_timeout_s=5)
     coord = start_coordinator(config(tiny_llama, f"lockstep-{kind}", graph))
     try:
         workers = ray_session.get(coord.worker_handles.remote())
