@@ -41,7 +41,7 @@ def start(model: str, par: ParallelConfig, mode: str, max_batch: int, context: i
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max(context + 64, 512)),
-        graph=GraphConfig(mode=mode),
+        graph=GraphConfig(mode=mode, capture="at_start"),
     )
     actor = ray.remote(Worker).options(num_gpus=1, num_cpus=1)
     workers = [actor.remote(cfg, r) for r in range(par.world_size)]

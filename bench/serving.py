@@ -78,7 +78,7 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
-        graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph),
+        graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph, capture=a.capture),
     )
     return cfg.resolved(torch.cuda.device_count())
 
@@ -289,6 +289,9 @@ def main() -> None:
     p.add_argument("--mode", choices=["graph", "eager"], default="graph")
     p.add_argument("--prefill-graph", choices=["piecewise", "full"],
                    default=GraphConfig().prefill_graph)
+    p.add_argument("--capture", choices=["at_start", "background", "lazy"], default="at_start",
+                   help="when graphs are captured (default at_start: steady-state figures; "
+                        "bench/startup.py measures serving during a background capture)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0, seeded sampling (with --top-k)")
     p.add_argument("--top-k", type=int, default=0)

@@ -46,7 +46,7 @@ def main() -> None:
         model=model, parallel=ParallelConfig(tp=a.tp),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                   max_num_batched_tokens=a.max_num_batched_tokens),
-        graph=GraphConfig(mode=a.mode),
+        graph=GraphConfig(mode=a.mode, capture="at_start"),  # steady state
     )
     coord = start_coordinator(cfg)
     info = ray.get(coord.describe.remote())
