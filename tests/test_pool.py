@@ -226,6 +226,39 @@ def test_stats() -> None:
     assert s.free + sum(s.cached.values()) + sum(s.pinned.values()) == s.num_pages
 
 
+def test_offline_pages_are_never_handed_out_and_come_online_in_order() -> None:
+    pool = PagePool(100, 4, high_watermark=0.9, low_watermark=0.8)
+    pages = pool.allocate(30)
+    pool.unpin(pages)
+    assert pool.set_online(10) == -90  # a staged wake: only pages 0-9 are mapped
+    assert (pool.num_free, pool.num_pinned, pool.num_available) == (10, 0, 10)
+    assert (pool._evict_below, pool._evict_to) == (1, 2)  # watermarks of the online pages
+    s = pool.stats()
+    assert (s.offline, s.free, s.num_pages, s.largest_free_range) == (90, 10, 100, 10)
+    assert pool.page_info(50).state == "offline"
+    pool.check_invariants()
+    got = pool.allocate(6)
+    pool.cache(got[0], "a")
+    assert max(got) < 10
+    with pytest.raises(PoolExhausted):
+        pool.allocate(5)
+    assert set(pool.allocate_range(4, "adapter")) == set(range(10)) - set(got)
+    assert pool.set_online(40) == 30
+    more = pool.allocate(30)
+    assert sorted(more) == list(range(10, 40))  # lowest ids first, none offline
+    pool.check_invariants()
+    with pytest.raises(PageError, match="page 20 is pinned: only free pages go offline"):
+        pool.set_online(20)
+    assert pool.num_online == 40  # refused whole
+    pool.free(more)
+    assert pool.set_online(20) == -20 and pool.num_free == 10
+    with pytest.raises(ValueError, match="101 of 100"):
+        pool.set_online(101)
+    pool.set_online(100)
+    assert pool.num_free == 90 and pool.stats().offline == 0
+    pool.check_invariants()
+
+
 def test_cache_config_watermarks() -> None:
     cfg = CacheConfig(block_size=8, high_watermark=0.8, low_watermark=0.5)
     pool = PagePool.from_config(100, cfg)

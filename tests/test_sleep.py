@@ -30,8 +30,9 @@ PROMPTS = [[5 + i, 9, 11, 13 + i, 7] * (1 + i % 2) for i in range(3)]
 GRAPH = GraphConfig(decode_sizes=[1, 2, 4, 8], prefill_sizes=[16, 32])
 
 
-def config(mode: str = "graph", **kw) -> ServeConfig:
-    return ServeConfig(device="cpu", cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
+def config(mode: str = "graph", wake_first_bytes: int = 2 << 30, **kw) -> ServeConfig:
+    cache = CacheConfig(block_size=4, num_blocks=BLOCKS, wake_first_bytes=wake_first_bytes)
+    return ServeConfig(device="cpu", cache=cache,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
                                                  max_model_len=256),
                        graph=GraphConfig(mode=mode, decode_sizes=GRAPH.decode_sizes,
@@ -131,6 +132,8 @@ def control(in_flight: list[int], offload: bool = False, fail: bool = False):
         calls.append(method)
         if fail and method == "sleep":
             raise RuntimeError("rank 1: no")
+        if fail:  # the rank never slept: waking it maps nothing
+            return [SleepStats(0, 0, 0, 0, 0, 0.0)]
         return [SleepStats(0, args[0] if args else 1, 10, 20, 0, 0.001)]
 
     return SleepControl(lambda: in_flight[0], on_steps, call, offload,
@@ -189,7 +192,9 @@ def test_sleep_control_refuses_level_2_with_offload_and_recovers_from_a_failed_s
 # ---- the coordinator on local Ray --------------------------------------------------------
 @pytest.fixture(scope="module")
 def coord(ray_session):
-    handle = start_coordinator(config(coordinator_name="sleep-test", step_timeout_s=60))
+    # a staged wake: 8 blocks' worth first (16 KiB a block: 4 layers' K and V of [4, 2, 64])
+    handle = start_coordinator(config(coordinator_name="sleep-test", step_timeout_s=60,
+                                      wake_first_bytes=8 << 14))
     yield handle
     ray_session.get(handle.shutdown.remote())
     ray_session.kill(handle)
@@ -221,11 +226,18 @@ def test_coordinator_sleeps_refuses_requests_without_restart_and_wakes(ray_sessi
             ray.get(ref)
     time.sleep(0.2)  # the step loop had its chance to (wrongly) run or restart
     woke = ray.get(coord.wake_up.remote())
-    assert woke["level"] == level and woke["bytes"] == out["bytes"]
+    assert woke["level"] == level and woke["bytes"][0] < out["bytes"][0]  # staged
+    assert woke["kv_blocks"] == BLOCKS and 8 <= woke["kv_blocks_ready"] < BLOCKS
     assert not ray.get(coord.is_sleeping.remote())
     assert served_greedy(ray, coord) == before  # not from cached blocks of the sleep
-    stats = ray.get(coord.stats.remote())
+    deadline = time.time() + 10  # the step thread polls the workers every 10 ms
+    while (stats := ray.get(coord.stats.remote()))["kv_cache"]["pages"]["offline"]:
+        assert time.time() < deadline
+        time.sleep(0.01)
     assert stats["restarts"] == 0 and stats["kv_cache"]["pages"]["cached"]["kv"] > 0
+    assert stats["kv_wake_error"] is None
+    (mem,) = [w["memory"] for w in ray.get(coord.worker_stats.remote())]
+    assert mem["kv_cache_vmm"]["physical_bytes"] == out["ranks"][0]["kv_cache_bytes"]
 
 
 def test_sleep_without_wait_is_busy_with_a_request_running_and_with_wait_drains(ray_session,

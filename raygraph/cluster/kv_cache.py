@@ -63,11 +63,13 @@ class KVCacheStats(msgspec.Struct, frozen=True):
     allocate_counts: list[int]  # per ALLOCATE_BUCKETS bucket (+ one above), sampled calls
     allocate_sum: float
     allocate_count: int
+    offline: int = 0  # pages a staged wake has not mapped yet (counted in num_pages)
 
     @property
     def usage(self) -> float:
-        """Pages in use (pinned), 0 to 1: cached pages are free to take."""
-        return sum(self.pinned.values()) / self.num_pages
+        """Online pages in use (pinned), 0 to 1: cached pages are free to take, offline
+        ones are left out."""
+        return sum(self.pinned.values()) / (self.num_pages - self.offline)
 
 
 def merge_stats(stats: list[KVCacheStats]) -> dict:
@@ -83,7 +85,7 @@ def merge_stats(stats: list[KVCacheStats]) -> dict:
         "usage": max((s.usage for s in stats), default=0.0),
         "num_pages": sum(s.num_pages for s in stats),
         "pages": {"free": sum(s.free for s in stats), "cached": total("cached"),
-                  "pinned": total("pinned")},
+                  "pinned": total("pinned"), "offline": sum(s.offline for s in stats)},
         "evictions": total("evictions"),
         "fragmentation": min((s.fragmentation for s in stats), default=1.0),
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
@@ -210,4 +212,4 @@ class KVCacheManager:
         p, h = self.pool.stats(), self.allocate_seconds
         return KVCacheStats(p.num_pages, p.free, p.cached, p.pinned, p.evictions,
                             p.fragmentation, self.queries, self.hits, list(h.counts), h.sum,
-                            h.count)
+                            h.count, p.offline)

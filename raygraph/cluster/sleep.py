@@ -5,6 +5,11 @@ wait), then every rank releases its memory at the level asked (1: graph pool and
 2: the weights too). The graphs stay captured and the tensors keep their virtual addresses,
 so wake maps memory back and serving resumes with no recapture. While asleep no step runs
 and new requests are refused with Asleep, never a worker-group restart.
+
+A staged wake (CacheConfig.staged_wake) returns once the workers mapped the KV cache's first
+blocks: the page pools offer only those (the rest are offline pages) and, while the workers
+map the rest in the background, the step thread asks them every KV_POLL_S between steps how
+far they got (the least over ranks) and brings those pages online.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from typing import Any, Literal
 
 import msgspec
 
+from raygraph.cluster.lockstep import last_line
 from raygraph.cluster.requests import Asleep, BadRequest, Busy
-from raygraph.memory.stats import SleepStats
+from raygraph.memory.pool import PagePool
+from raygraph.memory.stats import KVMapError, SleepStats
 
 log = logging.getLogger("raygraph.coordinator")
 
 Phase = Literal["awake", "draining", "asleep"]
+KV_POLL_S = 0.01  # while a staged wake maps the KV cache: how often the workers are asked
 
 
 def summary(stats: list[SleepStats], seconds: float, **extra: Any) -> dict:
@@ -39,19 +47,25 @@ class SleepControl:
     """`in_flight()`: requests not finished yet; `on_steps(fn)` runs fn on the step thread
     between steps (nothing in flight); `call(method, *args)` (there) calls every worker;
     `forget_kv()` (there) drops the prefix cache once the workers released the KV cache
-    (woken, it holds no cached block's content)."""
+    (woken, it holds no cached block's content); `pools()`: every DP group's page pool."""
 
     def __init__(self, in_flight: Callable[[], int],
                  on_steps: Callable[[Callable[[], Any]], Awaitable[Any]],
                  call: Callable[..., list[Any]], offload: bool,
-                 forget_kv: Callable[[], Any] = lambda: None) -> None:
+                 forget_kv: Callable[[], Any] = lambda: None,
+                 pools: Callable[[], list[PagePool]] = list) -> None:
         self.in_flight = in_flight
         self.on_steps = on_steps
         self.call = call
         self.offload = offload
         self.forget_kv = forget_kv
+        self.pools = pools
         self.phase: Phase = "awake"
         self.level = 0  # the level the workers sleep at; 0 awake
+        self.kv_growing = False  # a staged wake is mapping the rest of the KV cache
+        self.kv_error: str | None = None  # why the background mapping stopped short
+        self._woke_at = 0.0
+        self._poll_at = 0.0
 
     @property
     def asleep(self) -> bool:
@@ -108,12 +122,15 @@ class SleepControl:
             stats = self.call("sleep", level)
         except BaseException:
             try:
-                self.call("wake_up")
+                woke = self.call("wake_up")
+                if any(s.kv_cache_bytes for s in woke):  # a rank's KV cache came back empty
+                    self.forget_kv()
+                self._bring_online(min(s.kv_blocks_ready for s in woke))  # maybe staged
             except Exception as e:
                 log.error("waking the ranks after a failed sleep: %s", e)
             raise
         self.forget_kv()
-        self.phase, self.level = "asleep", level
+        self.phase, self.level, self.kv_growing = "asleep", level, False
         return stats
 
     async def wake_up(self) -> dict:
@@ -124,13 +141,50 @@ class SleepControl:
             return {"level": 0, "already_awake": True}
         t0 = time.perf_counter()
         level = self.level
-        stats = await self.on_steps(self._wake_workers)
-        out = summary(stats, time.perf_counter() - t0, level=level)
-        log.info("awake: mapped %.1f MiB per rank again in %.3fs", max(out["bytes"]) / 2**20,
-                 out["seconds"])
+        stats, ready = await self.on_steps(self._wake_workers)
+        pages = sum(p.num_pages for p in self.pools())
+        out = summary(stats, time.perf_counter() - t0, level=level, kv_blocks=pages,
+                      kv_blocks_ready=ready)
+        log.info("awake: mapped %.1f MiB per rank again in %.3fs; %d of %d KV blocks ready%s",
+                 max(out["bytes"]) / 2**20, out["seconds"], ready, pages,
+                 ", the rest mapping in the background" if ready < pages else "")
         return out
 
-    def _wake_workers(self) -> list[SleepStats]:
+    def _wake_workers(self) -> tuple[list[SleepStats], int]:
+        """On the step thread: every rank wakes; returns their stats and the KV blocks
+        online at once (summed over DP groups)."""
+        self._woke_at = time.perf_counter()
         stats = self.call("wake_up")  # a failure leaves the group asleep: wake_up again
-        self.phase, self.level = "awake", 0
-        return stats
+        self._bring_online(min(s.kv_blocks_ready for s in stats))  # before any step runs
+        self.phase, self.level, self.kv_error = "awake", 0, None
+        return stats, sum(p.num_online for p in self.pools())
+
+    def _bring_online(self, ready: int) -> None:
+        """Every pool offers pages [0, ready): what every rank has mapped."""
+        pools = self.pools()
+        for p in pools:
+            p.set_online(min(ready, p.num_pages))
+        growing = any(p.num_online < p.num_pages for p in pools)
+        if self.kv_growing and not growing:
+            log.info("the whole KV cache is back %.3fs after wake: %d blocks",
+                     time.perf_counter() - self._woke_at, sum(p.num_pages for p in pools))
+        self.kv_growing = growing
+        self._poll_at = time.perf_counter() + KV_POLL_S
+
+    def poll_due(self) -> bool:
+        """A staged wake is mapping and the workers were last asked KV_POLL_S ago."""
+        return self.kv_growing and time.perf_counter() >= self._poll_at
+
+    def poll_kv(self) -> None:
+        """On the step thread, nothing in flight: bring online the KV blocks every rank has
+        mapped by now. A rank whose background mapping failed stops the polling: the group
+        serves on with the blocks online (logged, in kv_error) until a sleep and wake."""
+        try:
+            ready = min(self.call("kv_blocks_ready"))
+        except KVMapError as e:
+            self.kv_growing, self.kv_error = False, last_line(e)
+            log.error("%s; serving with %d of %d KV blocks (sleep and wake to map them all)",
+                      self.kv_error, min(p.num_online for p in self.pools()),
+                      self.pools()[0].num_pages)
+            return
+        self._bring_online(ready)

@@ -50,10 +50,12 @@ class VmmArena:
     range and chunks back (so no tensor can outlive the memory under it).
     """
 
-    def __init__(self, backend: VmmBackend, nbytes: int, keep: bool) -> None:
-        # equal chunks of at most MAX_CHUNK: the last one is not mostly padding
+    def __init__(self, backend: VmmBackend, nbytes: int, keep: bool,
+                 chunk: int | None = None) -> None:
+        # default: equal chunks of at most MAX_CHUNK (the last one is not mostly padding)
         nbytes = max(nbytes, 1)
-        chunk = _round_up(-(-nbytes // -(-nbytes // MAX_CHUNK)), backend.granularity())
+        if chunk is None:
+            chunk = _round_up(-(-nbytes // -(-nbytes // MAX_CHUNK)), backend.granularity())
         self.pool = VmmPool(backend, chunk, _round_up(nbytes, chunk))
         self.base = self.pool.new_space()
         self.keep = keep
@@ -112,16 +114,6 @@ class VmmArena:
             self.pool.backend.close()
         except Exception:  # noqa: BLE001 - interpreter exit: the driver may be gone already
             pass
-
-
-def kv_arena(backend: VmmBackend, shape: tuple[int, ...], dtype: torch.dtype,
-             layers: int) -> tuple[VmmArena, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One (k_cache, v_cache) pair per layer, zero-filled (once, here), in an arena that
-    drops them at sleep."""
-    arena = VmmArena(backend, 2 * layers * tensor_bytes(shape, dtype), keep=False)
-    pairs = [(arena.tensor(shape, dtype), arena.tensor(shape, dtype)) for _ in range(layers)]
-    arena._bytes().zero_()
-    return arena, pairs
 
 
 def move_parameters(model: nn.Module, backend: VmmBackend) -> VmmArena:

@@ -7,6 +7,11 @@ content, named by a key, is kept for reuse until evicted):
     free --allocate--> pinned --last unpin--> cached (page has a key) | free (no key)
     cached --retain / pin (a lookup hit)--> pinned        cached --evict--> free
 
+Pages [num_online, num_pages) are offline: neither free nor cached, never handed out, and
+left out of the watermarks and of usage. A staged wake (memory/kv_arena.py) maps the KV
+cache's first blocks first: the pool offers only those, and set_online() adds the rest in
+page order as the workers map them.
+
 Cached pages are evicted LRU, cached KV before warm adapters, in batches between two
 watermarks (see CacheConfig). Single pages cost O(1): free pages are a stack (the most
 recently freed page goes out first) over a byte map of which pages are free; contiguous
@@ -61,7 +66,7 @@ class PoolExhausted(RuntimeError):
 
 
 class PageInfo(NamedTuple):
-    state: str  # free | cached | pinned
+    state: str  # free | cached | pinned | offline
     kind: Kind  # meaningless while free
     refs: int
     owner: object
@@ -80,6 +85,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     leaked_pins: int
     largest_free_range: int
     fragmentation: float  # largest free range / free pages: 1.0 is one run (or none free)
+    offline: int = 0  # pages past num_online (a staged wake has not mapped them yet)
 
 
 class Pin:
@@ -120,10 +126,9 @@ class PagePool:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1, got "
                              f"low {low_watermark}, high {high_watermark}")
         self.num_pages, self.page_size = num_pages, page_size
-        # an allocation that would leave fewer than _evict_below pages free first evicts
-        # cached pages until _evict_to are free after it
-        self._evict_below = round((1.0 - high_watermark) * num_pages)
-        self._evict_to = round((1.0 - low_watermark) * num_pages)
+        self.num_online = num_pages  # pages [num_online, num_pages) are offline
+        self._watermarks = high_watermark, low_watermark
+        self._set_watermarks()
         # per page, indexed by page id; the state is derived: refs > 0 pinned, else key set
         # cached, else free
         self._refs = [0] * num_pages
@@ -158,7 +163,7 @@ class PagePool:
 
     @property
     def num_pinned(self) -> int:
-        return self.num_pages - self._num_free - self.num_cached
+        return self.num_online - self._num_free - self.num_cached
 
     @property
     def num_available(self) -> int:
@@ -167,6 +172,29 @@ class PagePool:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def set_online(self, n: int) -> int:
+        """Pages [0, n) online, the rest offline: pages going offline must be free (PageError
+        otherwise, changing nothing); pages coming online come free, lowest ids allocated
+        first. Returns how many came online (negative: went offline)."""
+        if not 0 <= n <= self.num_pages:
+            raise ValueError(f"cannot have {n} of {self.num_pages} pages online")
+        old, is_free = self.num_online, self._is_free
+        if n < old:
+            taken = is_free.find(0, n, old)
+            if taken >= 0:
+                raise PageError(f"page {taken} is {self._state(taken)}: only free pages go "
+                                "offline")
+            is_free[n:old] = bytes(old - n)  # their stack entries turn stale
+        elif n > old:
+            is_free[old:n] = b"\x01" * (n - old)
+            self._stack += range(n - 1, old - 1, -1)
+            if len(self._stack) > 2 * self.num_pages:  # bound the stale entries
+                self._stack = [p for p in dict.fromkeys(self._stack) if is_free[p]]
+        self._num_free += n - old
+        self.num_online = n
+        self._set_watermarks()
+        return n - old
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -325,7 +353,8 @@ class PagePool:
         return PoolStats(self.num_pages, self._num_free,
                          {k: len(lru) for k, lru in self._lru.items()},
                          {k: pinned[k] for k in KINDS}, dict(self.evictions), self.leaked_pins,
-                         self.largest_free_range, self.fragmentation)
+                         self.largest_free_range, self.fragmentation,
+                         self.num_pages - self.num_online)
 
     def page_info(self, page: int) -> PageInfo:
         return PageInfo(self._state(page), self._kind[page], self._refs[page],
@@ -335,8 +364,11 @@ class PagePool:
         """O(pages) consistency check for tests: the free map, free stack, LRUs and key index
         agree with refcounts and keys (so each page is in exactly one state) and counts add
         up."""
-        refs, keys, kinds, pages = self._refs, self._key, self._kind, range(self.num_pages)
+        refs, keys, kinds, pages = self._refs, self._key, self._kind, range(self.num_online)
         assert min(refs) >= 0, f"a negative refcount: {min(refs)}"
+        offline = range(self.num_online, self.num_pages)
+        assert not any(refs[p] or keys[p] is not None or self._is_free[p] for p in offline), \
+            "an offline page is pinned, cached or free"
         unpinned = set(compress(pages, map(operator.not_, refs)))
         unkeyed = set(compress(pages, map(operator.is_, keys, repeat(None))))
         free, cached = set(compress(pages, self._is_free)), unpinned - unkeyed
@@ -353,6 +385,8 @@ class PagePool:
     # -- internals -----------------------------------------------------------------------
 
     def _state(self, page: int) -> str:
+        if page >= self.num_online:
+            return "offline"
         if self._refs[page] > 0:
             return "pinned"
         return "free" if self._key[page] is None else "cached"
@@ -364,6 +398,13 @@ class PagePool:
         if self._key[page] is None:
             return f"free of page {page}, which is already free (double free)"
         return f"free of page {page}, which is cached, not pinned: evict it instead"
+
+    def _set_watermarks(self) -> None:
+        """An allocation that would leave fewer than _evict_below online pages free first
+        evicts cached pages until _evict_to are free after it."""
+        high, low = self._watermarks
+        self._evict_below = round((1.0 - high) * self.num_online)
+        self._evict_to = round((1.0 - low) * self.num_online)
 
     def _give_back(self, page: int) -> None:
         self._num_free += 1

@@ -37,7 +37,8 @@ class MemoryStats(msgspec.Struct, frozen=True):
 
 class SleepStats(msgspec.Struct, frozen=True):
     """What one rank released (sleep) or mapped again (wake_up), in bytes, and how long it
-    took there."""
+    took there. kv_blocks_ready (wake_up): the KV blocks usable when it returned; a staged
+    wake maps the rest in the background (Worker.kv_blocks_ready)."""
 
     rank: int
     level: int
@@ -45,7 +46,13 @@ class SleepStats(msgspec.Struct, frozen=True):
     kv_cache_bytes: int
     weight_bytes: int
     seconds: float
+    kv_blocks_ready: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.graph_bytes + self.kv_cache_bytes + self.weight_bytes
+
+
+class KVMapError(RuntimeError):
+    """A staged wake could not map the rest of the KV cache (no device memory): the blocks
+    mapped before it stay usable; a sleep and wake maps the whole cache again."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -248,6 +250,8 @@ class VmmPool:
     the next new_space() starts over at offset 0 on the same physical chunks.
     `max_physical_bytes` caps the physical chunks (the graph budget the KV cache was sized
     around): a capture that needs more fails loudly instead of eating into the KV cache.
+    A staged wake maps some chunks first and the rest later (map_chunks), possibly from
+    another thread: the chunk bookkeeping is behind a lock.
     """
 
     def __init__(self, backend: VmmBackend, chunk_size: int, range_size: int,
@@ -263,7 +267,8 @@ class VmmPool:
         self.chunk_size = chunk_size
         self.range_size = range_size
         self.max_physical_bytes = max_physical_bytes
-        self._chunks: list[Any] = []
+        self._chunks: list[Any] = []  # handles; None: not mapped (asleep, or a staged wake)
+        self._lock = threading.RLock()
         self._spaces: list[_Space] = []
         self._live: dict[int, int] = {}  # address -> size, for free()
         self._released = False
@@ -285,6 +290,10 @@ class VmmPool:
         return self._spaces[-1].base
 
     def alloc(self, size: int) -> int:
+        with self._lock:
+            return self._alloc(size)
+
+    def _alloc(self, size: int) -> int:
         self._check_awake()
         if size <= 0:
             raise VmmError(f"alloc size must be positive, got {size}")
@@ -309,6 +318,8 @@ class VmmPool:
             i = space.mapped
             if i == len(self._chunks):
                 self._chunks.append(self.backend.create_chunk(self.chunk_size))
+            if self._chunks[i] is None:
+                raise VmmError(f"alloc over chunk {i}, which a staged wake has not mapped yet")
             self.backend.map(space.base + i * self.chunk_size, self.chunk_size, self._chunks[i])
             space.mapped += 1
         space.peak = -(-end // ALIGN) * ALIGN
@@ -330,10 +341,19 @@ class VmmPool:
         self._check_awake()
         return self.backend.tensor(addr, nbytes)
 
+    @property
+    def unmapped_chunks(self) -> int:
+        """Chunks a staged wake has not mapped yet (all of them while asleep)."""
+        return self._chunks.count(None)
+
     def stats(self) -> VmmStats:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> VmmStats:
         self._check_open()
         return VmmStats(
-            physical_bytes=0 if self.asleep else len(self._chunks) * self.chunk_size,
+            physical_bytes=(len(self._chunks) - self.unmapped_chunks) * self.chunk_size,
             virtual_bytes=len(self._spaces) * self.range_size,
             spaces=len(self._spaces),
             chunks=len(self._chunks),
@@ -342,9 +362,11 @@ class VmmPool:
             asleep=self.asleep,
         )
 
-    def _mappings(self) -> list[tuple[int, int]]:
-        """(address, chunk index) of every mapped chunk, over all spaces."""
-        return [(s.base + i * self.chunk_size, i) for s in self._spaces for i in range(s.mapped)]
+    def _mappings(self, chunks: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """(address, chunk index) of every mapping of `chunks` (None: all), over all spaces."""
+        wanted = range(len(self._chunks)) if chunks is None else chunks
+        return [(s.base + i * self.chunk_size, i) for i in wanted for s in self._spaces
+                if i < s.mapped]
 
     def sleep(self) -> None:
         """Unmap every range and release the physical chunks; the reservations stay.
@@ -353,43 +375,75 @@ class VmmPool:
         Graph-private memory needs no keeping: every replay rewrites the intermediates it
         reads. The caller must make sure no kernel touches the ranges meanwhile.
         """
-        self._check_awake()
-        self._drop_physical()
-        self.asleep = True
+        with self._lock:
+            self._check_awake()
+            self._drop_physical()
+            self.asleep = True
 
     def _drop_physical(self) -> None:
         """Unmap every mapped chunk (one unmap per map), then release the chunks."""
-        for addr, _ in self._mappings():
-            self.backend.unmap(addr, self.chunk_size)
-        for handle in reversed(self._chunks):
-            self.backend.release_chunk(handle, self.chunk_size)
-
-    def wake_up(self) -> None:
-        """Create as many chunks as before and map them at the same addresses as before."""
-        self._check_open()
-        if not self.asleep:
-            raise VmmError("wake_up() on a VmmPool that is not asleep")
-        fresh: list[Any] = []
-        try:
-            for _ in self._chunks:
-                fresh.append(self.backend.create_chunk(self.chunk_size))
-        except BaseException:
-            for handle in fresh:  # stay asleep, holding nothing
-                self.backend.release_chunk(handle, self.chunk_size)
-            raise
-        self._chunks = fresh
         for addr, i in self._mappings():
-            self.backend.map(addr, self.chunk_size, self._chunks[i])
-        self.asleep = False
+            if self._chunks[i] is not None:
+                self.backend.unmap(addr, self.chunk_size)
+        for i in reversed(range(len(self._chunks))):
+            if self._chunks[i] is not None:
+                self.backend.release_chunk(self._chunks[i], self.chunk_size)
+                self._chunks[i] = None
+
+    def wake_up(self, chunks: Iterable[int] | None = None) -> None:
+        """Create chunks again and map them at the same addresses as before: every chunk
+        (None), or only the indices in `chunks`, a staged wake's first slice (map_chunks
+        maps the rest). Creation fails whole: the pool then stays asleep, holding nothing."""
+        with self._lock:
+            self._check_open()
+            if not self.asleep:
+                raise VmmError("wake_up() on a VmmPool that is not asleep")
+            todo = range(len(self._chunks)) if chunks is None else sorted(set(chunks))
+            try:
+                for i in todo:
+                    self._chunks[i] = self.backend.create_chunk(self.chunk_size)
+            except BaseException:
+                for i in todo:  # nothing is mapped yet
+                    if self._chunks[i] is not None:
+                        self.backend.release_chunk(self._chunks[i], self.chunk_size)
+                        self._chunks[i] = None
+                raise
+            for addr, i in self._mappings(todo):
+                self.backend.map(addr, self.chunk_size, self._chunks[i])
+            self.asleep = False
+
+    def map_chunks(self, chunks: Iterable[int]) -> int:
+        """Create and map the chunks among `chunks` a staged wake left unmapped (a chunk
+        whose creation fails stays unmapped); returns how many it mapped."""
+        with self._lock:
+            self._check_awake()
+            done = 0
+            for i in chunks:
+                if self._chunks[i] is not None:
+                    continue
+                handle = self.backend.create_chunk(self.chunk_size)
+                mapped: list[int] = []
+                try:
+                    for addr, _ in self._mappings([i]):
+                        self.backend.map(addr, self.chunk_size, handle)
+                        mapped.append(addr)
+                except BaseException:
+                    for addr in mapped:
+                        self.backend.unmap(addr, self.chunk_size)
+                    self.backend.release_chunk(handle, self.chunk_size)
+                    raise
+                self._chunks[i] = handle
+                done += 1
+            return done
 
     def release(self) -> None:
         """Unmap every range, free the reservations and release the physical chunks."""
-        self._check_open()
-        self._released = True
-        if not self.asleep:  # asleep: already unmapped and released
-            self._drop_physical()
-        for space in self._spaces:
-            self.backend.free_range(space.base, self.range_size)
-        self._spaces.clear()
-        self._chunks.clear()
-        self._live.clear()
+        with self._lock:
+            self._check_open()
+            self._released = True
+            self._drop_physical()  # asleep: nothing left to drop
+            for space in self._spaces:
+                self.backend.free_range(space.base, self.range_size)
+            self._spaces.clear()
+            self._chunks.clear()
+            self._live.clear()

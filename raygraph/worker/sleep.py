@@ -1,10 +1,11 @@
 """What a worker releases when it sleeps, and maps again when it wakes.
 
 Level 1: the executor's graph pool and the KV cache (its contents are dropped: the
-coordinator drained the requests first; NOTE: a future prefix cache must be emptied too).
-Level 2: the weights too (kept in host memory). Both live in VMM arenas (memory/arena.py), so
-wake maps memory at the same addresses the captured graphs hold: no recapture. The eager
-executor sleeps too; it has no graph pool.
+coordinator drained the requests and empties its prefix cache). Level 2: the weights too
+(kept in host memory). Both live in VMM arenas (memory/arena.py), so wake maps memory at the
+same addresses the captured graphs hold: no recapture. The eager executor sleeps too; it has
+no graph pool. A staged wake (CacheConfig.staged_wake) maps only the KV cache's first blocks
+before it returns and the rest on a thread meanwhile (memory/kv_arena.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import time
 import torch
 from torch import nn
 
+from raygraph.config import CacheConfig
 from raygraph.graph.executor import Executor
-from raygraph.memory.arena import VmmArena, kv_arena, move_parameters, vmm_backend
-from raygraph.memory.stats import SleepStats
+from raygraph.memory.arena import VmmArena, move_parameters, vmm_backend
+from raygraph.memory.kv_arena import KVArena, KVMapper, kv_arena
+from raygraph.memory.stats import KVMapError, SleepStats
 from raygraph.worker.state import StateError
 
 
@@ -25,8 +28,9 @@ class SleepMemory:
         self.rank = rank
         self.device = device
         self.weights: VmmArena | None = None  # None: offloaded weights (or no VMM backend)
-        self.kv: VmmArena | None = None
+        self.kv: KVArena | None = None
         self.level = 0  # 0 awake
+        self._mapper: KVMapper | None = None  # a staged wake's background mapping
 
     def take_weights(self, model: nn.Module) -> None:
         """Move the model's parameters into an arena (before any capture)."""
@@ -60,6 +64,7 @@ class SleepMemory:
             raise RuntimeError(f"rank {self.rank}: sleep level 2 needs the weights on VMM "
                                "memory; with weight offload (offload.budget_bytes) the "
                                "offload engine owns them: use level 1")
+        self._stop_mapping()  # a staged wake still mapping: no race over the arena
         t0 = self._sync()
         try:
             graph = executor.sleep()  # first: a pool that cannot sleep refuses here
@@ -74,19 +79,46 @@ class SleepMemory:
         self.level = level
         return SleepStats(self.rank, level, graph, kv, weights, time.perf_counter() - t0)
 
-    def wake_up(self, executor: Executor) -> SleepStats:
-        """Map whatever sleeps again, at the same addresses; an awake rank does nothing.
-        After a failure (no device memory) it may be called again."""
+    def wake_up(self, executor: Executor, cache: CacheConfig | None = None) -> SleepStats:
+        """Map whatever sleeps again, at the same addresses; an awake rank does nothing (and
+        reports the KV blocks ready). With `cache.staged_wake`, only the KV blocks of about
+        `cache.wake_first_bytes` are mapped before it returns; a thread maps the rest. After
+        a failure (no device memory) it may be called again."""
         t0 = time.perf_counter()
         level = self.level
         if not level:
-            return SleepStats(self.rank, 0, 0, 0, 0, 0.0)
+            ready = self.kv.blocks_ready if self.kv is not None else 0
+            return SleepStats(self.rank, 0, 0, 0, 0, 0.0, ready)
+        first = None
+        if cache is not None and cache.staged_wake:
+            first = max(1, cache.wake_first_bytes // self.kv.bytes_per_block)
         weights = self.weights.wake_up() if self.weights and self.weights.asleep else 0
-        kv = self.kv.wake_up() if self.kv.asleep else 0
+        kv = self.kv.wake_up(first) if self.kv.asleep else 0
         graph = executor.wake_up()
         self._sync()
         self.level = 0
-        return SleepStats(self.rank, level, graph, kv, weights, time.perf_counter() - t0)
+        if self.kv.chunks_left:
+            self._mapper = KVMapper(self.kv, self.device, self.rank)
+        return SleepStats(self.rank, level, graph, kv, weights, time.perf_counter() - t0,
+                          self.kv.blocks_ready)
+
+    def kv_blocks_ready(self) -> int:
+        """n: KV blocks [0, n) are mapped (all of them, unless a staged wake is still
+        mapping; 0 asleep). Raises KVMapError once the background mapping failed, until
+        the next sleep."""
+        m = self._mapper
+        if m is not None and not m.running:  # done, or failed (error is set before it ends)
+            if m.error is not None:
+                raise KVMapError(f"rank {self.rank}: mapping the KV cache after wake failed "
+                                 f"at {self.kv.blocks_ready} of {self.kv.num_blocks} blocks: "
+                                 f"{type(m.error).__name__}: {m.error}") from m.error
+            self._mapper = None
+        return self.kv.blocks_ready if self.kv is not None else 0
+
+    def _stop_mapping(self) -> None:
+        if self._mapper is not None:
+            self._mapper.stop()
+            self._mapper = None
 
     def _sync(self) -> float:
         if self.device.type == "cuda":

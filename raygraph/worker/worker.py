@@ -103,7 +103,8 @@ class _Pending:
 
 # what the coordinator may call over the compiled graph
 CALLS = frozenset({"prepare_capture", "capture", "memory_stats", "offload_stats", "sleep",
-                   "wake_up", "inject_fault", "logits", "load_lora", "unload_lora"})
+                   "wake_up", "kv_blocks_ready", "inject_fault", "logits", "load_lora",
+                   "unload_lora"})
 DELTA = msgspec.msgpack.Decoder(StepDelta)
 OUTPUT = msgspec.msgpack.Encoder()
 
@@ -289,8 +290,16 @@ class Worker:
         return self.sleep_memory.sleep(level, self.executor)
 
     def wake_up(self) -> SleepStats:
-        """Map fresh physical memory at the same addresses: graphs replay, no recapture."""
-        return self.sleep_memory.wake_up(self.executor)
+        """Map fresh physical memory at the same addresses: graphs replay, no recapture.
+        A staged wake (cache.staged_wake) maps the KV cache's first blocks only (the reply's
+        kv_blocks_ready) and the rest in the background: no step may use a block past
+        kv_blocks_ready()."""
+        return self.sleep_memory.wake_up(self.executor, self.cfg.cache)
+
+    def kv_blocks_ready(self) -> int:
+        """n: KV blocks [0, n) may be used (all but during a staged wake); raises KVMapError
+        if the background mapping failed."""
+        return self.sleep_memory.kv_blocks_ready()
 
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule alone, for in-process use (benchmarks, one GPU).
