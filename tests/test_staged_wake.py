@@ -17,7 +17,7 @@ import torch
 
 from raygraph.cluster.engine import EngineCore, local_dispatch
 from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.cluster.sleep import SleepControl
+from raygraph.cluster.sleep import KV_POLL_S, SleepControl
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.memory.arena import tensor_bytes
 from raygraph.memory.kv_arena import chunk_needs, kv_arena
@@ -252,6 +252,7 @@ def test_a_failed_background_mapping_is_reported_and_serving_goes_on(worker, mon
     with pytest.raises(KVMapError, match=r"rank 0: mapping the KV cache after wake failed at "
                        rf"{first} of {BLOCKS} blocks: VmmError: .*OUT_OF_MEMORY"):
         worker.kv_blocks_ready()
+    time.sleep(2 * KV_POLL_S)  # the loop polls before its first step
     with caplog.at_level(logging.ERROR, logger="raygraph.coordinator"):
         assert served.run(prompts(2, 12), 6) == before  # the first slice serves
     assert not served.control.kv_growing and "OUT_OF_MEMORY" in served.control.kv_error

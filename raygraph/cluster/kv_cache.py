@@ -69,7 +69,7 @@ class KVCacheStats(msgspec.Struct, frozen=True):
     def usage(self) -> float:
         """Online pages in use (pinned), 0 to 1: cached pages are free to take, offline
         ones are left out."""
-        return sum(self.pinned.values()) / (self.num_pages - self.offline)
+        return sum(self.pinned.values()) / max(1, self.num_pages - self.offline)
 
 
 def merge_stats(stats: list[KVCacheStats]) -> dict:

@@ -90,11 +90,13 @@ class KVArena(VmmArena):
         """Map every chunk (None), or a staged wake's first slice: the chunks holding blocks
         [0, first_blocks) (at least block 0) and the scratch blocks; map_next() maps the
         rest. Returns the bytes mapped now."""
-        k = len(self._order)
-        if first_blocks is not None:
+        if first_blocks is None:
+            self.pool.wake_up()
+            self._mapped = len(self._order)
+        else:
             k = bisect_left(self._needs, max(1, first_blocks))
-        self.pool.wake_up(self._order[:k])
-        self._mapped = k
+            self.pool.wake_up(self._order[:k])
+            self._mapped = k
         return self.stats().physical_bytes
 
     def map_next(self) -> bool:
@@ -138,6 +140,8 @@ class KVMapper:
             while not self._stop.is_set() and self.arena.map_next():
                 pass
         except BaseException as e:  # noqa: BLE001 - reported by the next progress call
+            log.error("rank %d: mapping the rest of the KV cache failed at %d of %d blocks: "
+                      "%s", rank, self.arena.blocks_ready, self.arena.num_blocks, e)
             self.error = e
             return
         if not self._stop.is_set():

@@ -29,6 +29,7 @@ class SleepMemory:
         self.device = device
         self.weights: VmmArena | None = None  # None: offloaded weights (or no VMM backend)
         self.kv: KVArena | None = None
+        self.num_kv_blocks = 0  # usable blocks (the scratch block aside), VMM or not
         self.level = 0  # 0 awake
         self._mapper: KVMapper | None = None  # a staged wake's background mapping
 
@@ -41,6 +42,7 @@ class SleepMemory:
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype,
                  layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Zeroed (k_cache, v_cache) per layer in an arena (None: no VMM backend here)."""
+        self.num_kv_blocks = shape[0] - 1
         backend = vmm_backend(self.device)
         if backend is None:
             return None
@@ -87,8 +89,7 @@ class SleepMemory:
         t0 = time.perf_counter()
         level = self.level
         if not level:
-            ready = self.kv.blocks_ready if self.kv is not None else 0
-            return SleepStats(self.rank, 0, 0, 0, 0, 0.0, ready)
+            return SleepStats(self.rank, 0, 0, 0, 0, 0.0, self._blocks_ready())
         first = None
         if cache is not None and cache.staged_wake:
             first = max(1, cache.wake_first_bytes // self.kv.bytes_per_block)
@@ -113,7 +114,10 @@ class SleepMemory:
                                  f"at {self.kv.blocks_ready} of {self.kv.num_blocks} blocks: "
                                  f"{type(m.error).__name__}: {m.error}") from m.error
             self._mapper = None
-        return self.kv.blocks_ready if self.kv is not None else 0
+        return self._blocks_ready()
+
+    def _blocks_ready(self) -> int:
+        return self.kv.blocks_ready if self.kv is not None else self.num_kv_blocks
 
     def _stop_mapping(self) -> None:
         if self._mapper is not None:
