@@ -168,10 +168,10 @@ class GraphExecutor(Executor):
         if self.pool is not None and self.pool.asleep:
             raise RuntimeError("the graph executor is asleep (graph memory released); "
                                "call wake_up() before running steps")
-        if plan.key is not None and plan.key != key:
-            if plan.key == BucketKey("eager", h.num_tokens, plan.num_comm_tokens):
-                # not captured on every rank yet (background capture): all run it eagerly
-                return self.eager.run(h, plan.num_comm_tokens), None
+        # not captured on every rank yet (background capture): every rank runs the bucket's
+        # forward uncaptured, padded as its graph will be: the same kernels, no new compiles
+        uncaptured = plan.key == BucketKey("eager", h.num_tokens, plan.num_comm_tokens)
+        if plan.key is not None and plan.key != key and not uncaptured:
             raise KeyMismatch(f"step {plan.step_id}: the coordinator chose {plan.key} but this "
                               f"rank's batch ({h.num_tokens} tokens, {h.num_seqs} seqs) "
                               f"gives {key}")
@@ -181,11 +181,15 @@ class GraphExecutor(Executor):
         self.bufs.fill(h, key.num_tokens, num_seqs)
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.num_tokens, h.max_q_len,
                                 max(h.seq_lens), h.decode)
-        if key not in self.graphs:
-            if plan.key is not None:  # coordinator-driven: captures happen in lockstep only
-                raise KeyMismatch(f"step {plan.step_id}: {key} was never captured on this rank")
-            self.capture(key, md)
-        runner = self.graphs[key]
+        if uncaptured:
+            runner = FullGraph(self._forward(key, key.phase == "decode"), md, False, None)
+        else:
+            if key not in self.graphs:
+                if plan.key is not None:  # coordinator-driven: captures happen in lockstep only
+                    raise KeyMismatch(f"step {plan.step_id}: {key} was never captured on this "
+                                      "rank")
+                self.capture(key, md)
+            runner = self.graphs[key]
         if key.phase == "decode":
             logits, greedy = (t[: h.num_seqs] for t in runner.run(md))
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
