@@ -417,8 +417,17 @@ class LoRAConfig(msgspec.Struct, frozen=True):
 
     max_loras: int = 0
     max_lora_rank: int = 64
+    # adapters registered at start: (name, PEFT directory) pairs
+    modules: tuple[tuple[str, str], ...] = ()
+    # each worker keeps recently loaded adapters in (pinned) host memory up to this many
+    # bytes: the warm tier, from which a promotion is a host-to-device copy
+    warm_budget_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        if self.modules and not self.max_loras:
+            raise ConfigError("LoRA modules need max_loras >= 1")
+        if self.warm_budget_bytes < 0:
+            raise ConfigError(f"warm_budget_bytes must be >= 0, got {self.warm_budget_bytes}")
         if self.max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 512:

@@ -30,6 +30,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     # return each output token's logprob and this many top alternatives (0: the token's only)
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # the LoRA adapter to generate with, by its registered name (None: the base model)
+    lora: str | None = None
 
     def resolved(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """Every sampling field set: the given ones, else `defaults` (the model's), else

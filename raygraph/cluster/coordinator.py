@@ -36,6 +36,7 @@ from raygraph.cluster.lockstep import (
     last_line,
     remote_call_all,
 )
+from raygraph.cluster.lora import LoRAAdmission, LoRARegistry, UnknownAdapter
 from raygraph.cluster.requests import (
     Asleep,
     BadRequest,
@@ -53,6 +54,7 @@ from raygraph.cluster.sleep import KV_POLL_S, SleepControl
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.generation import sampling_defaults
 from raygraph.graph.buckets import IDLE_TOKENS
+from raygraph.lora import LoRAError, read_adapter
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
@@ -93,6 +95,7 @@ class Coordinator:
                                     forget_kv=lambda: [s.kv.clear() for s in self.schedulers],
                                     pools=lambda: [s.pool for s in self.schedulers])
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
+        self.lora = self._lora_admission() if cfg.lora.enabled else None
         self._ids = itertools.count()
         self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
@@ -340,6 +343,7 @@ class Coordinator:
             "capture_s": self.capture_s,
             "graph_pool_bytes": sum(r.pool_bytes for r in self.capture_report()),
             "offload": self.cfg.offload.budget_bytes is not None,
+            "lora": self.lora.registry.stats() if self.lora is not None else None,
         }
 
     async def worker_stats(self) -> list[dict]:
@@ -360,6 +364,48 @@ class Coordinator:
             else:
                 ray.get(self.workers[rank].inject_fault.remote(kind, phase, key))
         await self._on_step_thread(arm)
+
+    # ---- LoRA adapters (cluster/lora.py) ---------------------------------------------------
+    def _lora_admission(self) -> LoRAAdmission:
+        lc = self.cfg.lora
+        registry = LoRARegistry(
+            lc.max_loras, lambda path: read_adapter(path, self.model_cfg, lc.max_lora_rank).rank)
+        for name, path in lc.modules:
+            registry.register(name, path)
+        return LoRAAdmission(registry, self._load_lora, self._fail_request)
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.lora is None:
+            raise LoRAError("LoRA is off: start with --max-loras N (or --lora-modules)")
+        return self.lora.registry
+
+    def _load_lora(self, slot: int, path: str) -> tuple[str, float]:
+        """On the step thread: every rank loads `path` into `slot`; (rank 0's tier, the
+        slowest rank's seconds)."""
+        self._flush()
+        loads = self._call("load_lora", slot, path)
+        return loads[0][0], max(seconds for _, seconds in loads)
+
+    def _fail_request(self, seq_id: int, msg: str) -> None:
+        self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Register an adapter (read and checked now; loaded into a slot on first use);
+        LoRAError with the reason if it cannot be served."""
+        registry = self._lora_registry()
+        a = await asyncio.to_thread(registry.register, name, path)
+        return {"name": a.name, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank}
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forget an idle adapter; LoRAError while requests use it."""
+        self._lora_registry().unregister(name)
+
+    def list_lora_adapters(self) -> list[dict]:
+        """The registered adapters: name, id, path, rank, slot (None: not hot), requests."""
+        if self.lora is None:
+            return []
+        return [{"name": a.name, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank,
+                 "slot": a.slot, "requests": a.requests} for a in self.lora.registry.adapters()]
 
     # ---- sleep and wake (cluster/sleep.py) -----------------------------------------------
     async def sleep(self, level: int = 1, wait: bool = True) -> dict:
@@ -464,6 +510,10 @@ class Coordinator:
             raise WorkerFailure(f"coordinator is not serving: {reason}")
         self.sleeper.check_admit()  # Asleep: refused, nothing queued, nothing restarted
         sp = parse_params(params).resolved(self.sampling_defaults)
+        if sp.lora is not None and self.lora is None:
+            raise UnknownAdapter(f"the model {sp.lora!r} does not exist (LoRA is off)")
+        if sp.lora is not None:
+            self.lora.registry.get(sp.lora)  # UnknownAdapter: nothing queued
         items = [prompts] if stream else split_prompts(prompts)
         m = self.model_cfg
         encoded = [encode_prompt(p, self.tokenizer, m.vocab_size) for p in items]
@@ -475,9 +525,11 @@ class Coordinator:
         reqs, seqs = [], []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp, watch=stream or bool(sp.stop))
+            if sp.lora is not None:  # its blocks are keyed by the adapter's id
+                seq.adapter_id = self.lora.registry.open(sp.lora).adapter_id
             reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
             seqs.append(seq)
-        self._inbox.put(("add", seqs))  # one item: a call's prompts reach the same step
+        self._inbox.put(("add", seqs, sp.lora))  # one item: a call's prompts reach one step
         self._wake.set()
         return reqs
 
@@ -511,19 +563,25 @@ class Coordinator:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return self.healthy and self.core is not None and not self.sleeper.asleep
+                serving = self.healthy and self.core is not None and not self.sleeper.asleep
+                if serving and self.lora is not None and self.lora.waiting:
+                    self._add(self.lora.admit([]))  # slots unpinned since: promote
+                return serving
             kind = item[0]
             if kind == "add":
                 if not self.healthy or self.core is None:
                     continue  # failed with the group; its request was told
-                for seq in item[1]:
-                    group = min(range(len(self.schedulers)), key=self._load)
-                    self.schedulers[group].add(seq)
-                    self._seqs[seq.seq_id] = (group, seq)
+                seqs = item[1] if self.lora is None else \
+                    self.lora.admit([(seq, item[2]) for seq in item[1]])
+                self._add(seqs)
             elif kind == "finish":
                 entry = self._seqs.pop(item[1], None)
                 if entry is not None:
                     self.schedulers[entry[0]].finish(entry[1], "stop")
+                    if self.lora is not None:
+                        self.lora.release(entry[1])
+                elif self.lora is not None:
+                    self.lora.drop(item[1])  # aborted while waiting for an adapter slot
             else:  # a call: nothing in flight while it runs
                 fn, fut = item[1], item[2]
                 try:
@@ -531,6 +589,12 @@ class Coordinator:
                     fut.set_result(fn())
                 except BaseException as e:
                     fut.set_exception(e)
+
+    def _add(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            group = min(range(len(self.schedulers)), key=self._load)
+            self.schedulers[group].add(seq)
+            self._seqs[seq.seq_id] = (group, seq)
 
     def _load(self, group: int) -> int:
         s = self.schedulers[group]
@@ -613,6 +677,8 @@ class Coordinator:
                                   seq.scheduled_at))
                 if reason is not None:
                     self._seqs.pop(seq.seq_id, None)
+                    if self.lora is not None:
+                        self.lora.release(seq)
         if items:
             self.loop.call_soon_threadsafe(self.clients.emit, items)
 
@@ -626,6 +692,8 @@ class Coordinator:
         self.recovering = True
         self.unhealthy_reason = msg
         self._seqs.clear()
+        if self.lora is not None:
+            self.lora.reset()
         self.core = None
         self.loop.call_soon_threadsafe(self._serving.clear)
         self.loop.call_soon_threadsafe(self.clients.fail, msg)
@@ -675,4 +743,4 @@ class Coordinator:
         return list(self.workers)
 
 
-__all__ = ["Asleep", "BadRequest", "Busy", "Coordinator", "WorkerFailure"]
+__all__ = ["Asleep", "BadRequest", "Busy", "Coordinator", "UnknownAdapter", "WorkerFailure"]

@@ -227,13 +227,13 @@ class RequestTable:
         self.finished[reason] += 1
         del self.requests[req.seq_id]
 
-    def fail(self, msg: str) -> None:
-        """Every request in flight ends with the error."""
-        for req in self.requests.values():
+    def fail(self, msg: str, seq_ids: list[int] | None = None) -> None:
+        """Every request in flight (or those of `seq_ids`) ends with the error."""
+        ids = list(self.requests) if seq_ids is None else seq_ids
+        for req in [r for r in map(self.requests.pop, ids, [None] * len(ids)) if r]:
             req.error = msg
             req.finish_reason = "error"
             req.deltas.put_nowait(StreamDelta(req.seq_id, [], msg, "error"))
-        self.requests.clear()
 
     async def result(self, req: Request) -> GenerateResult:
         """The whole result once the request ends (WorkerFailure if it failed)."""

@@ -100,7 +100,8 @@ def _write(linear: Linear, slot: int, part: int, m: LoRAModule, path: str) -> No
     w = linear.lora
     r, dtype = m.a.shape[0], w.a.dtype
     a = m.a.to(dtype)
-    b = (m.b.float() * m.scaling).to(dtype)  # the scaling folded into B, once
+    # the scaling folded into B, once (the warm tier holds it folded, in the slots' dtype)
+    b = m.b if m.scaling == 1.0 and m.b.dtype == dtype else (m.b.float() * m.scaling).to(dtype)
     if isinstance(linear, RowParallelLinear):  # A split on input columns, B whole
         _check_full(linear.weight.shape[0], linear.weight.shape[1] * linear.comm.world_size,
                     m, path)

@@ -23,6 +23,7 @@ from raygraph import setup_logging
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import EagerExecutor, Executor, KeyMismatch, make_executor
 from raygraph.lora import clear_slot, enable_lora, load_adapter_into_slot, read_adapter
+from raygraph.lora.warm import WarmAdapters
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats, SleepStats
 from raygraph.model.loader import build_model
@@ -144,6 +145,7 @@ class Worker:
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                              for _ in range(2)]  # alternate: step N+1 copies while N is read
         self._sampling = SamplingRows(n, self.device)
+        self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes, self.dtype, pinned)
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -213,16 +215,18 @@ class Worker:
         EagerExecutor(self.model, self.cfg.cache.block_size).logits(plan)
         self._bind_kv_cache(0)
 
-    def load_lora(self, slot: int, path: str) -> float:
-        """Read a PEFT adapter and write this rank's shard of it into `slot`, in place
-        (captured graphs stay valid); returns the seconds it took. Every rank of the group
-        loads the same adapter into the same slot before a step names the slot."""
+    def load_lora(self, slot: int, path: str) -> tuple[str, float]:
+        """Write this rank's shard of a PEFT adapter into `slot`, in place (captured graphs
+        stay valid), from the warm tier if it holds it, else from its files; returns that
+        tier ("warm" or "cold") and the seconds it took. Every rank of the group loads the
+        same adapter into the same slot before a step names the slot."""
         t0 = time.perf_counter()
-        adapter = read_adapter(path, self.model_cfg, self.cfg.lora.max_lora_rank)
+        adapter, tier = self.warm_loras.get(
+            path, lambda p: read_adapter(p, self.model_cfg, self.cfg.lora.max_lora_rank))
         load_adapter_into_slot(self.model, slot, adapter)
         if self.device.type == "cuda":  # steps may run on another thread's stream
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        return tier, time.perf_counter() - t0
 
     def unload_lora(self, slot: int) -> None:
         """Zero `slot`: a token still naming it would compute the base model."""

@@ -1,0 +1,282 @@
+"""The coordinator's LoRA adapters: a registry of names and a hot-slot manager. Pure Python.
+
+A registered adapter has a name, an adapter id (>= 1; part of every prefix-cache key, so
+blocks computed under one adapter are never another's) and a path. `max_loras` slots on the
+workers hold the hot ones. A slot used by a sequence in the system is pinned (refcounted);
+among unpinned slots the least recently used is evicted first (a demotion: the workers keep
+its tensors in their warm tier). When every slot is pinned, a request for a cold adapter
+waits: its batch-mates and requests for hot adapters do not.
+
+Called from the event loop (register, unregister, lookups) and the step thread (acquire,
+release), so every method takes the lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from raygraph.cluster.requests import BadRequest
+from raygraph.cluster.scheduler import Sequence
+from raygraph.lora.adapter import LoRAError
+
+# upper bounds (seconds) of the load-time histogram /metrics exports
+LOAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+Tier = str  # "hot" (in a slot), "warm" (the workers' host copy), "cold" (files)
+
+
+class UnknownAdapter(BadRequest, LoRAError):
+    """A request named an adapter that is not registered (HTTP: 404 model_not_found)."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    adapter_id: int
+    path: str
+    rank: int
+    slot: int | None = None  # hot: the slot holding it
+    users: int = 0  # sequences in the system naming it (waiting for a slot or in one)
+    requests: int = 0  # sequences ever submitted for it
+
+
+@dataclass(frozen=True)
+class Grant:
+    slot: int
+    load: bool  # the slot must be loaded with the adapter before a step names it
+    evicted: str | None = None  # the adapter demoted to make room
+
+
+class LoRARegistry:
+    def __init__(self, max_loras: int, read_rank: Callable[[str], int]) -> None:
+        """`read_rank(path)`: read and check an adapter, its rank; raises LoRAError."""
+        if max_loras < 1:
+            raise LoRAError("LoRA is off (max_loras = 0): no adapter can be served")
+        self.max_loras = max_loras
+        self._read_rank = read_rank
+        self._lock = threading.RLock()
+        self._adapters: dict[str, Adapter] = {}
+        self._ids = 0
+        self._slots: list[str | None] = [None] * max_loras  # slot -> adapter name
+        self._pins = [0] * max_loras
+        self._unpinned: OrderedDict[int, None] = OrderedDict()  # hot, unpinned: LRU first
+        self.hits = self.misses = 0
+        self.moves: Counter[tuple[Tier, Tier]] = Counter()  # (from, to): promotions, demotions
+        self.load_buckets = [0] * (len(LOAD_BUCKETS) + 1)  # the last: over every bound
+        self.load_sum = 0.0
+        self.load_times: dict[Tier, deque[float]] = {t: deque(maxlen=10_000)
+                                                     for t in ("warm", "cold")}
+
+    # ---- names (event loop) ---------------------------------------------------------
+    def register(self, name: str, path: str) -> Adapter:
+        """Read and check the adapter, then register it; LoRAError (nothing registered)
+        for a bad adapter or a name in use."""
+        if not name:
+            raise LoRAError("a LoRA adapter needs a name")
+        with self._lock:
+            if name in self._adapters:
+                raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        rank = self._read_rank(path)  # outside the lock: reads files
+        with self._lock:
+            if name in self._adapters:
+                raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+            self._ids += 1
+            self._adapters[name] = a = Adapter(name, self._ids, str(path), rank)
+            return a
+
+    def unregister(self, name: str) -> None:
+        """Forget an idle adapter (its slot, if hot, becomes free); LoRAError while a
+        sequence uses it."""
+        with self._lock:
+            a = self.get(name)
+            if a.users:
+                raise LoRAError(f"LoRA adapter {name!r} is in use by {a.users} request(s)")
+            if a.slot is not None:
+                self._slots[a.slot] = None
+                self._unpinned.pop(a.slot, None)
+            del self._adapters[name]
+
+    def get(self, name: str) -> Adapter:
+        with self._lock:
+            a = self._adapters.get(name)
+            if a is None:
+                raise UnknownAdapter(f"the model {name!r} does not exist (no LoRA adapter "
+                                     "of that name is loaded)")
+            return a
+
+    def open(self, name: str) -> Adapter:
+        """A sequence for `name` enters the system (UnknownAdapter if not registered)."""
+        with self._lock:
+            a = self.get(name)
+            a.users += 1
+            a.requests += 1
+            return a
+
+    def close(self, name: str) -> None:
+        """That sequence left (finished, aborted or failed), with its slot released."""
+        with self._lock:
+            a = self._adapters.get(name)
+            if a is not None:
+                a.users -= 1
+
+    def adapters(self) -> list[Adapter]:
+        with self._lock:
+            return list(self._adapters.values())
+
+    # ---- slots (step thread) --------------------------------------------------------
+    def acquire(self, name: str) -> Grant | None:
+        """A pinned slot for `name`: its own if hot (a hit), else a free one or the least
+        recently used unpinned one (to load); None when every slot is pinned."""
+        with self._lock:
+            a = self.get(name)
+            if a.slot is not None:
+                self.hits += 1
+                self._pin(a.slot)
+                return Grant(a.slot, load=False)
+            free = [s for s, held in enumerate(self._slots) if held is None]
+            if free:
+                slot, evicted = free[0], None
+            elif self._unpinned:
+                slot = next(iter(self._unpinned))
+                evicted = self._slots[slot]
+                self._adapters[evicted].slot = None
+                self.moves["hot", "warm"] += 1
+            else:
+                return None
+            self.misses += 1
+            self._slots[slot], a.slot = name, slot
+            self._pin(slot)
+            return Grant(slot, load=True, evicted=evicted)
+
+    def loaded(self, tier: Tier, seconds: float) -> None:
+        """A granted load finished: from the workers' `tier` ("warm" or "cold")."""
+        with self._lock:
+            self.moves[tier, "hot"] += 1
+            self.load_buckets[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
+            self.load_sum += seconds
+            self.load_times[tier].append(seconds)
+
+    def load_failed(self, slot: int) -> None:
+        """A granted load raised: the slot is free again (its contents are unknown, and the
+        next load into it rewrites them)."""
+        with self._lock:
+            name = self._slots[slot]
+            if name is not None and name in self._adapters:
+                self._adapters[name].slot = None
+            self._slots[slot], self._pins[slot] = None, 0
+            self._unpinned.pop(slot, None)
+
+    def release(self, slot: int) -> None:
+        """A sequence in `slot` finished: unpinned with its last user, most recently used."""
+        with self._lock:
+            self._pins[slot] -= 1
+            if self._pins[slot] == 0 and self._slots[slot] is not None:
+                self._unpinned[slot] = None
+
+    def reset(self) -> None:
+        """The workers restarted: every slot is empty, no sequence is in the system."""
+        with self._lock:
+            self._slots = [None] * self.max_loras
+            self._pins = [0] * self.max_loras
+            self._unpinned.clear()
+            for a in self._adapters.values():
+                a.slot, a.users = None, 0
+
+    def _pin(self, slot: int) -> None:
+        self._pins[slot] += 1
+        self._unpinned.pop(slot, None)
+
+    def pinned(self, slot: int) -> int:
+        return self._pins[slot]
+
+    def hot(self) -> list[str | None]:
+        """Slot -> the adapter it holds."""
+        with self._lock:
+            return list(self._slots)
+
+    def stats(self) -> dict:
+        with self._lock:
+            done = self.hits + self.misses
+            return {
+                "adapters": len(self._adapters), "max_loras": self.max_loras,
+                "hot": sum(s is not None for s in self._slots),
+                "pinned": sum(p > 0 for p in self._pins),
+                "requests": {a.name: a.requests for a in self._adapters.values()},
+                "hits": self.hits, "misses": self.misses,
+                "hot_hit_rate": round(self.hits / done, 4) if done else 0.0,
+                "moves": [[f, t, n] for (f, t), n in sorted(self.moves.items())],
+                "load_buckets": list(zip(LOAD_BUCKETS + (float("inf"),), self.load_buckets)),
+                "load_seconds_sum": self.load_sum,
+                "load_count": sum(self.load_buckets),
+            }
+
+
+class LoRAAdmission:
+    """Between the event loop's requests and the schedulers: a sequence for an adapter gets
+    a pinned slot (loading it first if it is not hot) before it is scheduled, or waits here,
+    in arrival order, until a slot is unpinned. Runs on the step thread."""
+
+    def __init__(self, registry: LoRARegistry, load: Callable[[int, str], tuple[Tier, float]],
+                 fail: Callable[[int, str], None]) -> None:
+        """`load(slot, path)`: the workers load it, (tier it came from, seconds);
+        `fail(seq_id, message)`: end that request with an error."""
+        self.registry = registry
+        self._load = load
+        self._fail = fail
+        self.waiting: deque[tuple[Sequence, str]] = deque()
+        self._names: dict[int, str] = {}  # seq id -> adapter, from admission to release
+
+    def admit(self, new: list[tuple[Sequence, str | None]]) -> list[Sequence]:
+        """The sequences that may be scheduled now (slots set): the base ones, then those
+        that got a slot, waiting ones first; the rest wait."""
+        ready = [seq for seq, name in new if name is None]
+        queue, self.waiting = self.waiting, deque()
+        queue.extend((seq, name) for seq, name in new if name is not None)
+        for seq, name in queue:
+            grant = self.registry.acquire(name)
+            if grant is None:  # every slot pinned: it waits, hot adapters' requests do not
+                self.waiting.append((seq, name))
+            elif self._loaded(seq, name, grant):
+                seq.lora_slot = grant.slot
+                self._names[seq.seq_id] = name
+                ready.append(seq)
+        return ready
+
+    def _loaded(self, seq: Sequence, name: str, grant: Grant) -> bool:
+        if not grant.load:
+            return True
+        try:
+            tier, seconds = self._load(grant.slot, self.registry.get(name).path)
+        except Exception as e:  # the files changed since registration, say
+            self.registry.load_failed(grant.slot)
+            self.registry.close(name)
+            self._fail(seq.seq_id, f"loading LoRA adapter {name!r} failed: "
+                                   f"{(str(e).strip().splitlines() or [''])[-1]}")
+            return False
+        self.registry.loaded(tier, seconds)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted after admission: its slot is unpinned."""
+        name = self._names.pop(seq.seq_id, None)
+        if name is not None:
+            self.registry.release(seq.lora_slot)
+            self.registry.close(name)
+
+    def drop(self, seq_id: int) -> bool:
+        """Abort a waiting sequence; False if it was not waiting."""
+        for i, (seq, name) in enumerate(self.waiting):
+            if seq.seq_id == seq_id:
+                del self.waiting[i]
+                self.registry.close(name)
+                return True
+        return False
+
+    def reset(self) -> None:
+        """The worker group failed: every request was failed, the slots are gone."""
+        self.waiting.clear()
+        self._names.clear()
+        self.registry.reset()

@@ -1,0 +1,162 @@
+"""LoRA serving: the adapter registry and hot-slot manager (pure Python), then a real
+coordinator on CPU with 2 slots and 4 adapters (greedy tokens equal HF + PEFT while adapters
+swap between slots; the prefix cache is not shared across adapters; load/unload at run
+time), and the HTTP routes with the official `openai` client."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from raygraph.cluster.connect import start_coordinator
+from raygraph.cluster.lora import LoRARegistry, UnknownAdapter
+from raygraph.config import DEFAULT_MODEL, ModelConfig
+from raygraph.lora import LoRAError, read_adapter
+from raygraph.protocol import SamplingParams
+from tests import test_lora
+from tests.hf_ref import hf_greedy
+from tests.test_lora import MODEL, config
+
+NAMES = ["attn8", "mlp16", "all64", "all16rs"]  # tests/test_lora.py ADAPTERS, in order
+SHARED = [11, 22, 33, 44, 55, 66, 77, 88, 99]  # every adapter's prompt: its blocks cached
+PROMPTS = {None: [SHARED, [7, 8, 9]], **{n: [SHARED, [100 + i, 5, 6, 200 + i]]
+                                         for i, n in enumerate(NAMES)}}
+MAX_TOKENS = 6
+adapters = test_lora.adapters  # its fixture: PEFT adapters of every module set and rank
+
+
+# ---- the registry and slot manager ------------------------------------------------------
+
+def registry(slots: int = 2, names: str = "abcd") -> LoRARegistry:
+    r = LoRARegistry(slots, read_rank=lambda path: 8)
+    for n in names:
+        r.register(n, f"/adapters/{n}")
+    return r
+
+
+def test_ids_are_distinct_and_names_unique():
+    r = registry()
+    assert [a.adapter_id for a in r.adapters()] == [1, 2, 3, 4]
+    with pytest.raises(LoRAError, match="'a' is already loaded"):
+        r.register("a", "/elsewhere")
+    with pytest.raises(UnknownAdapter, match="'z' does not exist"):
+        r.open("z")
+
+
+def test_hits_free_slots_then_lru_among_unpinned():
+    r = registry()
+    ga, gb = r.acquire("a"), r.acquire("b")
+    assert (ga.slot, ga.load, gb.slot, gb.load) == (0, True, 1, True)
+    assert r.acquire("a").load is False  # hot: a hit, pinned twice
+    r.release(ga.slot), r.release(ga.slot), r.release(gb.slot)  # b used last
+    gc = r.acquire("c")
+    assert (gc.slot, gc.evicted) == (0, "a")  # a was least recently used: demoted
+    r.release(gc.slot)
+    gd = r.acquire("d")
+    assert (gd.slot, gd.evicted) == (1, "b")
+    assert r.hot() == ["c", "d"]
+    s = r.stats()
+    assert (s["hits"], s["misses"], s["hot_hit_rate"]) == (1, 4, 0.2)
+    assert ["hot", "warm", 2] in s["moves"]
+
+
+def test_all_pinned_waits_until_a_release():
+    r = registry()
+    ga, gb = r.acquire("a"), r.acquire("b")
+    assert r.acquire("c") is None  # every slot pinned: c waits
+    assert r.acquire("a").load is False  # a hot adapter's request does not
+    r.release(gb.slot)
+    assert r.acquire("c").slot == gb.slot
+    assert r.pinned(ga.slot) == 2
+
+
+def test_unregister_refused_while_in_use_and_frees_the_slot():
+    r = registry()
+    r.open("a")
+    g = r.acquire("a")
+    with pytest.raises(LoRAError, match="in use by 1 request"):
+        r.unregister("a")
+    r.release(g.slot)
+    r.close("a")
+    r.unregister("a")
+    assert r.hot() == [None, None] and [a.name for a in r.adapters()] == ["b", "c", "d"]
+    r.register("a", "/adapters/a")
+    assert r.get("a").adapter_id == 5  # a new id: its old cached blocks are never reused
+
+
+def test_load_failure_frees_the_slot_and_timings_are_counted():
+    r = registry()
+    g = r.acquire("a")
+    r.load_failed(g.slot)
+    assert r.hot() == [None, None] and r.get("a").slot is None
+    r.loaded("warm", 0.0004)
+    r.loaded("cold", 0.3)
+    s = r.stats()
+    assert s["load_count"] == 2 and ["warm", "hot", 1] in s["moves"]
+
+
+def test_a_bad_adapter_is_refused_with_one_line_and_not_registered(adapters, tmp_path):
+    cfg = ModelConfig.from_pretrained(DEFAULT_MODEL)
+    r = LoRARegistry(2, lambda p: read_adapter(p, cfg, 16).rank)
+    with pytest.raises(LoRAError, match="rank 64 is over max_lora_rank 16") as e:
+        r.register("big", str(adapters[2]))
+    assert "\n" not in str(e.value)
+    with pytest.raises(LoRAError, match="not a directory"):
+        r.register("missing", str(tmp_path / "nope"))
+    assert r.adapters() == [] and r.register("ok", str(adapters[0])).rank == 8
+
+
+# ---- a coordinator with 2 slots and 4 adapters --------------------------------------------
+
+@pytest.fixture(scope="module")
+def expected(adapters) -> dict[str | None, list[list[int]]]:
+    paths = dict(zip(NAMES, adapters))
+    return {name: hf_greedy(MODEL, prompts, MAX_TOKENS, paths.get(name))
+            for name, prompts in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def coord(ray_session, adapters):
+    modules = tuple((n, str(p)) for n, p in zip(NAMES, adapters))
+    cfg = config(max_loras=2, modules=modules)
+    handle = start_coordinator(msgspec.structs.replace(cfg, coordinator_name="lora-test"))
+    yield handle
+    ray_session.get(handle.shutdown.remote())
+    ray_session.kill(handle)
+
+
+def greedy(lora: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, lora=lora)
+
+
+def test_a_burst_of_4_adapters_over_2_slots_equals_hf_peft(ray_session, coord, expected):
+    base = ray_session.get(coord.generate.remote([SHARED], greedy(None)))  # cached blocks
+    assert base[0].token_ids == expected[None][0]
+    calls = {name: coord.generate.remote(PROMPTS[name], greedy(name)) for name in PROMPTS}
+    got = {name: [r.token_ids for r in ray_session.get(ref)] for name, ref in calls.items()}
+    assert got == expected
+    # the shared prompt under each adapter: its own tokens, never the base model's blocks'
+    assert len({tuple(expected[n][0]) for n in PROMPTS}) > 1
+    lora = ray_session.get(coord.stats.remote())["lora"]
+    assert lora["misses"] >= 4 and lora["requests"] == {n: 2 for n in NAMES}
+    assert lora["pinned"] == 0 and sum(n for f, t, n in lora["moves"] if t == "hot") >= 4
+
+
+def test_unknown_adapter_is_refused(ray_session, coord):
+    with pytest.raises(Exception, match="'nope' does not exist"):
+        ray_session.get(coord.generate.remote([[5, 6]], greedy("nope")))
+
+
+def test_load_and_unload_at_run_time(ray_session, coord, adapters, expected, tmp_path):
+    info = ray_session.get(coord.load_lora_adapter.remote("late", str(adapters[1])))
+    assert info["rank"] == 16 and info["adapter_id"] > len(NAMES)
+    r = ray_session.get(coord.generate.remote(PROMPTS["mlp16"], greedy("late")))
+    assert [x.token_ids for x in r] == expected["mlp16"]
+    names = [a["name"] for a in ray_session.get(coord.list_lora_adapters.remote())]
+    assert "late" in names
+    ray_session.get(coord.unload_lora_adapter.remote("late"))
+    with pytest.raises(Exception, match="'late' does not exist"):
+        ray_session.get(coord.generate.remote([[5, 6]], greedy("late")))
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(Exception, match="missing adapter_config.json"):
+        ray_session.get(coord.load_lora_adapter.remote("bad", str(tmp_path / "bad")))
