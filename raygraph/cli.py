@@ -23,6 +23,7 @@ from raygraph.cluster.connect import (
 from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.config import (
     ConfigError,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     ServeConfig,
@@ -98,6 +99,38 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="ring: fixed slots, copies inside the graphs; lru: capped pool with "
                         "LRU and prefetch (eager); sync: copy before each kernel "
                         f"(default: {D.offload.mode})")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="PEFT LoRA adapters to serve, each under its name (the requests' "
+                        "`model` field); more at run time with POST /v1/load_lora_adapter")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapter slots on the GPU (hot adapters); others wait in host memory "
+                        f"or on disk (default: {DEFAULT_MAX_LORAS} with --lora-modules, else "
+                        f"{D.lora.max_loras}: off)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help=f"the largest adapter rank served (default: {D.lora.max_lora_rank})")
+
+
+DEFAULT_MAX_LORAS = 4  # slots when adapters are named but --max-loras is not
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def lora_config(a: argparse.Namespace, lora: LoRAConfig) -> LoRAConfig:
+    """The config's LoRA section with the flags applied."""
+    modules = tuple(a.lora_modules) if a.lora_modules else lora.modules
+    max_loras = a.max_loras if a.max_loras is not None else lora.max_loras
+    if modules and not max_loras:
+        max_loras = DEFAULT_MAX_LORAS
+    rank = a.max_lora_rank if a.max_lora_rank is not None else lora.max_lora_rank
+    return msgspec.structs.replace(lora, modules=modules, max_loras=max_loras,
+                                   max_lora_rank=rank)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -148,6 +181,7 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
         offload=msgspec.structs.replace(
             cfg.offload, budget_bytes=pick(a.offload_budget, cfg.offload.budget_bytes),
             mode=pick(a.offload_mode, cfg.offload.mode)),
+        lora=lora_config(a, cfg.lora),
         scheduler=SchedulerConfig(
             max_num_seqs=pick(a.max_num_seqs, s.max_num_seqs),
             max_num_batched_tokens=pick(a.max_num_batched_tokens, s.max_num_batched_tokens),

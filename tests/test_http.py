@@ -200,7 +200,6 @@ BAD = [
     ({"prompt": []}, "empty prompt"),
     ({"prompt": [5, 99999]}, "outside the vocabulary"),
     ({"prompt": [5] * 600}, "context holds"),
-    ({"model": "gpt-4"}, "does not exist"),
     ({"logprobs": 50}, "logprobs"),
 ]
 

@@ -5,9 +5,16 @@ time), and the HTTP routes with the official `openai` client."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
 import msgspec
+import openai
 import pytest
 
+from raygraph.api.app import HttpConfig
+from raygraph.api.server import start_http, stop_http
 from raygraph.cluster.connect import start_coordinator
 from raygraph.cluster.lora import LoRARegistry, UnknownAdapter
 from raygraph.config import DEFAULT_MODEL, ModelConfig
@@ -160,3 +167,40 @@ def test_load_and_unload_at_run_time(ray_session, coord, adapters, expected, tmp
     (tmp_path / "bad").mkdir()
     with pytest.raises(Exception, match="missing adapter_config.json"):
         ray_session.get(coord.load_lora_adapter.remote("bad", str(tmp_path / "bad")))
+# ---- HTTP ---------------------------------------------------------------------------------
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_http_model_field_models_list_and_routes(coord, adapters, expected):
+    _, url = start_http(coord, HttpConfig(port=0), "lora-test", "raygraph")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="attn8", prompt=PROMPTS["attn8"][1],
+                                        max_tokens=MAX_TOKENS, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        assert out.model == "attn8"
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        assert e.value.body["code"] == "model_not_found"
+        models = {m.id: m for m in client.models.list().data}
+        base = MODEL.name
+        assert set(models) == {base, *NAMES} and models["attn8"].parent == base
+        status, body = post(url + "/v1/load_lora_adapter",
+                            {"lora_name": "extra", "lora_path": str(adapters[0])})
+        assert status == 200
+        assert "extra" in {m.id for m in client.models.list().data}
+        status, body = post(url + "/v1/load_lora_adapter",
+                            {"lora_name": "bad", "lora_path": "/no/such/dir"})
+        assert status == 400 and "not a directory" in body["error"]["message"]
+        assert post(url + "/v1/unload_lora_adapter", {"lora_name": "extra"})[0] == 200
+        assert post(url + "/v1/unload_lora_adapter", {"lora_name": "extra"})[0] == 404
+    finally:
+        stop_http("lora-test", "raygraph")

@@ -24,7 +24,9 @@ from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import (
     ChatRequest,
     CompletionRequest,
+    LoadLoRARequest,
     Logprobs,
+    UnloadLoRARequest,
     check_params,
     envelope,
     finish_reason,
@@ -72,10 +74,10 @@ class Front:
         self.streams = StreamHub(coord)
 
     # ---- requests in ------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise ApiError(400, f"The model `{model}` does not exist (this server serves "
-                           f"`{self.name}`).", "model", "model_not_found")
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the served model); the
+        coordinator refuses a name it does not know (404 model_not_found)."""
+        return None if model is None or model == self.name else model
 
     def encode(self, prompt: Any) -> list[int]:
         return encode_prompt(prompt, self.tokenizer, self.vocab_size)
@@ -245,18 +247,45 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
+        """The served model, then its LoRA adapters (`parent`: the served model, as vLLM)."""
         authorize(request)
-        return {"object": "list", "data": [{
-            "id": front.name, "object": "model", "created": 0, "owned_by": "raygraph",
-            "max_model_len": front.max_model_len}]}
+        try:
+            adapters = await coord.list_lora_adapters.remote()
+        except Exception as e:
+            raise translate(e) from None
+        card = {"object": "model", "created": 0, "owned_by": "raygraph",
+                "max_model_len": front.max_model_len}
+        return {"object": "list", "data": [
+            {"id": front.name, "root": front.name, "parent": None, **card},
+            *({"id": a["name"], "root": a["path"], "parent": front.name, **card}
+              for a in adapters)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
+        """vLLM's route: register a PEFT adapter under a name (400 with the reason)."""
+        authorize(request)
+        try:
+            return await coord.load_lora_adapter.remote(body.lora_name, body.lora_path)
+        except Exception as e:
+            raise translate(e) from None
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict:
+        authorize(request)
+        try:
+            await coord.unload_lora_adapter.remote(body.lora_name)
+        except Exception as e:
+            raise translate(e) from None
+        return {"lora_name": body.lora_name, "unloaded": True}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         authorize(request)
-        front.check_model(body.model)
+        lora = front.adapter(body.model)
+        name = lora or front.name
         try:
             prompts = [front.encode(p) for p in split_prompts(body.prompt)]
-            sp = check_params(body.params(body.max_tokens, body.logprobs))
+            sp = check_params({**body.params(body.max_tokens, body.logprobs), "lora": lora})
         except ValueError as e:  # BadRequest
             raise translate(e) from None
         choices = front.choices(prompts, sp, body.n)
@@ -270,7 +299,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                     "logprobs": front.logprobs.completion(r.token_ids, r.logprobs or [])
                     if want_lp else None} for i, r in enumerate(results)]
             n = sum(len(r.token_ids) for r in results)
-            return JSONResponse(envelope(kind, rid, front.name, out, usage(prompt_tokens, n)))
+            return JSONResponse(envelope(kind, rid, name, out, usage(prompt_tokens, n)))
         deltas = await front.open_streams(choices)
 
         async def events() -> AsyncIterator[str]:
@@ -285,9 +314,9 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                     offsets[i] = offsets.get(i, 0) + sum(len(t) for t in lp["tokens"])
                 choice = {"index": i, "text": d.text or "", "logprobs": lp,
                           "finish_reason": finish_reason(d.finish_reason)}
-                yield sse(envelope(kind, rid, front.name, [choice], None, body.include_usage))
+                yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
             if body.include_usage:
-                yield sse(envelope(kind, rid, front.name, [], usage(prompt_tokens, n)))
+                yield sse(envelope(kind, rid, name, [], usage(prompt_tokens, n)))
             yield sse("[DONE]")
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
@@ -295,13 +324,15 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         authorize(request)
-        front.check_model(body.model)
+        lora = front.adapter(body.model)
+        name = lora or front.name
         chat_ids = front.chat.render([m.text() for m in body.messages])
         top = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens or body.max_tokens or front.max_model_len
         try:
             prompt = front.encode(chat_ids)
-            sp = check_params(body.params(max_tokens, top if body.logprobs else None))
+            sp = check_params({**body.params(max_tokens, top if body.logprobs else None),
+                               "lora": lora})
         except ValueError as e:
             raise translate(e) from None
         choices = front.choices([prompt], sp, body.n)
@@ -314,7 +345,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                     "finish_reason": finish_reason(r.finish_reason)}
                    for i, r in enumerate(results)]
             n = sum(len(r.token_ids) for r in results)
-            return JSONResponse(envelope(kind, rid, front.name, out, usage(len(prompt), n)))
+            return JSONResponse(envelope(kind, rid, name, out, usage(len(prompt), n)))
         deltas = await front.open_streams(choices)
         kind = "chat.completion.chunk"
 
@@ -322,7 +353,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             for i in range(len(choices)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}
-                yield sse(envelope(kind, rid, front.name, [first], None, body.include_usage))
+                yield sse(envelope(kind, rid, name, [first], None, body.include_usage))
             n = 0
             async for i, d in deltas:
                 n += len(d.token_ids)
@@ -330,9 +361,9 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                           "logprobs": front.logprobs.chat(d.token_ids, d.logprobs or [])
                           if body.logprobs else None,
                           "finish_reason": finish_reason(d.finish_reason)}
-                yield sse(envelope(kind, rid, front.name, [choice], None, body.include_usage))
+                yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
             if body.include_usage:
-                yield sse(envelope(kind, rid, front.name, [], usage(len(prompt), n)))
+                yield sse(envelope(kind, rid, name, [], usage(len(prompt), n)))
             yield sse("[DONE]")
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")

@@ -61,6 +61,15 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None  # top alternatives per token
 
 
+class LoadLoRARequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
