@@ -99,7 +99,7 @@ def test_load_failure_frees_the_slot_and_timings_are_counted():
     r.loaded("warm", 0.0004)
     r.loaded("cold", 0.3)
     s = r.stats()
-    assert s["load_count"] == 2 and ["warm", "hot", 1] in s["moves"]
+    assert sum(s["load_seconds"]["counts"]) == 2 and ["warm", "hot", 1] in s["moves"]
 
 
 def test_a_bad_adapter_is_refused_with_one_line_and_not_registered(adapters, tmp_path):
@@ -202,5 +202,11 @@ def test_http_model_field_models_list_and_routes(coord, adapters, expected):
         assert status == 400 and "not a directory" in body["error"]["message"]
         assert post(url + "/v1/unload_lora_adapter", {"lora_name": "extra"})[0] == 200
         assert post(url + "/v1/unload_lora_adapter", {"lora_name": "extra"})[0] == 404
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+        for line in ('raygraph:lora_requests_total{adapter="attn8",model_name=',
+                     'raygraph:lora_promotions_total{from="cold",model_name=',
+                     "raygraph:lora_load_seconds_bucket{", "raygraph:lora_hot_hit_rate{"):
+            assert line in metrics, line
     finally:
         stop_http("lora-test", "raygraph")

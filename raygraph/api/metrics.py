@@ -86,6 +86,38 @@ class CoordinatorCollector:
                            "device (all ranks).", self.offload_h2d_bytes)
         yield self._family(C, "worker_restarts", "Worker group restarts after a failure.",
                            s["restarts"])
+        if s.get("lora"):
+            yield from self._lora(s["lora"])
+
+    def _lora(self, lora: dict):
+        """LoRA adapters (cluster/lora.py): requests, tier moves, load times, hot hits."""
+        requests = CounterMetricFamily("raygraph:lora_requests", "Requests (sequences) per "
+                                       "LoRA adapter.", labels=["model_name", "adapter"])
+        for name, n in sorted(lora["requests"].items()):
+            requests.add_metric([self.model, name], n)
+        yield requests
+        moves = CounterMetricFamily("raygraph:lora_promotions", "Adapters moved between "
+                                    "tiers: cold (files) or warm (host memory) to hot (a GPU "
+                                    "slot); hot to warm is a demotion.",
+                                    labels=["model_name", "from", "to"])
+        for src, dst, n in lora["moves"]:
+            moves.add_metric([self.model, src, dst], n)
+        yield moves
+        yield self._histogram("lora_load_seconds", "Time to load one adapter into a slot "
+                              "(the slowest rank).", lora["load_seconds"])
+        yield self._family(GaugeMetricFamily, "lora_hot_hit_rate", "Of the requests given "
+                           "an adapter slot, those that found their adapter hot.",
+                           lora["hot_hit_rate"])
+
+    def _histogram(self, name: str, doc: str, h: dict) -> HistogramMetricFamily:
+        """A histogram from {"bounds", "counts" (one more: over every bound), "sum"}."""
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, h["bounds"]), "+Inf"], h["counts"]):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        f = HistogramMetricFamily(f"raygraph:{name}", doc, labels=["model_name"])
+        f.add_metric([self.model], buckets, h["sum"])
+        return f
 
 
     def _pool(self, kv: dict):
@@ -114,16 +146,9 @@ class CoordinatorCollector:
         yield self._family(G, "pool_fragmentation_ratio", "Largest run of free pages / free "
                            "pages (1: one run; the most fragmented DP group).",
                            kv["fragmentation"])
-        h = kv["allocate_seconds"]
-        cumulative, buckets = 0, []
-        for bound, n in zip([*map(str, h["bounds"]), "+Inf"], h["counts"]):
-            cumulative += n
-            buckets.append((bound, cumulative))
-        alloc = HistogramMetricFamily("raygraph:pool_allocate_seconds", "Time of one KV page "
-                                      "allocation call by the scheduler (sampled: one call "
-                                      f"in {ALLOCATE_SAMPLE}).", labels=["model_name"])
-        alloc.add_metric([self.model], buckets, h["sum"])
-        yield alloc
+        yield self._histogram("pool_allocate_seconds", "Time of one KV page allocation "
+                              "call by the scheduler (sampled: one call in "
+                              f"{ALLOCATE_SAMPLE}).", kv["allocate_seconds"])
 
 
 class Metrics:

@@ -208,9 +208,9 @@ class LoRARegistry:
                 "hits": self.hits, "misses": self.misses,
                 "hot_hit_rate": round(self.hits / done, 4) if done else 0.0,
                 "moves": [[f, t, n] for (f, t), n in sorted(self.moves.items())],
-                "load_buckets": list(zip(LOAD_BUCKETS + (float("inf"),), self.load_buckets)),
-                "load_seconds_sum": self.load_sum,
-                "load_count": sum(self.load_buckets),
+                # as kv_cache's allocate_seconds: counts per bound, the last over every bound
+                "load_seconds": {"bounds": list(LOAD_BUCKETS), "counts": list(self.load_buckets),
+                                 "sum": self.load_sum},
             }
 
 
