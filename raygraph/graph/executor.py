@@ -302,22 +302,25 @@ class GraphExecutor(Executor):
             if key not in self.graphs:
                 self.capture(key)
         if self.cuda:
-            self._warm_logits()
             log.info("captured %d buckets in %.2fs", len(self.graphs), time.perf_counter() - t0)
             self.log_memory()
         return self.capture_log
 
     @torch.inference_mode()
-    def _warm_logits(self) -> None:
-        """A prefill step's logits run eagerly after its graph, on as many rows as it samples,
-        and the skinny-GEMM path JIT-compiles per row regime: compile every regime here, not
-        in a served step (the first 5-sequence step took 157-184 ms on an H200 without it).
-        Every rank runs it in the same order (TP logits gather across ranks)."""
+    @torch.inference_mode()
+    def warm_logits(self) -> None:
+        """A prefill step's logits run eagerly after its graph, on as many rows as it samples:
+        the skinny-GEMM path JIT-compiles per row regime (the first 5-sequence step took
+        157-184 ms on an H200) and cuBLAS loads a kernel per row range on first use. Run every
+        row count a step can sample once here, before serving, not in a served step. Every rank
+        runs it in the same order (the TP logits gather); a no-op off CUDA."""
+        if not self.cuda:
+            return
         from raygraph.model.triton_gemv import MAX_M
 
         hidden = self.model.config.hidden_size
         dtype = self.model.lm_head.weight.dtype
-        for rows in range(1, MAX_M + 2):
+        for rows in range(1, max(MAX_M + 1, self.bufs.max_seqs) + 1):
             self.model.compute_logits(torch.zeros(rows, hidden, dtype=dtype, device=self.device))
 
     @property

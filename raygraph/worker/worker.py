@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from raygraph import setup_logging
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.executor import EagerExecutor, Executor, KeyMismatch, make_executor
+from raygraph.graph.executor import (
+    EagerExecutor,
+    Executor,
+    GraphExecutor,
+    KeyMismatch,
+    make_executor,
+)
 from raygraph.lora import clear_slot, enable_lora, load_adapter_into_slot, read_adapter
 from raygraph.lora.warm import WarmAdapters
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
@@ -262,6 +268,8 @@ class Worker:
             for layer, (k, v) in zip(layers, pairs):
                 layer.k_cache, layer.v_cache = k, v
         self.executor = self._make_executor(self.graph_budget)
+        if isinstance(self.executor, GraphExecutor):  # every rank here at once: TP gathers
+            self.executor.warm_logits()
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
         return self.kv_cache_bytes
 
