@@ -100,6 +100,7 @@ def test_load_failure_frees_the_slot_and_timings_are_counted():
     r.loaded("cold", 0.3)
     s = r.stats()
     assert sum(s["load_seconds"]["counts"]) == 2 and ["warm", "hot", 1] in s["moves"]
+    assert s["load_ms"]["warm"] == {"count": 1, "p50": 0.4, "p90": 0.4, "p99": 0.4, "max": 0.4}
 
 
 def test_a_bad_adapter_is_refused_with_one_line_and_not_registered(adapters, tmp_path):

@@ -211,6 +211,8 @@ class LoRARegistry:
                 # as kv_cache's allocate_seconds: counts per bound, the last over every bound
                 "load_seconds": {"bounds": list(LOAD_BUCKETS), "counts": list(self.load_buckets),
                                  "sum": self.load_sum},
+                # the last 10k loads' times by the tier they came from (ms)
+                "load_ms": {tier: _percentiles(times) for tier, times in self.load_times.items()},
             }
 
 
@@ -280,3 +282,12 @@ class LoRAAdmission:
         self.waiting.clear()
         self._names.clear()
         self.registry.reset()
+
+
+def _percentiles(seconds: deque[float]) -> dict[str, float | int | None]:
+    """count, p50, p90, p99 and max of `seconds`, in ms (nearest rank; None when empty)."""
+    s = sorted(seconds)
+    pick = (lambda q: round(1e3 * s[min(len(s) - 1, int(q * len(s)))], 4)) if s else (
+        lambda q: None)
+    return {"count": len(s), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99),
+            "max": pick(1.0)}
