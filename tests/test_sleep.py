@@ -227,7 +227,8 @@ def test_coordinator_sleeps_refuses_requests_without_restart_and_wakes(ray_sessi
     time.sleep(0.2)  # the step loop had its chance to (wrongly) run or restart
     woke = ray.get(coord.wake_up.remote())
     assert woke["level"] == level and woke["bytes"][0] < out["bytes"][0]  # staged
-    assert woke["kv_blocks"] == BLOCKS and 8 <= woke["kv_blocks_ready"] < BLOCKS
+    # the mapping thread may have finished by the time the reply reads its count
+    assert woke["kv_blocks"] == BLOCKS and 8 <= woke["kv_blocks_ready"] <= BLOCKS
     assert not ray.get(coord.is_sleeping.remote())
     assert served_greedy(ray, coord) == before  # not from cached blocks of the sleep
     deadline = time.time() + 10  # the step thread polls the workers every 10 ms
