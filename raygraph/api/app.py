@@ -138,9 +138,14 @@ class Front:
 
         async def pump(index: int, rid: int, delta: StreamDelta) -> None:
             gaps, tokens, last = [], 0, time.perf_counter()
+            gap = 0.0  # before this delta
             try:
                 while True:
-                    tokens += len(delta.token_ids)
+                    n = len(delta.token_ids)
+                    # one gap a token after the first: a delta's tokens after its first came
+                    # together (merged while this replica was busy)
+                    gaps += ([gap] if tokens and n else []) + [0.0] * max(0, n - 1)
+                    tokens += n
                     await queue.put((index, delta))
                     if delta.finish_reason is not None:
                         done.add(rid)
@@ -148,8 +153,7 @@ class Front:
                         return
                     delta = await self.streams.next(rid)
                     now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
+                    gap, last = now - last, now
             except Exception as e:
                 await queue.put((index, e))
 
