@@ -3,9 +3,10 @@
 A step's tokens each read their own adapter slot (-1: none). The host sorts the tokens by
 slot (LoRAInputs.order / sorted_slot), and both kernels tile over that order: BM
 consecutive sorted tokens, and for each distinct slot among them a tensor-core tile over
-those rows only, reading that slot's A or B tile once (shrink: one program per distinct
-slot of a tile, its long K loops side by side; expand: one program walks them). Base rows
-(-1) are skipped. The grid depends only on the token count and the shapes,
+those rows only, reading that slot's A or B tile once: one program per distinct slot of a
+tile (grid axis 2), so a decode batch of many adapters runs its slots side by side (one
+program walking them in turn took ~150 us a shrink at 64 tokens over 32 slots on an H200).
+Base rows (-1) are skipped. The grid depends only on the token count and the shapes,
 and every index is read from device memory, so one captured graph serves any mix of slots.
 
 - shrink: u[t, :] = x[t] @ A[s]^T, all of a merged layer's parts at once ([T, parts * R]);
@@ -20,13 +21,17 @@ import triton
 import triton.language as tl
 
 BM = 16  # tokens per tile: tl.dot needs 16 rows
-NONE = tl.constexpr(1 << 30)  # above every slot: "no slot left in this tile"
 
 
 @triton.jit
-def _first_slot(slot, after):
-    """The smallest slot > `after` among a tile's rows (NONE: none left)."""
-    return tl.min(tl.where(slot > after, slot, NONE), axis=0)
+def _nth_slot(slot, n, BM: tl.constexpr):
+    """The tile's n-th distinct slot, in order of first appearance (-1: fewer than n + 1).
+    A row is its slot's first if no earlier row of the tile has it; rows of -1 count none."""
+    i = tl.arange(0, BM)
+    seen = (slot[None, :] == slot[:, None]) & (i[None, :] < i[:, None])
+    first = (tl.sum(seen.to(tl.int32), axis=1) == 0) & (slot >= 0)
+    nth = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    return tl.max(tl.where(first & (nth == n), slot, -1), axis=0)
 
 
 @triton.jit
@@ -35,17 +40,10 @@ def _shrink_kernel(
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # axis 2: the j-th distinct slot of the token tile. A decode batch of many adapters has
-    # up to BM slots a tile; one program each keeps the K loops side by side (one program
-    # walking them in turn took ~150 us a call at 64 tokens over 32 slots on an H200)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     valid = rm < T
     slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
-    i = tl.arange(0, BM)  # a row is its slot's first in the tile if no earlier row has it
-    seen = (slot[None, :] == slot[:, None]) & (i[None, :] < i[:, None])
-    first = (tl.sum(seen.to(tl.int32), axis=1) == 0) & (slot >= 0)
-    nth = tl.cumsum(first.to(tl.int32), axis=0) - 1
-    cur = tl.max(tl.where(first & (nth == tl.program_id(2)), slot, -1), axis=0)
+    cur = _nth_slot(slot, tl.program_id(2), BM)
     if cur >= 0:
         tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -83,11 +81,11 @@ def _expand_kernel(
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     valid = rm < T
     slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
-    tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
-    rk = tl.arange(0, BK)
-    u_rows = u_ptr + tok[:, None] * stride_um + part * R + rk[None, :]
-    cur = _first_slot(slot, -1)
-    while cur < NONE:
+    cur = _nth_slot(slot, tl.program_id(2), BM)  # axis 2: one program per distinct slot
+    if cur >= 0:
+        tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
+        rk = tl.arange(0, BK)
+        u_rows = u_ptr + tok[:, None] * stride_um + part * R + rk[None, :]
         rows = slot == cur
         b_rows = b_ptr + cur.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rk[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
@@ -101,7 +99,6 @@ def _expand_kernel(
         # as torch adds the reference's delta: rounded to the activation dtype first
         delta = acc.to(y_ptr.dtype.element_ty)
         tl.store(out, (y.to(tl.float32) + delta.to(tl.float32)).to(y.dtype), mask=smask)
-        cur = _first_slot(slot, cur)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -140,7 +137,7 @@ def lora_expand_(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, order: torch
     n0, n1, n2 = (*slices, 0, 0)[:3]
     bn = 64
     tiles = sum(triton.cdiv(s, bn) for s in slices)
-    _expand_kernel[(triton.cdiv(t, BM), tiles)](
+    _expand_kernel[(triton.cdiv(t, BM), tiles, min(BM, b.shape[0]))](
         u, b, y, order, sorted_slot, t, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
         N0=n0, N1=n1, N2=n2, R=r, BM=BM, BN=bn,
         BK=next(bk for bk in (64, 32, 16) if r % bk == 0), PRECISION=_precision(y),
