@@ -206,7 +206,7 @@ def test_lora_rows_in_the_input_buffers():
     plan = StepPlan(1, [SeqChunk(0, [5, 6, 7], 0, [0], True, lora_slot=2),
                         SeqChunk(1, [8], 0, [1], True),
                         SeqChunk(2, [9, 10], 0, [2], True, lora_slot=0)])
-    h = host_inputs(plan, 4)
+    h = host_inputs(plan, 4, lora=True)
     assert h.lora == [2, 2, 2, -1, 0, 0]
     bufs = InputBuffers(16, 4, 4, cpu, lora=True)
     bufs.fill(h, num_tokens=8, num_seqs=4)
@@ -214,13 +214,15 @@ def test_lora_rows_in_the_input_buffers():
     assert lora.token_slot.tolist() == [2, 2, 2, -1, 0, 0, -1, -1]
     assert lora.order.tolist() == [3, 6, 7, 4, 5, 0, 1, 2]
     assert lora.sorted_slot.tolist() == [-1, -1, -1, 0, 0, 2, 2, 2]
-    bufs.fill(host_inputs(StepPlan(2, plan.seqs[1:2]), 4), num_tokens=4, num_seqs=4)
+    bufs.fill(host_inputs(StepPlan(2, plan.seqs[1:2]), 4, lora=True), num_tokens=4,
+              num_seqs=4)
     assert bufs.lora_inputs(4).token_slot.tolist() == [-1] * 4
     assert bufs.lora_inputs(4).order.tolist() == [0, 1, 2, 3]
     off = InputBuffers(16, 4, 4, cpu)
     assert off.lora is None and off.lora_inputs(8) is None
     assert bufs.nbytes - off.nbytes == 3 * 16 * 4
-    assert host_inputs(StepPlan(3, plan.seqs[1:2]), 4).lora is None
+    assert host_inputs(StepPlan(3, plan.seqs[1:2]), 4, lora=True).lora is None
+    assert host_inputs(plan, 4).lora is None  # a model without adapter slots reads none
 
 
 # --- greedy tokens against HF + PEFT -----------------------------------------------------

@@ -13,12 +13,12 @@ release), so every method takes the lock.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raygraph.cluster.kv_cache import Histogram
 from raygraph.cluster.requests import BadRequest
 from raygraph.cluster.scheduler import Sequence
 from raygraph.lora.adapter import LoRAError
@@ -65,8 +65,7 @@ class LoRARegistry:
         self._unpinned: OrderedDict[int, None] = OrderedDict()  # hot, unpinned: LRU first
         self.hits = self.misses = 0
         self.moves: Counter[tuple[Tier, Tier]] = Counter()  # (from, to): promotions, demotions
-        self.load_buckets = [0] * (len(LOAD_BUCKETS) + 1)  # the last: over every bound
-        self.load_sum = 0.0
+        self.load_seconds = Histogram(LOAD_BUCKETS)
         self.load_times: dict[Tier, deque[float]] = {t: deque(maxlen=10_000)
                                                      for t in ("warm", "cold")}
 
@@ -155,8 +154,7 @@ class LoRARegistry:
         """A granted load finished: from the workers' `tier` ("warm" or "cold")."""
         with self._lock:
             self.moves[tier, "hot"] += 1
-            self.load_buckets[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
-            self.load_sum += seconds
+            self.load_seconds.observe(seconds)
             self.load_times[tier].append(seconds)
 
     def load_failed(self, slot: int) -> None:
@@ -209,8 +207,9 @@ class LoRARegistry:
                 "hot_hit_rate": round(self.hits / done, 4) if done else 0.0,
                 "moves": [[f, t, n] for (f, t), n in sorted(self.moves.items())],
                 # as kv_cache's allocate_seconds: counts per bound, the last over every bound
-                "load_seconds": {"bounds": list(LOAD_BUCKETS), "counts": list(self.load_buckets),
-                                 "sum": self.load_sum},
+                "load_seconds": {"bounds": list(LOAD_BUCKETS),
+                                 "counts": list(self.load_seconds.counts),
+                                 "sum": self.load_seconds.sum},
                 # the last 10k loads' times by the tier they came from (ms)
                 "load_ms": {tier: _percentiles(times) for tier, times in self.load_times.items()},
             }

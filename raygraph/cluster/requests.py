@@ -230,7 +230,7 @@ class RequestTable:
     def fail(self, msg: str, seq_ids: list[int] | None = None) -> None:
         """Every request in flight (or those of `seq_ids`) ends with the error."""
         ids = list(self.requests) if seq_ids is None else seq_ids
-        for req in [r for r in map(self.requests.pop, ids, [None] * len(ids)) if r]:
+        for req in [self.requests.pop(i) for i in ids if i in self.requests]:
             req.error = msg
             req.finish_reason = "error"
             req.deltas.put_nowait(StreamDelta(req.seq_id, [], msg, "error"))

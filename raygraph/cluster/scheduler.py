@@ -234,7 +234,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for n more tokens of seq, preempting from the back of the running list."""
-        need = -(-(seq.num_computed + n) // self.pool.page_size) - len(seq.block_table)
+        need = self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
         if not need:
             return True
         while need > self.pool.num_free and need > self.pool.num_available:

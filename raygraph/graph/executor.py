@@ -48,6 +48,7 @@ class Executor(ABC):
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        self.lora = num_lora_slots(model) > 0  # steps carry each token's adapter slot
         # the previous step's sampled tokens, which fed tokens read (the worker writes it);
         # graphs capture its address, so it is allocated once
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
@@ -100,7 +101,7 @@ class Executor(ABC):
         """The plan's host inputs; an idle DP rank (no sequences) runs one padding token."""
         if not plan.seqs:
             return padding_inputs(IDLE_TOKENS, self.scratch_block())
-        return host_inputs(plan, self.block_size)
+        return host_inputs(plan, self.block_size, self.lora)
 
 
 class EagerExecutor(Executor):
@@ -135,7 +136,7 @@ class GraphExecutor(Executor):
         max_seqs = self.buckets.max_seqs
         # with LoRA every graph reads each token's slot: one graph serves any mix of adapters
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
-                                 self.device, lora=num_lora_slots(model) > 0)
+                                 self.device, lora=self.lora)
         attn = model.attention_layers()[0]
         dtype = next(model.parameters()).dtype
         # one attention output buffer serves every layer and bucket: pieces run in order
@@ -168,13 +169,15 @@ class GraphExecutor(Executor):
         if self.pool is not None and self.pool.asleep:
             raise RuntimeError("the graph executor is asleep (graph memory released); "
                                "call wake_up() before running steps")
-        # not captured on every rank yet (background capture): every rank runs the bucket's
-        # forward uncaptured, padded as its graph will be: the same kernels, no new compiles
-        uncaptured = plan.key == BucketKey("eager", h.num_tokens, plan.num_comm_tokens)
-        if plan.key is not None and plan.key != key and not uncaptured:
-            raise KeyMismatch(f"step {plan.step_id}: the coordinator chose {plan.key} but this "
-                              f"rank's batch ({h.num_tokens} tokens, {h.num_seqs} seqs) "
-                              f"gives {key}")
+        uncaptured = False
+        if plan.key is not None and plan.key != key:
+            # not captured on every rank yet (background capture): every rank runs the
+            # bucket's forward uncaptured, padded as its graph will be (the same kernels)
+            uncaptured = plan.key == BucketKey("eager", h.num_tokens, plan.num_comm_tokens)
+            if not uncaptured:
+                raise KeyMismatch(f"step {plan.step_id}: the coordinator chose {plan.key} but "
+                                  f"this rank's batch ({h.num_tokens} tokens, {h.num_seqs} "
+                                  f"seqs) gives {key}")
         if key.phase == "eager":
             return self.eager.run(h, plan.num_comm_tokens), None
         num_seqs = self.num_seqs(key, h.num_seqs)
@@ -306,7 +309,6 @@ class GraphExecutor(Executor):
             self.log_memory()
         return self.capture_log
 
-    @torch.inference_mode()
     @torch.inference_mode()
     def warm_logits(self) -> None:
         """A prefill step's logits run eagerly after its graph, on as many rows as it samples:

@@ -56,12 +56,14 @@ def slot_mapping(tables: np.ndarray, token_seq: np.ndarray, positions: np.ndarra
     return blocks * block_size + positions % block_size
 
 
-def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
+def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInputs:
+    """`lora`: the model has adapter slots, so the tokens' slots are read (a pass over the
+    sequences a step that a model without LoRA does not pay)."""
     h = HostInputs([], [], None, [], [], [], [], [], 0, True, block_size=block_size)
     if any(s.feed >= 0 for s in plan.seqs):
         h.feed = [f for s in plan.seqs for f in ([s.feed] if len(s.token_ids) == 1
                                                  else [-1] * len(s.token_ids))]
-    if any(s.lora_slot >= 0 for s in plan.seqs):
+    if lora and any(s.lora_slot >= 0 for s in plan.seqs):
         h.lora = [s.lora_slot for s in plan.seqs for _ in s.token_ids]
     for b, s in enumerate(plan.seqs):
         n = len(s.token_ids)
