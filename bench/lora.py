@@ -39,7 +39,14 @@ from safetensors.torch import save_file
 
 from bench.checkpoints import make_random_checkpoint
 from raygraph.cluster.connect import connect, start_coordinator
-from raygraph.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServeConfig
+from raygraph.config import (
+    CacheConfig,
+    GraphConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServeConfig,
+)
 from raygraph.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, module_shapes
 from raygraph.protocol import SamplingParams
 
@@ -87,6 +94,7 @@ def config(a: argparse.Namespace, model: str, lora: LoRAConfig) -> ServeConfig:
         cache=CacheConfig(block_size=BLOCK, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=a.streams,
                                   max_num_batched_tokens=max(2048, a.input_len)),
+        graph=GraphConfig(capture="at_start"),  # steady state: no capture in the window
         lora=lora)
 
 
