@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import ray
 
@@ -84,8 +86,16 @@ async def _serve_load(coord, a: argparse.Namespace, t_ready: float) -> dict:
     }
 
 
+def triton_cache_state() -> str:
+    """"warm" if Triton's kernel cache already holds compiled kernels (a restart), "cold" if
+    not (the first start on a machine compiles every kernel: seconds)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return "warm" if root.is_dir() and any(root.iterdir()) else "cold"
+
+
 def run_mode(model: str, mode: str, a: argparse.Namespace) -> dict:
     name = f"startup-{mode}"
+    cache = triton_cache_state()
     cfg = ServeConfig(model=model, coordinator_name=name,
                       graph=GraphConfig(capture=mode))
     marks: dict = {}
@@ -105,7 +115,8 @@ def run_mode(model: str, mode: str, a: argparse.Namespace) -> dict:
     loaded = marks.get("weights_loaded_s")
     ready = t_ready - t0
     first = row["first_token_after_ready_s"]
-    return {"capture": mode, "weights_loaded_s": round(loaded, 3) if loaded else None,
+    return {"capture": mode, "triton_cache": cache,
+            "weights_loaded_s": round(loaded, 3) if loaded else None,
             "ready_s": round(ready, 3),
             "first_token_after_weights_s": round(ready + first - loaded, 3)
             if loaded and first is not None else None, **row}

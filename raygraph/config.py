@@ -358,7 +358,10 @@ class GraphConfig(msgspec.Struct, frozen=True):
     # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs
     # it (that step waits)
     capture: Literal["background", "at_start", "lazy"] = "background"
-    capture_share: float = 0.5  # background, under load: the step thread's time it may take
+    # background, under load: the step thread's time captures may take. At 0.3 the 44
+    # keys of llama-1b (~22 ms each on an H200) are all captured ~3.3 s after serving
+    # started, and the steps keep ~70% of the time (bench/RESULTS.md, issue 21)
+    capture_share: float = 0.3
     capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
     pool: Literal["vmm", "torch", "private"] = "vmm"
     vmm_chunk_bytes: int = 2 << 20  # rounded up to the driver's granularity

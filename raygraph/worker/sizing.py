@@ -4,6 +4,7 @@ weights, one forward's activations and (VMM pool) the graphs' largest captures."
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,8 +34,13 @@ def kv_cache_budget(w: Worker) -> int:
     if w.device.type == "cpu":
         return cache.cpu_kv_cache_bytes
     free, total = torch.cuda.mem_get_info(w.device)
+    t0 = time.perf_counter()
     activation = _activation_bytes(w)
+    t1 = time.perf_counter()
     graphs = graph_bytes(w)
+    log.info("rank %d: KV sizing: one forward's activations %.1f MiB (%.2fs), graphs %.1f MiB "
+             "(%.2fs)", w.rank, activation / 2**20, t1 - t0, graphs / 2**20,
+             time.perf_counter() - t1)
     budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation - graphs
     if budget <= 0:
         raise MemoryError(

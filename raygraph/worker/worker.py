@@ -260,6 +260,7 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Bind the KV cache and build the executor over it (graphs capture its addresses).
         The cache lives in a VMM arena, so sleep can release it and wake map it back there."""
+        t0 = time.perf_counter()
         layers = self.model.attention_layers()
         pairs = self.sleep_memory.kv_cache(self._kv_shape(num_blocks), self.dtype, len(layers))
         if pairs is None:
@@ -267,10 +268,15 @@ class Worker:
         else:
             for layer, (k, v) in zip(layers, pairs):
                 layer.k_cache, layer.v_cache = k, v
+        t1 = time.perf_counter()
         self.executor = self._make_executor(self.graph_budget)
+        t2 = time.perf_counter()
         if isinstance(self.executor, GraphExecutor):  # every rank here at once: TP gathers
             self.executor.warm_logits()
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
+        log.info("rank %d: KV cache of %d blocks mapped in %.2fs, executor built in %.2fs, "
+                 "logits warmed in %.2fs", self.rank, num_blocks, t1 - t0, t2 - t1,
+                 time.perf_counter() - t2)
         return self.kv_cache_bytes
 
     def _make_executor(self, graph_budget: int | None, pool: str | None = None) -> Executor:
