@@ -22,6 +22,7 @@ from raygraph.cluster.connect import (
 )
 from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.config import (
+    LORA_MODULES,
     ConfigError,
     LoRAConfig,
     ParallelConfig,
@@ -109,6 +110,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{D.lora.max_loras}: off)")
     p.add_argument("--max-lora-rank", type=int, default=None,
                    help=f"the largest adapter rank served (default: {D.lora.max_lora_rank})")
+    p.add_argument("--lora-target-modules", nargs="+", choices=LORA_MODULES, default=None,
+                   help="the modules adapters may target: only their projections get adapter "
+                        "slots and kernels; an adapter loaded later that targets another is "
+                        "refused (default: those the --lora-modules adapters target, all "
+                        "seven without any)")
 
 
 DEFAULT_MAX_LORAS = 4  # slots when adapters are named but --max-loras is not
@@ -129,8 +135,9 @@ def lora_config(a: argparse.Namespace, lora: LoRAConfig) -> LoRAConfig:
     if modules and not max_loras:
         max_loras = DEFAULT_MAX_LORAS
     rank = a.max_lora_rank if a.max_lora_rank is not None else lora.max_lora_rank
+    targets = tuple(a.lora_target_modules or lora.target_modules)
     return msgspec.structs.replace(lora, modules=modules, max_loras=max_loras,
-                                   max_lora_rank=rank)
+                                   max_lora_rank=rank, target_modules=targets)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:

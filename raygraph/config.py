@@ -413,6 +413,10 @@ class OffloadConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"offload budget must be >= 1 byte, got {self.budget_bytes}")
 
 
+# the HF projections a LoRA adapter may target
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class LoRAConfig(msgspec.Struct, frozen=True):
     """Multi-LoRA: `max_loras` adapter slots on every rank, each holding one adapter of rank
     <= max_lora_rank; a step mixes tokens of any slots and of the base model. 0 slots: off
@@ -425,8 +429,16 @@ class LoRAConfig(msgspec.Struct, frozen=True):
     # each worker keeps recently loaded adapters in (pinned) host memory up to this many
     # bytes: the warm tier, from which a promotion is a host-to-device copy
     warm_budget_bytes: int = 1 << 30
+    # the HF modules (LORA_MODULES) adapters may target: only their projections get slots
+    # and kernels. Empty: inferred at `resolved` from the adapters in `modules` (all seven
+    # when there are none)
+    target_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        unknown = [m for m in self.target_modules if m not in LORA_MODULES]
+        if unknown:
+            raise ConfigError(f"unknown LoRA target modules {unknown}; supported: "
+                              f"{list(LORA_MODULES)}")
         if self.modules and not self.max_loras:
             raise ConfigError("LoRA modules need max_loras >= 1")
         if self.warm_budget_bytes < 0:
@@ -444,6 +456,23 @@ class LoRAConfig(msgspec.Struct, frozen=True):
     def padded_rank(self) -> int:
         """The slots' rank dimension: max_lora_rank rounded up to 16 (tensor-core tiles)."""
         return -(-self.max_lora_rank // 16) * 16
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The modules served: `target_modules`, or all seven when none are set."""
+        return self.target_modules or LORA_MODULES
+
+    def resolved(self) -> LoRAConfig:
+        """`target_modules` pinned: when empty, the union of what the adapters in `modules`
+        target, read from their adapter_config.json (as SGLang infers them), so slots and
+        kernels cover only those projections. LoRAError for an adapter that cannot be read."""
+        if self.target_modules or not self.modules:
+            return self
+        from raygraph.lora.adapter import adapter_targets  # lora/ imports this module
+
+        found = set().union(*(adapter_targets(p) for p in {p for _, p in self.modules}))
+        return msgspec.structs.replace(
+            self, target_modules=tuple(m for m in LORA_MODULES if m in found))
 
 
 class ServeConfig(msgspec.Struct, frozen=True):
@@ -498,14 +527,16 @@ class ServeConfig(msgspec.Struct, frozen=True):
         return self.graph if self.uses_graphs else msgspec.structs.replace(self.graph, mode="eager")
 
     def resolved(self, num_gpus: float) -> ServeConfig:
-        """Pin 'auto' device and dtype given the GPUs the cluster offers."""
+        """Pin 'auto' device and dtype given the GPUs the cluster offers, and the LoRA target
+        modules (every worker builds the same layers from it)."""
         device = self.device
         if device == "auto":
             device = "cuda" if num_gpus >= self.parallel.world_size else "cpu"
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
-        return msgspec.structs.replace(self, device=device, dtype=dtype)
+        return msgspec.structs.replace(self, device=device, dtype=dtype,
+                                       lora=self.lora.resolved())
 
 
 def load_toml(path: str | os.PathLike[str]) -> ServeConfig:

@@ -5,6 +5,7 @@ logic: eager and graph executors at TP=1, the graph executor at TP=2 (gloo)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import shutil
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from raygraph.cli import add_serve_args, lora_config
 from raygraph.cluster.engine import EngineCore, run_to_completion
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
@@ -251,6 +253,56 @@ def test_mixed_batch_greedy_equals_hf_peft(adapters, expected, mode):
         w.load_lora(4, str(adapters[0]))
     with pytest.raises(LoRAError, match="rank 64 is over max_lora_rank 16"):
         loaded_worker(config(max_lora_rank=16), 8).load_lora(0, str(adapters[2]))
+
+
+# --- target modules ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qv_adapter(tmp_path_factory) -> Path:
+    return make_adapter(tmp_path_factory.mktemp("qv") / "qv8", ["q_proj", "v_proj"], 8, 7)
+
+
+def test_target_modules_are_inferred_from_the_adapters_at_start(adapters, qv_adapter):
+    """SGLang's rule: the union of the start adapters' target_modules; all seven without
+    any; given ones are kept (the CLI flag sets them)."""
+    def resolved(*paths: Path, **kw) -> tuple[str, ...]:
+        modules = tuple((f"a{i}", str(p)) for i, p in enumerate(paths))
+        return ServeConfig(lora=LoRAConfig(max_loras=2, modules=modules, **kw)
+                           ).resolved(0).lora.targets
+
+    assert resolved(qv_adapter) == ("q_proj", "v_proj")
+    assert resolved(qv_adapter, adapters[1]) == ("q_proj", "v_proj", "gate_proj", "up_proj",
+                                                 "down_proj")
+    assert resolved() == tuple(ATTN + MLP)
+    assert resolved(qv_adapter, target_modules=("o_proj",)) == ("o_proj",)
+    with pytest.raises(LoRAError, match="not a directory"):
+        resolved(Path("/no/such/adapter"))
+    with pytest.raises(ConfigError, match=r"unknown LoRA target modules \['lm_head'\]"):
+        LoRAConfig(target_modules=("q_proj", "lm_head"))
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    a = p.parse_args(["--lora-target-modules", "q_proj", "down_proj"])
+    assert lora_config(a, LoRAConfig()).target_modules == ("q_proj", "down_proj")
+
+
+def test_only_targeted_projections_get_slots_and_others_are_refused(adapters, qv_adapter):
+    """q and v: slots on q|k|v only (o, gate|up and down keep their plain kernels); greedy
+    tokens still equal HF + PEFT; an adapter with an MLP module is refused with one line
+    naming it and the flag."""
+    w = loaded_worker(config(target_modules=("q_proj", "v_proj")), NUM_BLOCKS, capture=True)
+    layer = w.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.lora is not None
+    assert all(m.lora is None for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                        layer.mlp.down_proj))
+    w.load_lora(1, str(qv_adapter))
+    seqs = serve_in_process(w.cfg, w, sequences([-1, 1, 1, -1, 1, -1, -1, -1]), NUM_BLOCKS)
+    ref = hf_greedy(MODEL, [PROMPTS[i] for i in (1, 2, 4)], MAX_TOKENS, qv_adapter)
+    assert [seqs[i].output_token_ids for i in (1, 2, 4)] == ref
+    with pytest.raises(LoRAError, match=(
+            r"targets 'gate_proj', which has no adapter slots \(served target modules: "
+            r"\['q_proj', 'v_proj'\]; set them at start with --lora-target-modules\)")) as e:
+        w.load_lora(0, str(adapters[1]))
+    assert "\n" not in str(e.value)
 
 
 def test_lora_off_builds_the_plain_model():

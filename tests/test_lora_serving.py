@@ -112,6 +112,11 @@ def test_a_bad_adapter_is_refused_with_one_line_and_not_registered(adapters, tmp
     with pytest.raises(LoRAError, match="not a directory"):
         r.register("missing", str(tmp_path / "nope"))
     assert r.adapters() == [] and r.register("ok", str(adapters[0])).rank == 8
+    # the coordinator's reader checks the served target modules (attn8 has k_proj, o_proj)
+    qv = LoRARegistry(2, lambda p: read_adapter(p, cfg, 64, ("q_proj", "v_proj")).rank)
+    with pytest.raises(LoRAError, match="targets 'k_proj', which has no adapter slots .*"
+                                        "--lora-target-modules"):
+        qv.register("attn", str(adapters[0]))
 
 
 # ---- a coordinator with 2 slots and 4 adapters --------------------------------------------

@@ -369,7 +369,8 @@ class Coordinator:
     def _lora_admission(self) -> LoRAAdmission:
         lc = self.cfg.lora
         registry = LoRARegistry(
-            lc.max_loras, lambda path: read_adapter(path, self.model_cfg, lc.max_lora_rank).rank)
+            lc.max_loras,
+            lambda path: read_adapter(path, self.model_cfg, lc.max_lora_rank, lc.targets).rank)
         for name, path in lc.modules:
             registry.register(name, path)
         return LoRAAdmission(registry, self._load_lora, self._fail_request)

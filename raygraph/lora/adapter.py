@@ -13,10 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from raygraph.config import ModelConfig
+from raygraph.config import LORA_MODULES, ModelConfig
 
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+SUPPORTED_MODULES = LORA_MODULES
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # adapter_config.json fields whose truthy values change the math raygraph computes
@@ -63,26 +62,13 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT LoRA adapter directory against the base model `cfg`."""
+def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
+                 targets: tuple[str, ...] = SUPPORTED_MODULES) -> LoRAAdapter:
+    """Read and check a PEFT LoRA adapter directory against the base model `cfg` and the
+    modules served (`targets`: LoRAConfig.targets)."""
     root = Path(path)
-
-    def fail(reason: str) -> LoRAError:
-        return LoRAError(f"LoRA adapter {str(root)!r}: {reason}")
-
-    if not root.is_dir():
-        raise fail("not a directory")
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (root / name).is_file():
-            hint = " (adapter_model.bin is not read: save with safetensors)" if (
-                name == WEIGHTS_FILE and (root / "adapter_model.bin").is_file()) else ""
-            raise fail(f"missing {name}{hint}")
-    try:
-        conf = json.loads((root / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise fail(f"cannot read {CONFIG_FILE}: {e}") from None
-    if not isinstance(conf, dict):
-        raise fail(f"{CONFIG_FILE} is not a JSON object")
+    fail = _failer(root)
+    conf = _read_config(root, fail)
     rank, scaling = _check_config(conf, fail, max_rank)
     tensors = _read_tensors(root / WEIGHTS_FILE, fail)
     shapes = module_shapes(cfg)
@@ -114,7 +100,54 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapt
             raise fail(f"layer {layer} {module} has lora_{next(iter(ab))} without "
                        f"lora_{'B' if 'A' in ab else 'A'}")
         layers.setdefault(layer, {})[module] = LoRAModule(ab["A"], ab["B"], scaling)
-    return LoRAAdapter(str(root), rank, layers)
+    adapter = LoRAAdapter(str(root), rank, layers)
+    outside = [m for m in SUPPORTED_MODULES if m in adapter.modules and m not in targets]
+    if outside:
+        raise fail(f"targets {outside[0]!r}, which has no adapter slots (served target "
+                   f"modules: {list(targets)}; set them at start with --lora-target-modules)")
+    return adapter
+
+
+def adapter_targets(path: str | Path) -> set[str]:
+    """The modules the adapter at `path` targets, as its adapter_config.json lists them
+    (a regex there, not a list: the modules its weights name)."""
+    root = Path(path)
+    fail = _failer(root)
+    targets = _read_config(root, fail).get("target_modules")
+    if isinstance(targets, list):
+        names = set(targets)
+    else:
+        try:
+            with safe_open(str(root / WEIGHTS_FILE), framework="pt") as f:
+                names = {m.group(2) for k in f.keys() if (m := TENSOR.search(k))}
+        except (OSError, SafetensorError) as e:
+            raise fail(f"cannot read {WEIGHTS_FILE}: {e}") from None
+    bad = sorted(names - set(SUPPORTED_MODULES))
+    if bad:
+        raise fail(f"unsupported target modules {bad}; supported: {list(SUPPORTED_MODULES)}")
+    return names
+
+
+def _failer(root: Path) -> Fail:
+    return lambda reason: LoRAError(f"LoRA adapter {str(root)!r}: {reason}")
+
+
+def _read_config(root: Path, fail: Fail) -> dict:
+    """adapter_config.json as a dict, once the directory and both files are there."""
+    if not root.is_dir():
+        raise fail("not a directory")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (root / name).is_file():
+            hint = " (adapter_model.bin is not read: save with safetensors)" if (
+                name == WEIGHTS_FILE and (root / "adapter_model.bin").is_file()) else ""
+            raise fail(f"missing {name}{hint}")
+    try:
+        conf = json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise fail(f"cannot read {CONFIG_FILE}: {e}") from None
+    if not isinstance(conf, dict):
+        raise fail(f"{CONFIG_FILE} is not a JSON object")
+    return conf
 
 
 def _check_config(conf: dict, fail: Fail, max_rank: int) -> tuple[int, float]:

@@ -31,22 +31,29 @@ TARGETS: dict[str, tuple[str, int]] = {
 Linear = MergedColumnParallelLinear | RowParallelLinear
 
 
-def lora_linears(model: nn.Module) -> Iterator[tuple[int, str, Linear]]:
-    """(layer, raygraph module path, module) of every projection that can take LoRA."""
-    paths = sorted({path for path, _ in TARGETS.values()})
+def lora_linears(model: nn.Module, targets: tuple[str, ...] | None = None
+                 ) -> Iterator[tuple[int, str, Linear]]:
+    """(layer, raygraph module path, module) of every projection with a part among the HF
+    modules `targets` (None: those given slots by `enable_lora`)."""
+    names = targets or TARGETS
+    paths = sorted({TARGETS[name][0] for name in names})
     for i, layer in enumerate(model.model.layers):
         for path in paths:
-            yield i, path, layer.get_submodule(path)
+            linear = layer.get_submodule(path)
+            if targets is not None or linear.lora is not None:
+                yield i, path, linear
 
 
 def enable_lora(model: nn.Module, cfg: LoRAConfig) -> int:
-    """Give every q|k|v, o, gate|up and down projection `cfg.max_loras` empty (zero) slots
-    of rank `cfg.padded_rank`, on the weights' device and dtype; returns the bytes taken."""
+    """Give each projection the adapters may target (`cfg.targets`: q|k|v if any of q, k,
+    v; o; gate|up; down) `cfg.max_loras` empty (zero) slots of rank `cfg.padded_rank`, on
+    the weights' device and dtype; the others keep their plain kernels. Returns the bytes
+    taken."""
     if getattr(model.config, "num_experts", 0):
         raise ConfigError("LoRA adapters need a dense model; "
                           f"{model.config.architecture} has MoE layers")
     r, total = cfg.padded_rank, 0
-    for _, _, linear in lora_linears(model):
+    for _, _, linear in lora_linears(model, cfg.targets):
         w = linear.weight
         slices = tuple(getattr(linear, "local_sizes", [w.shape[0]]))
         a = torch.zeros(cfg.max_loras, len(slices) * r, w.shape[1], dtype=w.dtype,

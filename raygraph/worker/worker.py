@@ -226,9 +226,9 @@ class Worker:
         stay valid), from the warm tier if it holds it, else from its files; returns that
         tier ("warm" or "cold") and the seconds it took. Every rank of the group loads the
         same adapter into the same slot before a step names the slot."""
-        t0 = time.perf_counter()
+        t0, lc = time.perf_counter(), self.cfg.lora
         adapter, tier = self.warm_loras.get(
-            path, lambda p: read_adapter(p, self.model_cfg, self.cfg.lora.max_lora_rank))
+            path, lambda p: read_adapter(p, self.model_cfg, lc.max_lora_rank, lc.targets))
         load_adapter_into_slot(self.model, slot, adapter)
         if self.device.type == "cuda":  # steps may run on another thread's stream
             torch.cuda.synchronize(self.device)
