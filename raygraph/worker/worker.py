@@ -28,7 +28,7 @@ from raygraph.graph.executor import (
     KeyMismatch,
     make_executor,
 )
-from raygraph.lora import clear_slot, enable_lora, load_adapter_into_slot, read_adapter
+from raygraph.lora import LoRAError, LoRASlots, SlotImage, read_adapter
 from raygraph.lora.warm import WarmAdapters
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats, SleepStats
@@ -37,6 +37,7 @@ from raygraph.model.parallel import Comm
 from raygraph.protocol import (
     BucketKey,
     CaptureRecord,
+    LoRALoad,
     SeqChunk,
     StepDelta,
     StepOutput,
@@ -55,6 +56,7 @@ from raygraph.worker.sampler import (
 from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
 from raygraph.worker.sleep import SleepMemory
 from raygraph.worker.state import SeqTable, StateError
+from raygraph.worker.warmup import start_triton_warmup
 
 log = logging.getLogger("raygraph.worker")
 
@@ -151,7 +153,8 @@ class Worker:
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                              for _ in range(2)]  # alternate: step N+1 copies while N is read
         self._sampling = SamplingRows(n, self.device)
-        self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes, self.dtype, pinned)
+        self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
+        self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -161,6 +164,7 @@ class Worker:
         take. `reporter` (an actor with `report_progress`, rank 0 only) hears how far the
         weights are."""
         t0 = time.perf_counter()
+        warmup = start_triton_warmup(self.device)  # while the weights load
         progress = _throttled(reporter) if reporter is not None else None
         comm, ep_comm = Comm(), None
         if self.world_size > 1:
@@ -179,9 +183,10 @@ class Worker:
                                      progress)
             self.sleep_memory.take_weights(self.model)  # level-2 sleep can release them
             if self.cfg.lora.enabled:  # before the KV cache is sized around what is in use
-                lora_bytes = enable_lora(self.model, self.cfg.lora)
-                log.info("rank %d: %d LoRA slots of rank %d, %.1f MiB", self.rank,
-                         self.cfg.lora.max_loras, self.cfg.lora.padded_rank, lora_bytes / 2**20)
+                self.lora_slots = slots = LoRASlots(self.model, self.cfg.lora)
+                log.info("rank %d: %d LoRA slots of rank %d on %s, %.1f MiB", self.rank,
+                         slots.num_slots, slots.rank, ", ".join(slots.stacks),
+                         slots.nbytes / 2**20)
         else:  # weights stay in host memory; the engine moves the rest to the device
             self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"),
                                      ep_comm, progress)
@@ -190,6 +195,8 @@ class Worker:
             if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:
                 log.warning("rank %d: offload mode %r moves weights between steps; running "
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
+        if warmup is not None:
+            warmup.join()
         self.weight_bytes = weight_bytes = sum(p.numel() * p.element_size()
                                                for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
@@ -222,23 +229,48 @@ class Worker:
         self._bind_kv_cache(0)
 
     def load_lora(self, slot: int, path: str) -> tuple[str, float]:
-        """Write this rank's shard of a PEFT adapter into `slot`, in place (captured graphs
-        stay valid), from the warm tier if it holds it, else from its files; returns that
-        tier ("warm" or "cold") and the seconds it took. Every rank of the group loads the
-        same adapter into the same slot before a step names the slot."""
-        t0, lc = time.perf_counter(), self.cfg.lora
-        adapter, tier = self.warm_loras.get(
-            path, lambda p: read_adapter(p, self.model_cfg, lc.max_lora_rank, lc.targets))
-        load_adapter_into_slot(self.model, slot, adapter)
+        """Load a PEFT adapter into `slot` now and wait for it (in-process use; served
+        promotions ride on the steps: StepDelta.lora_loads); returns the tier it came from
+        ("warm" or "cold") and the seconds it took. Raises LoRAError if it cannot."""
+        done = self._load_slot(slot, path)
+        if done.error:
+            raise LoRAError(done.error)
         if self.device.type == "cuda":  # steps may run on another thread's stream
             torch.cuda.synchronize(self.device)
-        return tier, time.perf_counter() - t0
+        return done.tier, done.seconds
 
     def unload_lora(self, slot: int) -> None:
         """Zero `slot`: a token still naming it would compute the base model."""
-        clear_slot(self.model, slot)
+        self._slots().clear(slot)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _slots(self) -> LoRASlots:
+        if self.lora_slots is None:
+            raise LoRAError("LoRA is off (lora.max_loras = 0): no adapter slots")
+        return self.lora_slots
+
+    def _load_slot(self, slot: int, path: str) -> LoRALoad:
+        """Queue `path`'s slot image into `slot` on this thread's stream, without waiting:
+        from the warm tier a few host-to-device copies, else read and cut here first (cold).
+        A failure zeroes the slot and is reported, not raised: a step goes on for every
+        other request. Every rank of the group loads the same adapter into the same slot."""
+        slots = self._slots()
+        slots.check(slot)
+        t0 = time.perf_counter()
+        try:
+            image, tier = self.warm_loras.get(path, self._slot_image)
+            slots.load(slot, image)
+        except Exception as e:  # the files changed since registration, say
+            slots.clear(slot)
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            return LoRALoad(slot, "cold", time.perf_counter() - t0, f"rank {self.rank}: {reason}")
+        return LoRALoad(slot, tier, time.perf_counter() - t0)
+
+    def _slot_image(self, path: str) -> SlotImage:
+        lc = self.cfg.lora
+        adapter = read_adapter(path, self.model_cfg, lc.max_lora_rank, lc.targets)
+        return self._slots().image(adapter, pin=self.device.type == "cuda")
 
     def offload_stats(self) -> OffloadStats | None:
         """Bytes copied per step, achieved H2D GB/s, stall time, hit rate (None: no offload)."""
@@ -436,6 +468,7 @@ class Worker:
         delta = DELTA.decode(cmd)
         pending.step_id = delta.step_id
         self._maybe_fault("step", None)
+        loads = [self._load_slot(slot, path) for slot, path in delta.lora_loads]
         tokens, logprobs = self._launch(self.state.apply(delta))
         if self.samples:
             if tokens is not None:
@@ -452,17 +485,19 @@ class Worker:
                 pending.after, self._last_ready = self._last_ready, pending.ready
             else:
                 pending.seconds = time.perf_counter() - pending.started
-        out = self._collect()
+        out = self._collect(loads)
         self._pending = pending
         return out
 
-    def _collect(self) -> bytes | None:
-        """The pending step's tokens, once the device has them (msgpack StepOutput)."""
+    def _collect(self, loads: list[LoRALoad] | None = None) -> bytes | None:
+        """The pending step's tokens, once the device has them (msgpack StepOutput), with
+        `loads`: those of the step just launched (a rank that does not sample answers only
+        when there are some)."""
         p, self._pending = self._pending, None
         if not self.samples:
-            return None
+            return OUTPUT.encode(StepOutput(-1, [], lora_loads=loads)) if loads else None
         if p is None:
-            return OUTPUT.encode(StepOutput(-1, []))
+            return OUTPUT.encode(StepOutput(-1, [], lora_loads=loads or []))
         if p.ready is not None:
             p.ready.synchronize()
             p.seconds = p.start.elapsed_time(p.ready) / 1e3
@@ -475,7 +510,8 @@ class Worker:
         if p.logprobs is not None:
             packed, rows, chunks = p.logprobs
             logprobs = unpack_logprobs(packed.tolist(), rows, chunks)
-        return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle, logprobs))
+        return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle, logprobs,
+                                        loads or []))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
