@@ -186,7 +186,9 @@ class StepDelta(msgspec.Struct, frozen=True):
     The batch is `feed` then `chunks`, in order. `feed` ids decode one token each: the token
     they sampled in the previous step, which stays on the device. `blocks` appends KV blocks
     (seq id, block) before the step; `new` starts tracking sequences, `drop` stops (finished,
-    aborted, preempted) before anything else.
+    aborted, preempted) before anything else. `lora_loads` (slot, adapter path) are
+    written into their slots on the device's stream before the step is launched: after the
+    step in flight, ahead of this one (every DP group's message carries them all).
     """
 
     step_id: int
@@ -197,6 +199,17 @@ class StepDelta(msgspec.Struct, frozen=True):
     drop: list[int] = []
     key: BucketKey | None = None
     num_comm_tokens: int = 0
+    lora_loads: list[tuple[int, str]] = []
+
+
+class LoRALoad(msgspec.Struct, frozen=True, array_like=True):
+    """One rank's load of a StepDelta's `lora_loads` entry. A failed one left the slot zero
+    (its tokens compute the base model) and names the reason in one line."""
+
+    slot: int
+    tier: Literal["warm", "cold"]  # the rank's warm tier held the adapter, or it read files
+    seconds: float  # host time to read or find the image and queue its copies
+    error: str = ""
 
 
 class StepOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -208,6 +221,8 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
     forward_s: float = 0.0  # the step's device time (CUDA), or its host time (CPU)
     idle_s: float = 0.0  # how long the device waited for this step after the previous one
     logprobs: dict[int, TokenLogprobs] = {}  # batch row -> logprobs, for rows that asked
+    # the loads of the step this call launched (not of step_id): every rank answers with them
+    lora_loads: list[LoRALoad] = []
 
 
 class StepResult(msgspec.Struct, frozen=True):

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raygraph.cli import add_serve_args, lora_config
-from raygraph.cluster.engine import EngineCore, run_to_completion
+from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
+from raygraph.cluster.lora import LoRAAdmission, LoRARegistry
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
     DEFAULT_MODEL,
@@ -32,7 +33,8 @@ from raygraph.config import (
     ServeConfig,
 )
 from raygraph.graph.inputs import InputBuffers, host_inputs
-from raygraph.lora import LoRAError, read_adapter
+from raygraph.lora import LoRAAdapter, LoRAError, LoRASlots, read_adapter
+from raygraph.lora.slots import TARGETS
 from raygraph.model.lora_ops import lora_delta
 from raygraph.protocol import SamplingParams, SeqChunk, StepOutput, StepPlan
 from raygraph.worker.worker import Worker
@@ -253,6 +255,89 @@ def test_mixed_batch_greedy_equals_hf_peft(adapters, expected, mode):
         w.load_lora(4, str(adapters[0]))
     with pytest.raises(LoRAError, match="rank 64 is over max_lora_rank 16"):
         loaded_worker(config(max_lora_rank=16), 8).load_lora(0, str(adapters[2]))
+
+
+# --- slot images and promotions on the step path ------------------------------------------
+
+def expected_slot(adapter: LoRAAdapter, slots: LoRASlots) -> dict[str, list[torch.Tensor]]:
+    """What one slot must hold at TP=1, straight from the PEFT tensors: each part's A rows
+    and B rows (scaling folded), zeros elsewhere."""
+    want = {path: [torch.zeros_like(t[:, 0]) for t in ab] for path, ab in slots.stacks.items()}
+    for i, modules in adapter.layers.items():
+        for name, m in modules.items():
+            path, part = TARGETS[name]
+            a, b = want[path]
+            r, rank = m.a.shape[0], slots.rank
+            start = sum(slots.layers[i].get_submodule(path).lora.slices[:part])
+            a[i, part * rank: part * rank + r] = m.a
+            b[i, start: start + m.b.shape[0], :r] = m.b.float() * m.scaling
+    return want
+
+
+def test_slot_images_rewrite_the_whole_slot(adapters):
+    """One copy per stacked tensor writes what the per-module writes did, at every layer's
+    view; loaded over a previous occupant, nothing of it remains (projection kinds the new
+    adapter lacks are zeroed); a warm load equals a cold one; the other slot is untouched."""
+    w = loaded_worker(config(max_loras=2), 8)
+    slots = w.lora_slots
+    cfg = ModelConfig.from_pretrained(str(MODEL))
+    read = {i: read_adapter(adapters[i], cfg, 64) for i in (0, 1, 2)}
+    assert w.load_lora(1, str(adapters[2]))[0] == "cold"
+    for i, tier in [(2, "warm"), (1, "cold"), (0, "cold"), (2, "warm")]:  # all, mlp, attn
+        assert w.load_lora(0, str(adapters[i]))[0] == tier
+        want, other = expected_slot(read[i], slots), expected_slot(read[2], slots)
+        for path, (a, b) in slots.stacks.items():
+            assert torch.equal(a[:, 0], want[path][0]) and torch.equal(b[:, 0], want[path][1])
+            assert torch.equal(a[:, 1], other[path][0]), path
+            lora = slots.layers[3].get_submodule(path).lora  # the kernels' view is the stack
+            assert lora.a.data_ptr() == a[3].data_ptr() and lora.a.is_contiguous()
+    w.unload_lora(0)
+    assert all(not a[:, 0].any() and not b[:, 0].any() for a, b in slots.stacks.values())
+
+
+def test_promotions_ride_on_steps_while_others_decode(adapters, expected):
+    """The served loop's logic with 2 slots for 4 adapters: adapters arrive while other
+    requests decode and are promoted into freed slots by the next step's message (no flush:
+    a step is in flight each time); greedy tokens equal HF + PEFT for every request."""
+    w = loaded_worker(config(max_loras=2), NUM_BLOCKS, capture=True)
+    registry = LoRARegistry(2, lambda path: 0)
+    names = [registry.register(name, str(p)).name for (name, *_), p in zip(ADAPTERS, adapters)]
+    admission = LoRAAdmission(registry)
+    core = EngineCore.from_config(w.cfg, w.model_cfg, NUM_BLOCKS)
+    dispatch = local_dispatch(w)
+    seqs = sequences([-1] * len(PROMPTS))
+    # step -> the prompts arriving (each under its SLOTS adapter)
+    arrivals = {0: [0, 1], 2: [2, 4], 4: [3, 5], 11: [7], 12: [6]}
+    loads_in_flight, step = [], 0
+    while True:
+        new = [(seqs[i], names[SLOTS[i]] if SLOTS[i] >= 0 else None)
+               for i in arrivals.pop(step, [])]
+        for seq, name in new:
+            seq.adapter_id = registry.open(name).adapter_id if name else 0
+        for seq in admission.admit(new):
+            core.schedulers[0].add(seq)
+        planned = core.schedule()
+        if planned is None and not arrivals and core.in_flight is None:
+            break
+        if planned is None:
+            emitted = core.flush(dispatch) if core.in_flight is not None else []
+        else:
+            loads = admission.take_loads()
+            if loads:
+                loads_in_flight += [core.in_flight is not None] * len(loads)
+            outputs = dispatch(core.encode(*planned, loads))
+            emitted = core.apply(outputs)
+            core.in_flight = planned[0]
+            assert admission.loaded([r for o in outputs for r in o.lora_loads]) == []
+        for seq, _ in [pair for pairs in emitted for pair in pairs]:
+            if seq.finish_reason is not None:
+                admission.release(seq)
+        step += 1
+    assert [s.output_token_ids for s in seqs] == expected
+    # 2 loads into empty slots, then 3 into slots freed meanwhile, each with a step in flight
+    assert len(loads_in_flight) == 5 and sum(loads_in_flight) >= 3
+    moves = {(f, t): n for f, t, n in registry.stats()["moves"]}
+    assert moves["hot", "warm"] == 3 and moves["warm", "hot"] == 1
 
 
 # --- target modules ----------------------------------------------------------------------

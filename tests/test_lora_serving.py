@@ -6,6 +6,7 @@ time), and the HTTP routes with the official `openai` client."""
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.error
 import urllib.request
 
@@ -16,10 +17,12 @@ import pytest
 from raygraph.api.app import HttpConfig
 from raygraph.api.server import start_http, stop_http
 from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.lora import LoRARegistry, UnknownAdapter
-from raygraph.config import DEFAULT_MODEL, ModelConfig
+from raygraph.cluster.group import WorkerGroup
+from raygraph.cluster.lora import LoRAAdmission, LoRARegistry, UnknownAdapter
+from raygraph.cluster.scheduler import Sequence
+from raygraph.config import DEFAULT_MODEL, ModelConfig, ParallelConfig
 from raygraph.lora import LoRAError, read_adapter
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import LoRALoad, SamplingParams, StepOutput
 from tests import test_lora
 from tests.hf_ref import hf_greedy
 from tests.test_lora import MODEL, config
@@ -103,6 +106,48 @@ def test_load_failure_frees_the_slot_and_timings_are_counted():
     assert s["load_ms"]["warm"] == {"count": 1, "p50": 0.4, "p90": 0.4, "p99": 0.4, "max": 0.4}
 
 
+def seq(i: int) -> Sequence:
+    return Sequence(i, [5, 6], SamplingParams(max_tokens=2))
+
+
+def test_loads_ride_on_the_next_step_and_a_failed_one_fails_only_its_requests():
+    r = registry()
+    adm = LoRAAdmission(r)
+    ready = adm.admit([(seq(0), "a"), (seq(1), None), (seq(2), "b"), (seq(3), "a")])
+    assert [(s.seq_id, s.lora_slot) for s in ready] == [(1, -1), (0, 0), (2, 1), (3, 0)]
+    assert adm.take_loads() == [(0, "/adapters/a"), (1, "/adapters/b")]
+    assert adm.take_loads() == []  # taken by the step that carries them
+    a_id = r.get("a").adapter_id
+    failed = adm.loaded([LoRALoad(0, "cold", 0.01), LoRALoad(1, "cold", 0.02),
+                         LoRALoad(0, "cold", 0.03, "rank 1: LoRA adapter '/adapters/a': gone"),
+                         LoRALoad(1, "cold", 0.05)])  # two ranks' reports
+    assert failed == [(i, "loading LoRA adapter 'a' failed: rank 1: LoRA adapter "
+                          "'/adapters/a': gone") for i in (0, 3)]
+    assert r.hot() == [None, "b"] and r.pinned(0) == 0
+    s = r.stats()  # b counted once, at the slowest rank's time
+    assert s["load_ms"]["cold"]["count"] == 1 and s["load_ms"]["cold"]["max"] == 50.0
+    assert r.get("a").adapter_id != a_id  # blocks computed without it are not its own
+    late = adm.admit([(seq(4), "a")])[0]
+    assert late.adapter_id == r.get("a").adapter_id and adm.take_loads() == [(0, "/adapters/a")]
+    # a slot freed and granted again before any step: only its last load is sent
+    adm.release(late)
+    adm.admit([(seq(5), "c")])
+    assert adm.take_loads() == [(0, "/adapters/c")]
+
+
+def test_the_group_reply_carries_every_ranks_loads():
+    """TP ranks that do not sample answer a step only when it loaded slots."""
+    enc = msgspec.msgpack.Encoder().encode
+    group = WorkerGroup([], ParallelConfig(tp=2, dp=2, ep=4))
+    outs = [enc(StepOutput(7, [1], lora_loads=[LoRALoad(0, "warm", 0.1)])),
+            enc(StepOutput(-1, [], lora_loads=[LoRALoad(0, "warm", 0.2, "x")])),
+            enc(StepOutput(7, [2], lora_loads=[LoRALoad(0, "warm", 0.3)])), None]
+    group._execute = lambda deltas, timeout: outs
+    got = group.step([b"", b""], timeout=1)
+    assert [o.token_ids for o in got] == [[1], [2]]
+    assert [[x.seconds for x in o.lora_loads] for o in got] == [[0.1, 0.2], [0.3]]
+
+
 def test_a_bad_adapter_is_refused_with_one_line_and_not_registered(adapters, tmp_path):
     cfg = ModelConfig.from_pretrained(DEFAULT_MODEL)
     r = LoRARegistry(2, lambda p: read_adapter(p, cfg, 16).rank)
@@ -158,6 +203,25 @@ def test_a_burst_of_4_adapters_over_2_slots_equals_hf_peft(ray_session, coord, e
 def test_unknown_adapter_is_refused(ray_session, coord):
     with pytest.raises(Exception, match="'nope' does not exist"):
         ray_session.get(coord.generate.remote([[5, 6]], greedy("nope")))
+
+
+def test_a_failing_cold_load_fails_only_its_requests(ray_session, coord, adapters, expected,
+                                                    tmp_path):
+    """An adapter whose files went away after registration: its requests end with one
+    line; the requests in the same steps, base and adapters, complete; its slot is free."""
+    shutil.copytree(adapters[0], tmp_path / "gone")
+    ray_session.get(coord.load_lora_adapter.remote("gone", str(tmp_path / "gone")))
+    shutil.rmtree(tmp_path / "gone")
+    calls = {name: coord.generate.remote(PROMPTS[prompts], greedy(name))
+             for name, prompts in ((None, None), ("gone", "attn8"), ("mlp16", "mlp16"))}
+    with pytest.raises(Exception, match="loading LoRA adapter 'gone' failed: rank 0: .*"
+                                        "adapter_model.safetensors"):
+        ray_session.get(calls.pop("gone"))
+    assert {n: [r.token_ids for r in ray_session.get(ref)] for n, ref in calls.items()} == {
+        n: expected[n] for n in calls}
+    lora = ray_session.get(coord.stats.remote())["lora"]
+    assert lora["pinned"] == 0 and lora["requests"]["gone"] == 2
+    ray_session.get(coord.unload_lora_adapter.remote("gone"))  # no request holds it
 
 
 def test_load_and_unload_at_run_time(ray_session, coord, adapters, expected, tmp_path):

@@ -373,22 +373,22 @@ class Coordinator:
             lambda path: read_adapter(path, self.model_cfg, lc.max_lora_rank, lc.targets).rank)
         for name, path in lc.modules:
             registry.register(name, path)
-        return LoRAAdmission(registry, self._load_lora, self._fail_request)
+        return LoRAAdmission(registry)
 
     def _lora_registry(self) -> LoRARegistry:
         if self.lora is None:
             raise LoRAError("LoRA is off: start with --max-loras N (or --lora-modules)")
         return self.lora.registry
 
-    def _load_lora(self, slot: int, path: str) -> tuple[str, float]:
-        """On the step thread: every rank loads `path` into `slot`; (rank 0's tier, the
-        slowest rank's seconds)."""
-        self._flush()
-        loads = self._call("load_lora", slot, path)
-        return loads[0][0], max(seconds for _, seconds in loads)
-
-    def _fail_request(self, seq_id: int, msg: str) -> None:
-        self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
+    def _lora_loaded(self, outputs: list[StepOutput]) -> None:
+        """On the step thread, after a step that loaded adapter slots: the requests whose
+        adapter failed to load end with its error (the step in flight computed them with a
+        zero slot: their tokens are dropped); the others went on."""
+        for seq_id, msg in self.lora.loaded([r for out in outputs for r in out.lora_loads]):
+            entry = self._seqs.pop(seq_id, None)
+            if entry is not None:
+                self.schedulers[entry[0]].finish(entry[1], "error")
+            self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
 
     async def load_lora_adapter(self, name: str, path: str) -> dict:
         """Register an adapter (read and checked now; loaded into a slot on first use);
@@ -629,12 +629,15 @@ class Coordinator:
                 self.preemptions += len(o.preempted)
         for key in keys:  # per DP group: a replay of its bucket's graph, or an eager step
             self.phase_steps[key.phase if key is not None else "eager"] += 1
-        outputs = self._dispatch(core.encode(outs, keys, comm))
+        loads = self.lora.take_loads() if self.lora is not None else []
+        outputs = self._dispatch(core.encode(outs, keys, comm, loads))
         t0 = time.perf_counter()
         emitted = core.apply(outputs)
         self.schedule_s += time.perf_counter() - t0
         core.in_flight = outs
         self._deliver(emitted)
+        if loads:
+            self._lora_loaded(outputs)
         return True
 
     def _dispatch(self, msgs: list[bytes]) -> list[StepOutput]:

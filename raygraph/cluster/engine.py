@@ -65,13 +65,15 @@ class EngineCore:
         return outs, keys, comm
 
     def encode(self, outs: list[SchedulerOutput | None], keys: list[BucketKey | None],
-               comm: int) -> list[bytes]:
-        """One message per group; also takes the step id."""
+               comm: int, lora_loads: list[tuple[int, str]] | None = None) -> list[bytes]:
+        """One message per group; also takes the step id. `lora_loads` (slot, path) go to
+        every group: every rank loads them before the step."""
         self.step_id += 1
+        loads = lora_loads or []
         msgs = [ENCODER.encode(StepDelta(
             self.step_id, [s.seq_id for s in o.feed], [c for _, c in o.chunks], o.new,
-            o.blocks, o.drop, k, comm) if o is not None else StepDelta(self.step_id, key=k,
-                                                                        num_comm_tokens=comm))
+            o.blocks, o.drop, k, comm, loads) if o is not None else
+            StepDelta(self.step_id, key=k, num_comm_tokens=comm, lora_loads=loads))
             for o, k in zip(outs, keys)]
         self.msg_bytes += sum(len(m) for m in msgs)
         return msgs

@@ -115,9 +115,15 @@ class WorkerGroup:
 
     def step(self, deltas: list[bytes], timeout: float) -> list[StepOutput]:
         """Send one step (a msgpack StepDelta per DP group, b"" to flush); returns each
-        group's tokens of the step before it."""
+        group's tokens of the step before it, with the LoRA loads of all its ranks."""
         outs = self._execute(deltas, timeout)
-        return [OUTPUT.decode(outs[r]) for r in self.reporters]
+        got = [OUTPUT.decode(outs[r]) for r in self.reporters]
+        for r, out in enumerate(outs):  # other ranks answer only when the step loaded slots
+            if out is not None and self.parallel.tp_rank(r):
+                g = self.parallel.dp_rank(r)
+                got[g] = msgspec.structs.replace(
+                    got[g], lora_loads=got[g].lora_loads + OUTPUT.decode(out).lora_loads)
+        return got
 
     def call(self, method: str, *args: Any, timeout: float, only: int = -1) -> list[Any]:
         """A worker method on every rank (or `only` that one); one result per rank."""

@@ -22,6 +22,7 @@ from raygraph.cluster.kv_cache import Histogram
 from raygraph.cluster.requests import BadRequest
 from raygraph.cluster.scheduler import Sequence
 from raygraph.lora.adapter import LoRAError
+from raygraph.protocol import LoRALoad
 
 # upper bounds (seconds) of the load-time histogram /metrics exports
 LOAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -158,12 +159,15 @@ class LoRARegistry:
             self.load_times[tier].append(seconds)
 
     def load_failed(self, slot: int) -> None:
-        """A granted load raised: the slot is free again (its contents are unknown, and the
-        next load into it rewrites them)."""
+        """A granted load failed (its sequences were failed): the slot is free again (the
+        next load into it rewrites it whole), and the adapter takes a new id, so the blocks
+        its sequences computed meanwhile, without it, are never reused under its name."""
         with self._lock:
             name = self._slots[slot]
             if name is not None and name in self._adapters:
-                self._adapters[name].slot = None
+                self._ids += 1
+                a = self._adapters[name]
+                a.slot, a.adapter_id = None, self._ids
             self._slots[slot], self._pins[slot] = None, 0
             self._unpinned.pop(slot, None)
 
@@ -217,22 +221,21 @@ class LoRARegistry:
 
 class LoRAAdmission:
     """Between the event loop's requests and the schedulers: a sequence for an adapter gets
-    a pinned slot (loading it first if it is not hot) before it is scheduled, or waits here,
-    in arrival order, until a slot is unpinned. Runs on the step thread."""
+    a pinned slot before it is scheduled, or waits here, in arrival order, until a slot is
+    unpinned. A slot granted to load rides on the next step (`take_loads`): the workers
+    write it ahead of that step on their device stream, after the step in flight, so
+    nothing is flushed. Runs on the step thread."""
 
-    def __init__(self, registry: LoRARegistry, load: Callable[[int, str], tuple[Tier, float]],
-                 fail: Callable[[int, str], None]) -> None:
-        """`load(slot, path)`: the workers load it, (tier it came from, seconds);
-        `fail(seq_id, message)`: end that request with an error."""
+    def __init__(self, registry: LoRARegistry) -> None:
         self.registry = registry
-        self._load = load
-        self._fail = fail
         self.waiting: deque[tuple[Sequence, str]] = deque()
         self._names: dict[int, str] = {}  # seq id -> adapter, from admission to release
+        self._loads: dict[int, str] = {}  # slot -> adapter path, for the next step
 
     def admit(self, new: list[tuple[Sequence, str | None]]) -> list[Sequence]:
-        """The sequences that may be scheduled now (slots set): the base ones, then those
-        that got a slot, waiting ones first; the rest wait."""
+        """The sequences that may be scheduled now (slots set, their loads queued for the
+        next step): the base ones, then those that got a slot, waiting ones first; the rest
+        wait."""
         ready = [seq for seq, name in new if name is None]
         queue, self.waiting = self.waiting, deque()
         queue.extend((seq, name) for seq, name in new if name is not None)
@@ -240,25 +243,41 @@ class LoRAAdmission:
             grant = self.registry.acquire(name)
             if grant is None:  # every slot pinned: it waits, hot adapters' requests do not
                 self.waiting.append((seq, name))
-            elif self._loaded(seq, name, grant):
-                seq.lora_slot = grant.slot
-                self._names[seq.seq_id] = name
-                ready.append(seq)
+                continue
+            a = self.registry.get(name)
+            if grant.load:  # a load queued for a slot freed since is superseded
+                self._loads[grant.slot] = a.path
+            seq.lora_slot, seq.adapter_id = grant.slot, a.adapter_id  # (a failed load's: new)
+            self._names[seq.seq_id] = name
+            ready.append(seq)
         return ready
 
-    def _loaded(self, seq: Sequence, name: str, grant: Grant) -> bool:
-        if not grant.load:
-            return True
-        try:
-            tier, seconds = self._load(grant.slot, self.registry.get(name).path)
-        except Exception as e:  # the files changed since registration, say
-            self.registry.load_failed(grant.slot)
-            self.registry.close(name)
-            self._fail(seq.seq_id, f"loading LoRA adapter {name!r} failed: "
-                                   f"{(str(e).strip().splitlines() or [''])[-1]}")
-            return False
-        self.registry.loaded(tier, seconds)
-        return True
+    def take_loads(self) -> list[tuple[int, str]]:
+        """(slot, path) of the loads granted since the last step, for the step being sent."""
+        loads, self._loads = list(self._loads.items()), {}
+        return loads
+
+    def loaded(self, reports: list[LoRALoad]) -> list[tuple[int, str]]:
+        """Every rank's reports of the loads a step carried: a load is counted once, at the
+        slowest rank's time; one that failed on any rank frees its slot and returns its
+        admitted sequences, (seq id, error line), for the caller to end."""
+        by_slot: dict[int, list[LoRALoad]] = {}
+        for r in reports:
+            by_slot.setdefault(r.slot, []).append(r)
+        failed: list[tuple[int, str]] = []
+        for slot, rs in by_slot.items():
+            errors = [r.error for r in rs if r.error]
+            if not errors:
+                self.registry.loaded(rs[0].tier, max(r.seconds for r in rs))
+                continue
+            name = self.registry.hot()[slot]
+            ids = [i for i, n in self._names.items() if n == name]
+            for i in ids:
+                del self._names[i]
+                self.registry.close(name)
+            self.registry.load_failed(slot)
+            failed += [(i, f"loading LoRA adapter {name!r} failed: {errors[0]}") for i in ids]
+        return failed
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was aborted after admission: its slot is unpinned."""
@@ -280,6 +299,7 @@ class LoRAAdmission:
         """The worker group failed: every request was failed, the slots are gone."""
         self.waiting.clear()
         self._names.clear()
+        self._loads.clear()
         self.registry.reset()
 
 

@@ -1,8 +1,8 @@
-"""Multi-LoRA below the coordinator: PEFT adapters read from disk (`adapter`) and written into
-the model's persistent adapter slots (`slots`); the delta math is model/lora_ops.py."""
+"""Multi-LoRA below the coordinator: PEFT adapters read from disk (`adapter`), cut into slot
+images and copied into the model's persistent adapter slots (`slots`), recent images kept in
+host memory (`warm`); the delta math is model/lora_ops.py."""
 
 from raygraph.lora.adapter import LoRAAdapter, LoRAError, LoRAModule, read_adapter
-from raygraph.lora.slots import clear_slot, enable_lora, load_adapter_into_slot
+from raygraph.lora.slots import LoRASlots, SlotImage
 
-__all__ = ["LoRAAdapter", "LoRAError", "LoRAModule", "clear_slot", "enable_lora",
-           "load_adapter_into_slot", "read_adapter"]
+__all__ = ["LoRAAdapter", "LoRAError", "LoRAModule", "LoRASlots", "SlotImage", "read_adapter"]

@@ -1,16 +1,22 @@
-"""Adapter slots in a built model: the stacked A/B tensors every LoRA-enabled projection
-holds (allocated once), and the in-place writes that load or clear one slot.
+"""Adapter slots in a built model, and the slot images that load them.
 
-Writes never reallocate, so graphs captured over the slots stay valid. Under tensor
-parallelism each rank writes its shard, split as the base weight is: a column-parallel
-layer (q|k|v, gate|up) splits B by output rows exactly as its part of W (KV heads
-replicated included), A whole; a row-parallel layer (o, down) splits A by input columns and
-keeps B whole, and its partial delta joins the layer's one all-reduce.
+Each projection kind the adapters may target (q|k|v, o, gate|up, down: a module path under
+the decoder layer) keeps the slots of every layer in one stacked A [L, max_loras, P*R,
+in_local] and one B [L, max_loras, out_local, R], allocated once; layer i's LoRAWeights are
+the views [i] (contiguous, as the kernels want). Loads never reallocate, so graphs captured
+over the slots stay valid.
+
+An adapter is loaded from its slot image: the same layout for one slot, on the host, built
+once per adapter (the warm tier keeps it), so a promotion is one copy per stacked tensor.
+Under tensor parallelism each rank's image holds its shard, split as the base weight is: a
+column-parallel layer (q|k|v, gate|up) splits B by output rows exactly as its part of W (KV
+heads replicated included), A whole; a row-parallel layer (o, down) splits A by input
+columns and keeps B whole, and its partial delta joins the layer's one all-reduce.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,7 +24,7 @@ from torch import nn
 from raygraph.config import ConfigError, LoRAConfig
 from raygraph.lora.adapter import LoRAAdapter, LoRAError, LoRAModule
 from raygraph.model.loader import STACKED
-from raygraph.model.lora_ops import LoRAWeights, num_lora_slots
+from raygraph.model.lora_ops import LoRAWeights
 from raygraph.model.parallel import MergedColumnParallelLinear, RowParallelLinear, load_shard
 
 # HF module -> (raygraph module under the decoder layer, part of a merged projection)
@@ -29,96 +35,122 @@ TARGETS: dict[str, tuple[str, int]] = {
     "down_proj": ("mlp.down_proj", 0),
 }
 Linear = MergedColumnParallelLinear | RowParallelLinear
+Stacks = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path -> (A, B) of every layer
 
 
-def lora_linears(model: nn.Module, targets: tuple[str, ...] | None = None
-                 ) -> Iterator[tuple[int, str, Linear]]:
-    """(layer, raygraph module path, module) of every projection with a part among the HF
-    modules `targets` (None: those given slots by `enable_lora`)."""
-    names = targets or TARGETS
-    paths = sorted({TARGETS[name][0] for name in names})
-    for i, layer in enumerate(model.model.layers):
-        for path in paths:
-            linear = layer.get_submodule(path)
-            if targets is not None or linear.lora is not None:
-                yield i, path, linear
+@dataclass(frozen=True)
+class SlotImage:
+    """One adapter as one slot holds it on this rank, on the host (pinned for CUDA): per
+    projection kind it touches, A [L, P*R, in_local] and B [L, out_local, R], zeros where it
+    lacks a part or a layer, the scaling folded into B."""
+
+    path: str
+    stacks: Stacks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ab in self.stacks.values() for t in ab)
 
 
-def enable_lora(model: nn.Module, cfg: LoRAConfig) -> int:
-    """Give each projection the adapters may target (`cfg.targets`: q|k|v if any of q, k,
-    v; o; gate|up; down) `cfg.max_loras` empty (zero) slots of rank `cfg.padded_rank`, on
-    the weights' device and dtype; the others keep their plain kernels. Returns the bytes
-    taken."""
-    if getattr(model.config, "num_experts", 0):
-        raise ConfigError("LoRA adapters need a dense model; "
-                          f"{model.config.architecture} has MoE layers")
-    r, total = cfg.padded_rank, 0
-    for _, _, linear in lora_linears(model, cfg.targets):
-        w = linear.weight
-        slices = tuple(getattr(linear, "local_sizes", [w.shape[0]]))
-        a = torch.zeros(cfg.max_loras, len(slices) * r, w.shape[1], dtype=w.dtype,
-                        device=w.device)
-        b = torch.zeros(cfg.max_loras, w.shape[0], r, dtype=w.dtype, device=w.device)
-        linear.lora = LoRAWeights(a, b, slices)
-        total += (a.numel() + b.numel()) * a.element_size()
-    return total
+class LoRASlots:
+    """A model's adapter slots (`cfg.max_loras` of rank `cfg.padded_rank`, zero at first) on
+    the projections `cfg.targets` reach; the others keep their plain kernels."""
+
+    def __init__(self, model: nn.Module, cfg: LoRAConfig) -> None:
+        if getattr(model.config, "num_experts", 0):
+            raise ConfigError("LoRA adapters need a dense model; "
+                              f"{model.config.architecture} has MoE layers")
+        self.layers = model.model.layers
+        self.num_slots, self.rank = cfg.max_loras, cfg.padded_rank
+        self.stacks: Stacks = {}
+        for path in sorted({TARGETS[name][0] for name in cfg.targets}):
+            w = self.layers[0].get_submodule(path).weight
+            slices = tuple(getattr(self.layers[0].get_submodule(path), "local_sizes",
+                                   [w.shape[0]]))
+            shape = (len(self.layers), cfg.max_loras)
+            a = torch.zeros(*shape, len(slices) * self.rank, w.shape[1], dtype=w.dtype,
+                            device=w.device)
+            b = torch.zeros(*shape, w.shape[0], self.rank, dtype=w.dtype, device=w.device)
+            for i, layer in enumerate(self.layers):
+                layer.get_submodule(path).lora = LoRAWeights(a[i], b[i], slices)
+            self.stacks[path] = (a, b)
+        self._held: list[set[str]] = [set() for _ in range(cfg.max_loras)]  # not zero there
+        self._copying: list[tuple[torch.cuda.Event, SlotImage]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ab in self.stacks.values() for t in ab)
+
+    def check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise LoRAError(f"adapter slot {slot} is out of range [0, {self.num_slots})")
+
+    def image(self, adapter: LoRAAdapter, pin: bool) -> SlotImage:
+        """`adapter` in one slot's layout, this rank's shard, on the host."""
+        if adapter.rank > self.rank:
+            raise LoRAError(f"LoRA adapter {adapter.path!r}: rank {adapter.rank} is over the "
+                            f"slots' rank {self.rank}")
+        stacks: Stacks = {}
+        for i, modules in adapter.layers.items():
+            for name, m in modules.items():
+                path, part = TARGETS[name]
+                if path not in self.stacks:
+                    raise LoRAError(f"LoRA adapter {adapter.path!r}: {name} has no slots")
+                if path not in stacks:
+                    stacks[path] = tuple(torch.zeros(t.shape[:1] + t.shape[2:], dtype=t.dtype,
+                                                     pin_memory=pin) for t in self.stacks[path])
+                a, b = stacks[path]
+                _write(self.layers[i].get_submodule(path), a[i], b[i], part, m, adapter.path)
+        return SlotImage(adapter.path, stacks)
+
+    def load(self, slot: int, image: SlotImage) -> None:
+        """Copy `image` into `slot`, queued on the current stream (from pinned memory: the
+        host does not wait); kinds the image lacks are zeroed unless already zero. Stream
+        order puts the copies after the steps queued before and ahead of those after."""
+        self.check(slot)
+        for path, (a, b) in self.stacks.items():
+            src = image.stacks.get(path)
+            if src is not None:
+                self._held[slot].add(path)
+                a[:, slot].copy_(src[0], non_blocking=True)
+                b[:, slot].copy_(src[1], non_blocking=True)
+            elif path in self._held[slot]:
+                a[:, slot].zero_()
+                b[:, slot].zero_()
+                self._held[slot].discard(path)
+        if next(iter(self.stacks.values()))[0].is_cuda:
+            # the pinned image stays referenced until its copies ran (the warm tier may drop it)
+            self._copying = [(e, im) for e, im in self._copying if not e.query()]
+            done = torch.cuda.Event()
+            done.record()
+            self._copying.append((done, image))
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot` everywhere: its tokens then compute the base model."""
+        self.check(slot)
+        for a, b in self.stacks.values():
+            a[:, slot].zero_()
+            b[:, slot].zero_()
+        self._held[slot].clear()
 
 
-def _check_slot(model: nn.Module, slot: int) -> None:
-    slots = num_lora_slots(model)
-    if not slots:
-        raise LoRAError("LoRA is off (lora.max_loras = 0): no adapter slots")
-    if not 0 <= slot < slots:
-        raise LoRAError(f"adapter slot {slot} is out of range [0, {slots})")
-
-
-@torch.no_grad()
-def clear_slot(model: nn.Module, slot: int) -> None:
-    """Zero one slot: its tokens then compute the base model."""
-    _check_slot(model, slot)
-    for _, _, linear in lora_linears(model):
-        linear.lora.a[slot].zero_()
-        linear.lora.b[slot].zero_()
-
-
-@torch.no_grad()
-def load_adapter_into_slot(model: nn.Module, slot: int, adapter: LoRAAdapter) -> None:
-    """Write this rank's shard of `adapter` into `slot`, in place (what the slot held before
-    is cleared: projections the adapter lacks compute the base model)."""
-    _check_slot(model, slot)
-    rank = slot_rank(model)
-    if adapter.rank > rank:
-        raise LoRAError(f"LoRA adapter {adapter.path!r}: rank {adapter.rank} is over the "
-                        f"slots' rank {rank}")
-    clear_slot(model, slot)
-    layers = model.model.layers
-    for i, modules in adapter.layers.items():
-        for name, m in modules.items():
-            path, part = TARGETS[name]
-            _write(layers[i].get_submodule(path), slot, part, m, adapter.path)
-
-
-def slot_rank(model: nn.Module) -> int:
-    """The slots' (padded) rank."""
-    return next(linear.lora.rank for _, _, linear in lora_linears(model))
-
-
-def _write(linear: Linear, slot: int, part: int, m: LoRAModule, path: str) -> None:
-    w = linear.lora
-    r, dtype = m.a.shape[0], w.a.dtype
+def _write(linear: Linear, a_dst: torch.Tensor, b_dst: torch.Tensor, part: int, m: LoRAModule,
+           path: str) -> None:
+    """This rank's shard of one module `m` into one slot's A [P*R, in_local] and B
+    [out_local, R] of `linear` (`part` of it), in their dtype."""
+    r, rank, dtype = m.a.shape[0], b_dst.shape[1], a_dst.dtype
     a = m.a.to(dtype)
-    # the scaling folded into B, once (the warm tier holds it folded, in the slots' dtype)
     b = m.b if m.scaling == 1.0 and m.b.dtype == dtype else (m.b.float() * m.scaling).to(dtype)
     if isinstance(linear, RowParallelLinear):  # A split on input columns, B whole
         _check_full(linear.weight.shape[0], linear.weight.shape[1] * linear.comm.world_size,
                     m, path)
-        load_shard(w.a[slot, :r], a, 1, linear.comm)
-        w.b[slot, :, :r].copy_(b)
+        load_shard(a_dst[:r], a, 1, linear.comm)
+        b_dst[:, :r].copy_(b)
     else:  # A whole (this part's rank rows), B split on output rows as the part of W
         out_f, in_f = linear.part_shape(part, linear.weight)
         _check_full(out_f, in_f, m, path)
-        w.a[slot, part * w.rank: part * w.rank + r].copy_(a)
-        linear.load_part(w.b[slot, :, :r], b, part)
+        a_dst[part * rank: part * rank + r].copy_(a)
+        linear.load_part(b_dst[:, :r], b, part)
 
 
 def _check_full(out_f: int, in_f: int, m: LoRAModule, path: str) -> None:
