@@ -295,23 +295,26 @@ def test_slot_images_rewrite_the_whole_slot(adapters):
     assert all(not a[:, 0].any() and not b[:, 0].any() for a, b in slots.stacks.values())
 
 
-def test_promotions_ride_on_steps_while_others_decode(adapters, expected):
-    """The served loop's logic with 2 slots for 4 adapters: adapters arrive while other
-    requests decode and are promoted into freed slots by the next step's message (no flush:
-    a step is in flight each time); greedy tokens equal HF + PEFT for every request."""
-    w = loaded_worker(config(max_loras=2), NUM_BLOCKS, capture=True)
-    registry = LoRARegistry(2, lambda path: 0)
-    names = [registry.register(name, str(p)).name for (name, *_), p in zip(ADAPTERS, adapters)]
+# step -> the prompts arriving: adapters come while others decode, and wait for 2 slots
+ARRIVALS = {0: [0, 1], 2: [2, 4], 4: [3, 5], 11: [7], 12: [6]}
+
+
+def serve_with_promotions(w: Worker, seqs: list[Sequence], paths: list[str | None],
+                          arrivals: dict[int, list[int]], num_blocks: int
+                          ) -> tuple[list[bool], dict]:
+    """The served loop's logic with the coordinator's slot admission, in this process:
+    seqs[i] (under the adapter at paths[i]; None: base) arrives at the step `arrivals`
+    names; granted loads ride on the next step. Returns, per load sent, whether a step was
+    in flight then, and the registry's moves."""
+    registry = LoRARegistry(w.cfg.lora.max_loras, lambda path: 0)
+    for path in dict.fromkeys(p for p in paths if p):
+        registry.register(path, path)
     admission = LoRAAdmission(registry)
-    core = EngineCore.from_config(w.cfg, w.model_cfg, NUM_BLOCKS)
+    core = EngineCore.from_config(w.cfg, w.model_cfg, num_blocks)
     dispatch = local_dispatch(w)
-    seqs = sequences([-1] * len(PROMPTS))
-    # step -> the prompts arriving (each under its SLOTS adapter)
-    arrivals = {0: [0, 1], 2: [2, 4], 4: [3, 5], 11: [7], 12: [6]}
-    loads_in_flight, step = [], 0
+    arrivals, loads_in_flight, step = dict(arrivals), [], 0
     while True:
-        new = [(seqs[i], names[SLOTS[i]] if SLOTS[i] >= 0 else None)
-               for i in arrivals.pop(step, [])]
+        new = [(seqs[i], paths[i]) for i in arrivals.pop(step, [])]
         for seq, name in new:
             seq.adapter_id = registry.open(name).adapter_id if name else 0
         for seq in admission.admit(new):
@@ -323,8 +326,7 @@ def test_promotions_ride_on_steps_while_others_decode(adapters, expected):
             emitted = core.flush(dispatch) if core.in_flight is not None else []
         else:
             loads = admission.take_loads()
-            if loads:
-                loads_in_flight += [core.in_flight is not None] * len(loads)
+            loads_in_flight += [core.in_flight is not None] * len(loads)
             outputs = dispatch(core.encode(*planned, loads))
             emitted = core.apply(outputs)
             core.in_flight = planned[0]
@@ -333,10 +335,20 @@ def test_promotions_ride_on_steps_while_others_decode(adapters, expected):
             if seq.finish_reason is not None:
                 admission.release(seq)
         step += 1
+    return loads_in_flight, {(f, t): n for f, t, n in registry.stats()["moves"]}
+
+
+def test_promotions_ride_on_steps_while_others_decode(adapters, expected):
+    """2 slots for 4 adapters: adapters are promoted into freed slots by the next step's
+    message (no flush: a step is in flight each time); greedy tokens equal HF + PEFT for
+    every request."""
+    w = loaded_worker(config(max_loras=2), NUM_BLOCKS, capture=True)
+    seqs = sequences([-1] * len(PROMPTS))
+    paths = [str(adapters[s]) if s >= 0 else None for s in SLOTS]
+    loads_in_flight, moves = serve_with_promotions(w, seqs, paths, ARRIVALS, NUM_BLOCKS)
     assert [s.output_token_ids for s in seqs] == expected
     # 2 loads into empty slots, then 3 into slots freed meanwhile, each with a step in flight
     assert len(loads_in_flight) == 5 and sum(loads_in_flight) >= 3
-    moves = {(f, t): n for f, t, n in registry.stats()["moves"]}
     assert moves["hot", "warm"] == 3 and moves["warm", "hot"] == 1
 
 

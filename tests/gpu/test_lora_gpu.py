@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,15 @@ from raygraph.model.lora_ops import lora_delta
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import loaded_worker, randomise_caches, serve_in_process
-from tests.test_lora import ATTN, MLP, make_adapter
+from tests.test_lora import (
+    ARRIVALS,
+    ATTN,
+    MLP,
+    PROMPTS,
+    SLOTS,
+    make_adapter,
+    serve_with_promotions,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -164,3 +173,28 @@ def test_greedy_tokens_graph_equal_eager_with_mixed_adapters(gpu_llama, gpu_adap
         outs.append([s.output_token_ids for s in seqs])
         w.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_promotions_on_the_step_path_equal_preloaded_slots(gpu_llama, gpu_adapters):
+    """2 slots for 4 adapters, promoted by the steps' messages (pinned slot images copied
+    on the stream while a step is in flight, no flush): the greedy tokens of the same
+    requests with every adapter preloaded in its own slot."""
+    prompts = [[t % 509 + 3 for t in p] for p in PROMPTS]
+
+    def seqs(preloaded: bool) -> list[Sequence]:
+        return [Sequence(i, p, SamplingParams(max_tokens=8, ignore_eos=True),
+                         adapter_id=s + 1 if preloaded else 0,
+                         lora_slot=s if preloaded else -1)
+                for i, (p, s) in enumerate(zip(prompts, SLOTS))]
+
+    ref = lora_worker(gpu_llama, gpu_adapters, "graph", "float32")
+    want = [s.output_token_ids for s in serve_in_process(ref.cfg, ref, seqs(True), 256)]
+    ref.shutdown()
+    w = loaded_worker(msgspec.structs.replace(
+        ref.cfg, lora=LoRAConfig(max_loras=2, max_lora_rank=64)), 256, capture=True)
+    got = seqs(False)
+    paths = [str(gpu_adapters[s]) if s >= 0 else None for s in SLOTS]
+    loads_in_flight, moves = serve_with_promotions(w, got, paths, ARRIVALS, 256)
+    w.shutdown()
+    assert [s.output_token_ids for s in got] == want
+    assert sum(loads_in_flight) >= 2 and moves["warm", "hot"] >= 1
