@@ -8,8 +8,9 @@ by directory, so after a directory's first read its other names promote warm -> 
 streams (input-len random tokens in, output-len greedy tokens out, ignore_eos). The same
 streams run first against a coordinator without LoRA, then against one with the adapters.
 Prints one JSON object: output tok/s both ways and their ratio (target >= 0.8), the hot hit
-rate, warm->hot and cold->hot load times (target <= 1 ms warm->hot for one rank-16
-adapter), and the graph pool bytes with and without LoRA.
+rate, warm->hot and cold->hot load times as served (the host's part), warm->hot with its
+device copy timed in one process (target <= 1 ms for one rank-16 adapter), and the graph
+pool bytes with and without LoRA.
 
     python -m bench.lora [--preset llama-1b | --model DIR] [--num-adapters 1000]
                          [--distinct 50] [--rank 16] [--all-modules] [--max-loras 32]
@@ -160,6 +161,33 @@ def lora_summary(s0: dict | None, s1: dict) -> dict:
             "load_ms_whole_run": l1["load_ms"]}
 
 
+def promotion_ms(a: argparse.Namespace, model: str, dirs: list[Path], reps: int = 200
+                 ) -> dict:
+    """Warm -> hot in one process, device copy included: each distinct adapter is read once
+    (cold), then `reps` promotions into rotating slots, each timed to the end of its copies
+    (`Worker.load_lora` waits for the device). The served path's `lora_load_seconds` times
+    only the host's part: its copies run on the step stream, behind the step in flight."""
+    from raygraph.worker.worker import Worker
+
+    lora = LoRAConfig(max_loras=a.max_loras, max_lora_rank=a.rank,
+                      modules=tuple((f"d{i}", str(d)) for i, d in enumerate(dirs)))
+    cfg = ServeConfig(model=model, device=a.device, cache=CacheConfig(block_size=BLOCK,
+                      num_blocks=64), graph=GraphConfig(mode="eager"), lora=lora).resolved(1)
+    w = Worker(cfg, 0)
+    w.load(("127.0.0.1", 0))
+    for i, d in enumerate(dirs):
+        w.load_lora(i % a.max_loras, str(d))
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        tier, _ = w.load_lora(i % a.max_loras, str(dirs[(i * 7) % len(dirs)]))
+        times.append((time.perf_counter() - t0) * 1e3)
+        assert tier == "warm", tier
+    times.sort()
+    return {f"p{q}": round(times[min(len(times) - 1, int(q / 100 * len(times)))], 3)
+            for q in (50, 90, 99)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a checkpoint directory (default: --preset)")
@@ -198,6 +226,7 @@ def main() -> None:
     print(f"{a.num_adapters} adapters over {a.max_loras} slots", file=sys.stderr)
     lora = phase(a, model, LoRAConfig(max_loras=a.max_loras, max_lora_rank=a.rank,
                                       modules=modules), names, cfg.vocab_size)
+    promo = promotion_ms(a, model, dirs) if gpu else None
     print(json.dumps({
         "model": Path(model).name, "device": "cuda" if gpu else "cpu",
         "num_adapters": a.num_adapters, "distinct_dirs": a.distinct, "rank": a.rank,
@@ -211,9 +240,9 @@ def main() -> None:
         "graph_pool_bytes": {"base": base["stats1"]["graph_pool_bytes"],
                              "lora": lora["stats1"]["graph_pool_bytes"]},
         "start_s": {"base": base["start_s"], "lora": lora["start_s"]},
+        "warm_to_hot_with_device_copy_ms": promo,
         "targets_met": {"ratio_ge_0.8": lora["output_tok_s"] >= 0.8 * base["output_tok_s"],
-                        "warm_to_hot_p50_le_1ms": (lora["stats1"]["lora"]["load_ms"]["warm"]
-                                                   ["p50"] or 1e9) <= 1.0},
+                        "warm_to_hot_p50_le_1ms": promo is not None and promo["p50"] <= 1.0},
     }, indent=1))
 
 
