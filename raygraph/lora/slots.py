@@ -71,8 +71,9 @@ class LoRASlots:
             a = torch.zeros(*shape, len(slices) * self.rank, w.shape[1], dtype=w.dtype,
                             device=w.device)
             b = torch.zeros(*shape, w.shape[0], self.rank, dtype=w.dtype, device=w.device)
+            parts = tuple(sorted({TARGETS[n][1] for n in cfg.targets if TARGETS[n][0] == path}))
             for i, layer in enumerate(self.layers):
-                layer.get_submodule(path).lora = LoRAWeights(a[i], b[i], slices)
+                layer.get_submodule(path).lora = LoRAWeights(a[i], b[i], slices, parts)
             self.stacks[path] = (a, b)
         self._held: list[set[str]] = [set() for _ in range(cfg.max_loras)]  # not zero there
         self._copying: list[tuple[torch.cuda.Event, SlotImage]] = []

@@ -29,6 +29,9 @@ class LoRAWeights:
     a: torch.Tensor  # [max_loras, parts * R, in_local]
     b: torch.Tensor  # [max_loras, out_local, R]
     slices: tuple[int, ...]  # each part's output rows on this rank, in order
+    # the parts adapters may target (LoRAConfig.targets); the others stay zero and the
+    # kernels skip them. None: all
+    parts: tuple[int, ...] | None = None
 
     @property
     def rank(self) -> int:
@@ -67,7 +70,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights | None) -> torch.T
     if y.is_cuda:
         from raygraph.model.triton_lora import add_lora_ as fused
 
-        fused(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices)
+        fused(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices, w.parts)
         return y
     return y.add_(lora_delta(x, w.a, w.b, lora.token_slot, w.slices))
 

@@ -9,8 +9,10 @@ program walking them in turn took ~150 us a shrink at 64 tokens over 32 slots on
 Base rows (-1) are skipped. The grid depends only on the token count and the shapes,
 and every index is read from device memory, so one captured graph serves any mix of slots.
 
-- shrink: u[t, :] = x[t] @ A[s]^T, all of a merged layer's parts at once ([T, parts * R]);
-- expand: y[t, part p's columns] += u[t, p*R:(p+1)*R] @ B[s, those rows]^T, in place.
+- shrink: u[t, :] = x[t] @ A[s]^T, all of a merged layer's targeted parts at once
+  ([T, parts * R]);
+- expand: y[t, part p's columns] += u[t, p*R:(p+1)*R] @ B[s, those rows]^T, in place, for
+  the targeted parts only (q and v of q|k|v for q/v adapters: k is never read or written).
 Rounding follows the torch reference: u is stored in the activation dtype.
 """
 
@@ -35,19 +37,28 @@ def _nth_slot(slot, n, BM: tl.constexpr):
 
 
 @triton.jit
+def _part_start(j, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, SIZE: tl.constexpr):
+    """Where the j-th targeted part starts (parts P0 < P1 < P2, each SIZE long)."""
+    return tl.where(j == 0, P0, tl.where(j == 1, P1, P2)) * SIZE
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, u_ptr, order_ptr, slot_ptr, T, stride_xm, stride_al, stride_an, stride_um,
-    N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    R: tl.constexpr, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # axis 1: (targeted part, column tile of its R ranks)
+    pid_n = tl.program_id(1)
+    per_part: tl.constexpr = R // BN
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     valid = rm < T
     slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
     cur = _nth_slot(slot, tl.program_id(2), BM)
     if cur >= 0:
         tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = cols < N
+        cols = _part_start(pid_n // per_part, P0, P1, P2, R) + (pid_n % per_part) * BN \
+            + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         rows = slot == cur
         x_rows = x_ptr + tok[:, None] * stride_xm + rk[None, :]
@@ -56,28 +67,29 @@ def _shrink_kernel(
         for k0 in range(0, K, BK):
             kmask = (k0 + rk) < K
             x = tl.load(x_rows + k0, mask=rows[:, None] & kmask[None, :], other=0.0)
-            a = tl.load(a_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(a_rows + k0, mask=kmask[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
         out = u_ptr + tok[:, None] * stride_um + cols[None, :]
-        tl.store(out, acc.to(u_ptr.dtype.element_ty), mask=rows[:, None] & nmask[None, :])
+        tl.store(out, acc.to(u_ptr.dtype.element_ty), mask=rows[:, None])
 
 
 @triton.jit
 def _expand_kernel(
     u_ptr, b_ptr, y_ptr, order_ptr, slot_ptr, T, stride_um, stride_bl, stride_bn, stride_ym,
-    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, R: tl.constexpr,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
+    C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # up to three parts' column tiles along axis 1, part by part (q|k|v, gate|up, or one)
+    # up to three targeted parts' column tiles along axis 1, part by part: part j has N_j
+    # output columns from column C_j and reads the ranks of merged part P_j
     pid_n = tl.program_id(1)
     t0: tl.constexpr = (N0 + BN - 1) // BN
     t1: tl.constexpr = (N1 + BN - 1) // BN
     in1 = (pid_n >= t0).to(tl.int32)
     in2 = (pid_n >= t0 + t1).to(tl.int32)
-    part = in1 + in2
     local = (pid_n - in1 * t0 - in2 * t1) * BN + tl.arange(0, BN)
     nmask = local < N0 + in1 * (N1 - N0) + in2 * (N2 - N1)
-    cols = in1 * N0 + in2 * N1 + local  # the part's first output column, then the tile's
+    cols = C0 + in1 * (C1 - C0) + in2 * (C2 - C1) + local
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     valid = rm < T
     slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
@@ -85,7 +97,8 @@ def _expand_kernel(
     if cur >= 0:
         tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
         rk = tl.arange(0, BK)
-        u_rows = u_ptr + tok[:, None] * stride_um + part * R + rk[None, :]
+        u_rows = u_ptr + tok[:, None] * stride_um + _part_start(in1 + in2, P0, P1, P2, R) \
+            + rk[None, :]
         rows = slot == cur
         b_rows = b_ptr + cur.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rk[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
@@ -106,53 +119,69 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _parts3(parts: tuple[int, ...]) -> tuple[int, int, int]:
+    if not 1 <= len(parts) <= 3 or list(parts) != sorted(set(parts)):
+        raise ValueError(f"targeted parts must be 1 to 3 increasing indices, got {parts}")
+    return (*parts, *(parts[-1],) * (3 - len(parts)))
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
-                sorted_slot: torch.Tensor) -> torch.Tensor:
-    """u [T, parts * R] in x's dtype: each token's row of x times its slot's A^T. Rows of
-    slot -1 are left unwritten (expand never reads them)."""
+                sorted_slot: torch.Tensor, rank: int, parts: tuple[int, ...]) -> torch.Tensor:
+    """u [T, parts * R] in x's dtype: each token's row of x times its slot's A^T, for the
+    targeted parts' ranks only. Rows of slot -1 and columns of untargeted parts are left
+    unwritten (expand never reads them)."""
     # x: [T, K]; a: [L, N, K]
     t, k = x.shape
-    n = a.shape[1]
-    u = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    u = torch.empty(t, a.shape[1], dtype=x.dtype, device=x.device)
     # few tokens: narrow column tiles, so enough programs stream A; many: wide ones, so
     # fewer programs read each row of x again
-    bn = min(16 if t <= 64 else 64, triton.next_power_of_2(n))
-    grid = (triton.cdiv(t, BM), triton.cdiv(n, bn), min(BM, a.shape[0]))  # slots a tile
+    bn = 16 if t <= 64 else next(n for n in (64, 32, 16) if rank % n == 0)
+    p0, p1, p2 = _parts3(parts)
+    grid = (triton.cdiv(t, BM), len(parts) * (rank // bn), min(BM, a.shape[0]))
     _shrink_kernel[grid](
         x, a, u, order, sorted_slot, t, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
-        N=n, K=k, BM=BM, BN=bn, BK=min(256, max(16, triton.next_power_of_2(k))),
+        R=rank, K=k, P0=p0, P1=p1, P2=p2, BM=BM, BN=bn,
+        BK=min(256, max(16, triton.next_power_of_2(k))),
         PRECISION=_precision(x), num_warps=4,
     )
     return u
 
 
 def lora_expand_(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, order: torch.Tensor,
-                 sorted_slot: torch.Tensor, slices: tuple[int, ...]) -> None:
+                 sorted_slot: torch.Tensor, slices: tuple[int, ...],
+                 parts: tuple[int, ...]) -> None:
     """y[:, part p] += u[:, part p's ranks] @ B[slot, part p's rows]^T for each token with a
-    slot, in place."""
+    slot and each targeted part p, in place."""
     # y: [T, out]; u: [T, parts * R]; b: [L, out, R]
     if len(slices) > 3:
         raise ValueError(f"at most 3 merged parts, got {len(slices)}")
     t, r = y.shape[0], b.shape[2]
-    n0, n1, n2 = (*slices, 0, 0)[:3]
+    starts = [sum(slices[:p]) for p in range(len(slices))]
+    p0, p1, p2 = _parts3(parts)
+    n0, n1, n2 = (*(slices[p] for p in parts), 0, 0)[:3]
+    c0, c1, c2 = (starts[p0], starts[p1], starts[p2])
     bn = 64
-    tiles = sum(triton.cdiv(s, bn) for s in slices)
+    tiles = sum(triton.cdiv(slices[p], bn) for p in parts)
     _expand_kernel[(triton.cdiv(t, BM), tiles, min(BM, b.shape[0]))](
         u, b, y, order, sorted_slot, t, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        N0=n0, N1=n1, N2=n2, R=r, BM=BM, BN=bn,
-        BK=next(bk for bk in (64, 32, 16) if r % bk == 0), PRECISION=_precision(y),
-        num_warps=4,
+        N0=n0, N1=n1, N2=n2, C0=c0, C1=c1, C2=c2, P0=p0, P1=p1, P2=p2, R=r, BM=BM, BN=bn,
+        BK=next(bk for bk in (64, 32, 16) if r % bk == 0),
+        PRECISION=_precision(y), num_warps=4,
     )
 
 
 def add_lora_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              order: torch.Tensor, sorted_slot: torch.Tensor, slices: tuple[int, ...]) -> None:
-    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand."""
+              order: torch.Tensor, sorted_slot: torch.Tensor, slices: tuple[int, ...],
+              parts: tuple[int, ...] | None = None) -> None:
+    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand.
+    `parts`: the merged parts adapters may target (default all); the others' A and B are
+    never read (they hold zeros) and their output columns are left as they are."""
     if x.shape[0] == 0:
         return
     if x.stride(1) != 1 or y.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("LoRA kernels need unit-stride rows and contiguous A/B stacks")
     if b.shape[2] % 16:
         raise ValueError(f"the slots' rank {b.shape[2]} is not a multiple of 16")
-    u = lora_shrink(x, a, order, sorted_slot)
-    lora_expand_(y, u, b, order, sorted_slot, slices)
+    parts = tuple(range(len(slices))) if parts is None else parts
+    u = lora_shrink(x, a, order, sorted_slot, b.shape[2], parts)
+    lora_expand_(y, u, b, order, sorted_slot, slices, parts)

@@ -82,6 +82,35 @@ def test_triton_lora_matches_reference(rank):
             assert torch.equal(got[base], y[base])  # base rows untouched, bitwise
 
 
+@pytest.mark.parametrize("parts", [(0, 2), (1,), (0, 1)])
+def test_triton_lora_skips_untargeted_parts(parts):
+    """A q|k|v layer whose adapters target only some parts (q and v: parts 0 and 2): the
+    kernels read only those parts' A and B (the others hold garbage here, as a test: they
+    must not be read) and leave the other parts' columns bitwise as they were."""
+    from raygraph.model.triton_lora import add_lora_
+
+    torch.manual_seed(len(parts))
+    slices, k = (512, 128, 128), 2048
+    for t in (5, 64, 300):
+        a, b = stacks(16, k, slices)
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(t, sum(slices), device="cuda", dtype=torch.bfloat16)
+        slots = torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32)
+        skipped = [p for p in range(3) if p not in parts]
+        a_only, b_only = a.clone(), b.clone()
+        for p in skipped:
+            a_only[:, p * PADDED: (p + 1) * PADDED] = 0
+            b_only[:, sum(slices[:p]): sum(slices[: p + 1])] = 0
+        want = reference(y, x, a_only, b_only, slots, slices)
+        lora = lora_inputs(slots)
+        got = y.clone()
+        add_lora_(got, x, a, b, lora.order, lora.sorted_slot, slices, parts)
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+        for p in skipped:
+            cols = slice(sum(slices[:p]), sum(slices[: p + 1]))
+            assert torch.equal(got[:, cols], y[:, cols])
+
+
 def test_triton_lora_replays_inside_a_cuda_graph():
     """Slots, inputs and one adapter's weights rewritten in place between replays: the graph
     (captured once, on a first batch) computes each new mix."""
