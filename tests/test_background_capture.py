@@ -3,14 +3,17 @@
 import pytest
 
 from raygraph.cluster.capture import BackgroundCapture
+from raygraph.config import GraphConfig
 from raygraph.protocol import BucketKey
+
+SHARE = GraphConfig().capture_share
 
 D = [BucketKey("decode", n) for n in (1, 2, 4, 8)]
 P = [BucketKey("prefill", n) for n in (16, 512, 2048)]
 
 
 def test_without_traffic_decode_first_small_before_large():
-    bg = BackgroundCapture(list(reversed(P + D)))  # the start-up schedule: largest first
+    bg = BackgroundCapture(list(reversed(P + D)), SHARE)  # the start-up schedule: largest first
     order = []
     while not bg.done:
         key = bg.next_key()
@@ -21,7 +24,7 @@ def test_without_traffic_decode_first_small_before_large():
 
 
 def test_traffic_moves_keys_up_the_queue():
-    bg = BackgroundCapture(D + P)
+    bg = BackgroundCapture(D + P, SHARE)
     for _ in range(3):
         bg.missed(BucketKey("decode", 8))
     bg.missed(BucketKey("prefill", 2048))
@@ -34,7 +37,7 @@ def test_traffic_moves_keys_up_the_queue():
 
 
 def test_a_key_outside_the_schedule_joins_it():
-    bg = BackgroundCapture([BucketKey("decode", 4, 4)])
+    bg = BackgroundCapture([BucketKey("decode", 4, 4)], SHARE)
     extra = BucketKey("decode", 4, 8)  # EP: an unbalanced pair of DP loads
     bg.missed(extra)
     assert bg.total == 2 and bg.next_key() == extra

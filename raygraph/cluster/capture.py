@@ -24,7 +24,8 @@ def _rest_order(key: BucketKey) -> tuple[int, int, int]:
 
 
 class BackgroundCapture:
-    def __init__(self, schedule: Iterable[BucketKey], share: float = 0.3) -> None:
+    def __init__(self, schedule: Iterable[BucketKey], share: float) -> None:
+        """`share`: GraphConfig.capture_share."""
         if not 0 < share <= 1:
             raise ValueError(f"the capture share of the step thread must be in (0, 1], "
                              f"got {share}")
