@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raygraph.model import ops
-from raygraph.model.lora_ops import LoRAWeights, add_lora
+from raygraph.model.lora_ops import LoRAWeights, lora_linear
 from raygraph.protocol import Collective
 
 
@@ -109,7 +109,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora: LoRAWeights | None = None  # adapter slots (raygraph/lora); B split as W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(ops.linear(x, self.weight, self.bias), x, self.lora)
+        return lora_linear(x, self.weight, self.bias, self.lora)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -154,7 +154,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # each rank's delta is partial (A split on the input), like its GEMM: one all-reduce
-        return self.comm.all_reduce(add_lora(ops.linear(x, self.weight), x, self.lora))
+        return self.comm.all_reduce(lora_linear(x, self.weight, None, self.lora))
 
 
 class VocabParallelEmbedding(nn.Module):

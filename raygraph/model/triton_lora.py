@@ -54,9 +54,9 @@ def _shrink_kernel(
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     valid = rm < T
     slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
+    tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)  # not behind the slot
     cur = _nth_slot(slot, tl.program_id(2), BM)
     if cur >= 0:
-        tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
         cols = _part_start(pid_n // per_part, P0, P1, P2, R) + (pid_n % per_part) * BN \
             + tl.arange(0, BN)
         rk = tl.arange(0, BK)
@@ -93,9 +93,9 @@ def _expand_kernel(
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     valid = rm < T
     slot = tl.load(slot_ptr + rm, mask=valid, other=-1)
+    tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
     cur = _nth_slot(slot, tl.program_id(2), BM)  # axis 2: one program per distinct slot
     if cur >= 0:
-        tok = tl.load(order_ptr + rm, mask=valid, other=0).to(tl.int64)
         rk = tl.arange(0, BK)
         u_rows = u_ptr + tok[:, None] * stride_um + _part_start(in1 + in2, P0, P1, P2, R) \
             + rk[None, :]
@@ -126,13 +126,14 @@ def _parts3(parts: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
-                sorted_slot: torch.Tensor, rank: int, parts: tuple[int, ...]) -> torch.Tensor:
-    """u [T, parts * R] in x's dtype: each token's row of x times its slot's A^T, for the
-    targeted parts' ranks only. Rows of slot -1 and columns of untargeted parts are left
-    unwritten (expand never reads them)."""
+                sorted_slot: torch.Tensor, rank: int, parts: tuple[int, ...],
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """u [T, parts * R] in x's dtype (into `out` if given): each token's row of x times its
+    slot's A^T, for the targeted parts' ranks only. Rows of slot -1 and columns of untargeted
+    parts are left unwritten (expand never reads them)."""
     # x: [T, K]; a: [L, N, K]
     t, k = x.shape
-    u = torch.empty(t, a.shape[1], dtype=x.dtype, device=x.device)
+    u = torch.empty(t, a.shape[1], dtype=x.dtype, device=x.device) if out is None else out
     # few tokens: narrow column tiles, so enough programs stream A; many: wide ones, so
     # fewer programs read each row of x again
     bn = 16 if t <= 64 else next(n for n in (64, 32, 16) if rank % n == 0)
@@ -141,7 +142,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
     _shrink_kernel[grid](
         x, a, u, order, sorted_slot, t, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
         R=rank, K=k, P0=p0, P1=p1, P2=p2, BM=BM, BN=bn,
-        BK=min(256, max(16, triton.next_power_of_2(k))),
+        # long K tiles: a program streams its slot's whole A slice (H200: BK 512 took
+        # 4.6-5.0 us a q|v shrink against 4.9-5.3 at 256); A's tile stays <= 32 KB a stage
+        BK=min(512, 32768 // (bn * x.element_size()), max(16, triton.next_power_of_2(k))),
         PRECISION=_precision(x), num_warps=4,
     )
     return u
@@ -160,28 +163,38 @@ def lora_expand_(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, order: torch
     p0, p1, p2 = _parts3(parts)
     n0, n1, n2 = (*(slices[p] for p in parts), 0, 0)[:3]
     c0, c1, c2 = (starts[p0], starts[p1], starts[p2])
-    bn = 64
+    bn = 128  # H200, decode at 64 tokens: (128, 2 warps) 0.8 us a layer under (64, 4)
     tiles = sum(triton.cdiv(slices[p], bn) for p in parts)
     _expand_kernel[(triton.cdiv(t, BM), tiles, min(BM, b.shape[0]))](
         u, b, y, order, sorted_slot, t, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
         N0=n0, N1=n1, N2=n2, C0=c0, C1=c1, C2=c2, P0=p0, P1=p1, P2=p2, R=r, BM=BM, BN=bn,
         BK=next(bk for bk in (64, 32, 16) if r % bk == 0),
-        PRECISION=_precision(y), num_warps=4,
+        PRECISION=_precision(y), num_warps=2,
     )
+
+
+def lora_parts(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slices: tuple[int, ...],
+               parts: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The merged parts the kernels run (default all), after checking the layouts they
+    need; ValueError otherwise."""
+    if x.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("LoRA kernels need unit-stride rows and contiguous A/B stacks")
+    if b.shape[2] % 16:
+        raise ValueError(f"the slots' rank {b.shape[2]} is not a multiple of 16")
+    return tuple(range(len(slices))) if parts is None else parts
 
 
 def add_lora_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               order: torch.Tensor, sorted_slot: torch.Tensor, slices: tuple[int, ...],
               parts: tuple[int, ...] | None = None) -> None:
-    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand.
-    `parts`: the merged parts adapters may target (default all); the others' A and B are
-    never read (they hold zeros) and their output columns are left as they are."""
+    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand,
+    on the current stream. `parts`: the merged parts adapters may target (default all); the
+    others' A and B are never read (they hold zeros) and their output columns are left as
+    they are."""
+    parts = lora_parts(x, a, b, slices, parts)
+    if y.stride(1) != 1:
+        raise ValueError("LoRA kernels need unit-stride rows")
     if x.shape[0] == 0:
         return
-    if x.stride(1) != 1 or y.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("LoRA kernels need unit-stride rows and contiguous A/B stacks")
-    if b.shape[2] % 16:
-        raise ValueError(f"the slots' rank {b.shape[2]} is not a multiple of 16")
-    parts = tuple(range(len(slices))) if parts is None else parts
     u = lora_shrink(x, a, order, sorted_slot, b.shape[2], parts)
     lora_expand_(y, u, b, order, sorted_slot, slices, parts)

@@ -1,6 +1,7 @@
 """GPU: the Triton LoRA shrink/expand kernels against the torch reference (bf16, ranks
-8/16/64 in rank-64 slots, one to three merged parts, random slots with base rows, sorted and
-unsorted token orders), replayed inside a CUDA graph while slots and inputs change, and a
+8/16/64 in rank-64 slots and rank 48 in rank-48 slots, one to three merged parts, random
+slots with base rows, sorted and unsorted token orders), replayed inside a CUDA graph while
+slots and inputs change; the linear layer's two-stream path equal to one stream; and a
 model with a mixed batch of adapters: graph logits equal eager, greedy tokens equal too."""
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, LoRAConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.inputs import sort_by_slot
-from raygraph.model.context import LoRAInputs
-from raygraph.model.lora_ops import lora_delta
+from raygraph.model.context import ForwardContext, LoRAInputs, forward_context
+from raygraph.model.lora_ops import LoRAWeights, lora_delta, lora_linear
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import loaded_worker, randomise_caches, serve_in_process
@@ -35,13 +37,13 @@ pytestmark = pytest.mark.gpu
 NUM_SLOTS, PADDED = 5, 64
 
 
-def stacks(rank: int, k: int, slices: tuple[int, ...], dtype=torch.bfloat16
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random slots of adapter rank `rank`, zero-padded to PADDED, as the model holds them."""
-    a = torch.zeros(NUM_SLOTS, len(slices) * PADDED, k)
-    b = torch.zeros(NUM_SLOTS, sum(slices), PADDED)
+def stacks(rank: int, k: int, slices: tuple[int, ...], dtype=torch.bfloat16,
+           padded: int = PADDED) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random slots of adapter rank `rank`, zero-padded to `padded`, as the model holds them."""
+    a = torch.zeros(NUM_SLOTS, len(slices) * padded, k)
+    b = torch.zeros(NUM_SLOTS, sum(slices), padded)
     for p in range(len(slices)):
-        a[:, p * PADDED: p * PADDED + rank] = torch.randn(NUM_SLOTS, rank, k) / k**0.5
+        a[:, p * padded: p * padded + rank] = torch.randn(NUM_SLOTS, rank, k) / k**0.5
     b[:, :, :rank] = torch.randn(NUM_SLOTS, sum(slices), rank) / rank**0.5
     return a.to("cuda", dtype), b.to("cuda", dtype)
 
@@ -59,15 +61,15 @@ def reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return y.float() + lora_delta(x.float(), a.float(), b.float(), slots.cuda(), slices)
 
 
-@pytest.mark.parametrize("rank", [8, 16, 64])
-def test_triton_lora_matches_reference(rank):
+@pytest.mark.parametrize("rank, padded", [(8, 64), (16, 64), (64, 64), (48, 48)])
+def test_triton_lora_matches_reference(rank, padded):
     from raygraph.model.triton_lora import add_lora_
 
     torch.manual_seed(rank)
     # o/down-like (one part), q|k|v-like (uneven parts), gate|up-like; 1 to 300 tokens
     for slices, k, t in [((256,), 512, 1), ((512, 128, 128), 256, 37), ((384, 384), 256, 300),
                          ((200,), 768, 5), ((64, 32, 32), 2048, 16)]:
-        a, b = stacks(rank, k, slices)
+        a, b = stacks(rank, k, slices, padded=padded)  # 48: slots of a rank not a power of 2
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(t, sum(slices), device="cuda", dtype=torch.bfloat16)
         slots = torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32)
@@ -143,6 +145,44 @@ def test_triton_lora_replays_inside_a_cuda_graph():
         graph.replay()
         torch.testing.assert_close(out.float(), reference(y, x, a, b, slots, slices),
                                    atol=3e-2, rtol=2e-2)
+
+
+def test_lora_linear_two_streams_equal_one_stream():
+    """lora_linear runs the shrink on a side stream beside the base GEMM: eagerly and in a
+    captured graph (two branches) it gives bitwise what GEMM, shrink, expand give in turn."""
+    from raygraph.model.triton_lora import add_lora_
+
+    torch.manual_seed(3)
+    t, k, slices = 64, 2048, (512, 128, 128)
+    a, b = stacks(16, k, slices)
+    w = LoRAWeights(a, b, slices, parts=(0, 2))
+    weight = torch.randn(sum(slices), k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    lora = lora_inputs(torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32))
+
+    def one_stream() -> torch.Tensor:
+        y = F.linear(x, weight)
+        add_lora_(y, x, a, b, lora.order, lora.sorted_slot, slices, (0, 2))
+        return y
+
+    with forward_context(ForwardContext(attn=None, lora=lora)):
+        assert torch.equal(lora_linear(x, weight, None, w), one_stream())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile before capture
+            lora_linear(x, weight, None, w)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = lora_linear(x, weight, None, w)
+        for trial in range(3):
+            new = lora_inputs(torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32))
+            for buf, src in zip((lora.token_slot, lora.order, lora.sorted_slot),
+                                (new.token_slot, new.order, new.sorted_slot)):
+                buf.copy_(src)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert torch.equal(out, one_stream()), trial
 
 
 @pytest.fixture(scope="module")
