@@ -67,10 +67,11 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """linear(x) plus each token's adapter delta (linear(x) alone when the layer has no LoRA
     or the step reads no adapter).
 
-    On a GPU the shrink reads only x, so it runs on a side stream while the base GEMM runs
-    (a captured graph keeps the two branches); the expand then adds into the GEMM's output.
-    The shrink is latency-bound (~5 us a layer on an H200 whatever the batch), and this
-    hides it behind the GEMM."""
+    On a GPU the shrink reads only x, so it runs on a side stream beside the base GEMM (a
+    captured graph keeps the two branches); the expand then adds into the GEMM's output.
+    Measured on an H200 (decode, 64 tokens, q/v adapters): the two barely overlap, as the
+    GEMM's blocks wait for the shrink's SMs, but the layer still took 1 us less than on one
+    stream (replay 1.404-1.414 ms against 1.412-1.420)."""
     if not lora_active(w):
         return ops.linear(x, weight, bias)
     lora: LoRAInputs = get_forward_context().lora
