@@ -262,7 +262,8 @@ def test_mixed_batch_greedy_equals_hf_peft(adapters, expected, mode):
 def expected_slot(adapter: LoRAAdapter, slots: LoRASlots) -> dict[str, list[torch.Tensor]]:
     """What one slot must hold at TP=1, straight from the PEFT tensors: each part's A rows
     and B rows (scaling folded), zeros elsewhere."""
-    want = {path: [torch.zeros_like(t[:, 0]) for t in ab] for path, ab in slots.stacks.items()}
+    want = {path: [torch.zeros_like(slot_a(a, 0)), torch.zeros_like(b[:, 0])]
+            for path, (a, b) in slots.stacks.items()}
     for i, modules in adapter.layers.items():
         for name, m in modules.items():
             path, part = TARGETS[name]
@@ -272,6 +273,11 @@ def expected_slot(adapter: LoRAAdapter, slots: LoRASlots) -> dict[str, list[torc
             a[i, part * rank: part * rank + r] = m.a
             b[i, start: start + m.b.shape[0], :r] = m.b.float() * m.scaling
     return want
+
+
+def slot_a(a_layers: list[torch.Tensor], slot: int) -> torch.Tensor:
+    """One slot's A at every layer, [L, P*R, in]."""
+    return torch.stack([a[slot] for a in a_layers])
 
 
 def test_slot_images_rewrite_the_whole_slot(adapters):
@@ -287,12 +293,36 @@ def test_slot_images_rewrite_the_whole_slot(adapters):
         assert w.load_lora(0, str(adapters[i]))[0] == tier
         want, other = expected_slot(read[i], slots), expected_slot(read[2], slots)
         for path, (a, b) in slots.stacks.items():
-            assert torch.equal(a[:, 0], want[path][0]) and torch.equal(b[:, 0], want[path][1])
-            assert torch.equal(a[:, 1], other[path][0]), path
+            assert torch.equal(slot_a(a, 0), want[path][0])
+            assert torch.equal(b[:, 0], want[path][1])
+            assert torch.equal(slot_a(a, 1), other[path][0]), path
             lora = slots.layers[3].get_submodule(path).lora  # the kernels' view is the stack
             assert lora.a.data_ptr() == a[3].data_ptr() and lora.a.is_contiguous()
     w.unload_lora(0)
-    assert all(not a[:, 0].any() and not b[:, 0].any() for a, b in slots.stacks.values())
+    assert all(not slot_a(a, 0).any() and not b[:, 0].any() for a, b in slots.stacks.values())
+
+
+def test_a_level2_sleep_keeps_what_the_slots_hold(adapters):
+    """q|k|v's slots keep A in the weight's rows after W's (in the weights' arena, whose host
+    copy is taken at the first sleep only): a slot loaded after that sleep still holds its
+    adapter after the next one, and the other slot too."""
+    w = loaded_worker(config(max_loras=2), 8)
+    qkv = w.lora_slots.layers[0].self_attn.qkv_proj
+    assert qkv.lora.ext and qkv.lora.a.data_ptr() > qkv.weight.data_ptr()
+    w.load_lora(0, str(adapters[0]))
+    w.sleep(2)
+    w.wake_up()
+    w.load_lora(0, str(adapters[2]))  # after the arena's host copy
+    w.load_lora(1, str(adapters[0]))
+    want = {path: (slot_a(a, 0).clone(), slot_a(a, 1).clone())
+            for path, (a, _) in w.lora_slots.stacks.items()}
+    assert any(a.any() for a, _ in want.values())
+    w.sleep(2)
+    w.wake_up()
+    for path, (a, _) in w.lora_slots.stacks.items():
+        assert torch.equal(slot_a(a, 0), want[path][0]), path
+        assert torch.equal(slot_a(a, 1), want[path][1]), path
+    w.shutdown()
 
 
 # step -> the prompts arriving: adapters come while others decode, and wait for 2 slots

@@ -3,6 +3,7 @@ images and copied into the model's persistent adapter slots (`slots`), recent im
 host memory (`warm`); the delta math is model/lora_ops.py."""
 
 from raygraph.lora.adapter import LoRAAdapter, LoRAError, LoRAModule, read_adapter
-from raygraph.lora.slots import LoRASlots, SlotImage
+from raygraph.lora.slots import LoRASlots, SlotImage, append_slot_rows
 
-__all__ = ["LoRAAdapter", "LoRAError", "LoRAModule", "LoRASlots", "SlotImage", "read_adapter"]
+__all__ = ["LoRAAdapter", "LoRAError", "LoRAModule", "LoRASlots", "SlotImage", "append_slot_rows",
+           "read_adapter"]

@@ -1,10 +1,11 @@
 """Adapter slots in a built model, and the slot images that load them.
 
 Each projection kind the adapters may target (q|k|v, o, gate|up, down: a module path under
-the decoder layer) keeps the slots of every layer in one stacked A [L, max_loras, P*R,
-in_local] and one B [L, max_loras, out_local, R], allocated once; layer i's LoRAWeights are
-the views [i] (contiguous, as the kernels want). Loads never reallocate, so graphs captured
-over the slots stay valid.
+the decoder layer) keeps the slots of every layer in one stacked B [L, max_loras, out_local,
+R] and, per layer, A [max_loras, P*R, in_local]: q|k|v and gate|up keep A in their weight's
+rows after W's (append_slot_rows, so a decode GEMM computes every slot's shrink), o and down
+in one stacked A [L, ...]. Layer i's LoRAWeights are views (contiguous, as the kernels
+want), allocated once: loads never reallocate, so graphs captured over the slots stay valid.
 
 An adapter is loaded from its slot image: the same layout for one slot, on the host, built
 once per adapter (the warm tier keeps it), so a promotion is one copy per stacked tensor.
@@ -36,6 +37,24 @@ TARGETS: dict[str, tuple[str, int]] = {
 }
 Linear = MergedColumnParallelLinear | RowParallelLinear
 Stacks = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path -> (A, B) of every layer
+# module path -> (A per layer [max_loras, P*R, in_local], B of every layer)
+Slots = dict[str, tuple[list[torch.Tensor], torch.Tensor]]
+
+
+def _paths(cfg: LoRAConfig) -> list[str]:
+    return sorted({TARGETS[name][0] for name in cfg.targets})
+
+
+def append_slot_rows(model: nn.Module, cfg: LoRAConfig) -> None:
+    """Before the weights move to their arena: each targeted merged column-parallel layer
+    without a bias gets its slots' A rows (zeros) after W's, so a decode step's GEMM computes
+    every slot's shrink (LoRAWeights.ext). Row-parallel layers keep a separate A: their
+    output is all-reduced, and must stay one contiguous tensor."""
+    for path in _paths(cfg):
+        for layer in model.model.layers:
+            linear = layer.get_submodule(path)
+            if isinstance(linear, MergedColumnParallelLinear) and linear.bias is None:
+                linear.append_rows(cfg.max_loras * len(linear.local_sizes) * cfg.padded_rank)
 
 
 @dataclass(frozen=True)
@@ -62,25 +81,34 @@ class LoRASlots:
                               f"{model.config.architecture} has MoE layers")
         self.layers = model.model.layers
         self.num_slots, self.rank = cfg.max_loras, cfg.padded_rank
-        self.stacks: Stacks = {}
-        for path in sorted({TARGETS[name][0] for name in cfg.targets}):
-            w = self.layers[0].get_submodule(path).weight
-            slices = tuple(getattr(self.layers[0].get_submodule(path), "local_sizes",
-                                   [w.shape[0]]))
+        self.stacks: Slots = {}
+        for path in _paths(cfg):
+            first = self.layers[0].get_submodule(path)
+            slices = tuple(getattr(first, "local_sizes", [first.weight.shape[0]]))
+            out_local, in_local, w = sum(slices), first.weight.shape[1], first.weight
+            rows = len(slices) * self.rank
             shape = (len(self.layers), cfg.max_loras)
-            a = torch.zeros(*shape, len(slices) * self.rank, w.shape[1], dtype=w.dtype,
-                            device=w.device)
-            b = torch.zeros(*shape, w.shape[0], self.rank, dtype=w.dtype, device=w.device)
+            stacked = None if getattr(first, "lora_rows", 0) else torch.zeros(
+                *shape, rows, in_local, dtype=w.dtype, device=w.device)
+            b = torch.zeros(*shape, out_local, self.rank, dtype=w.dtype, device=w.device)
             parts = tuple(sorted({TARGETS[n][1] for n in cfg.targets if TARGETS[n][0] == path}))
+            a_layers = []
             for i, layer in enumerate(self.layers):
-                layer.get_submodule(path).lora = LoRAWeights(a[i], b[i], slices, parts)
-            self.stacks[path] = (a, b)
+                linear = layer.get_submodule(path)
+                # A inside the layer's weight (append_slot_rows), or in its own stack
+                a = (stacked[i] if stacked is not None else
+                     linear.weight[out_local:].view(cfg.max_loras, rows, in_local))
+                linear.lora = LoRAWeights(a, b[i], slices, parts, ext=stacked is None)
+                a_layers.append(a)
+            self.stacks[path] = (a_layers, b)
         self._held: list[set[str]] = [set() for _ in range(cfg.max_loras)]  # not zero there
+        self._images: list[SlotImage | None] = [None] * cfg.max_loras  # what each slot holds
         self._copying: list[tuple[torch.cuda.Event, SlotImage]] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ab in self.stacks.values() for t in ab)
+        return sum(t.numel() * t.element_size()
+                   for a, b in self.stacks.values() for t in (*a, b))
 
     def check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -98,8 +126,10 @@ class LoRASlots:
                 if path not in self.stacks:
                     raise LoRAError(f"LoRA adapter {adapter.path!r}: {name} has no slots")
                 if path not in stacks:
-                    stacks[path] = tuple(torch.zeros(t.shape[:1] + t.shape[2:], dtype=t.dtype,
-                                                     pin_memory=pin) for t in self.stacks[path])
+                    a_layers, b_all = self.stacks[path]
+                    stacks[path] = tuple(torch.zeros(shape, dtype=b_all.dtype, pin_memory=pin)
+                                         for shape in ((len(a_layers), *a_layers[0].shape[1:]),
+                                                       b_all.shape[:1] + b_all.shape[2:]))
                 a, b = stacks[path]
                 _write(self.layers[i].get_submodule(path), a[i], b[i], part, m, adapter.path)
         return SlotImage(adapter.path, stacks)
@@ -109,17 +139,20 @@ class LoRASlots:
         host does not wait); kinds the image lacks are zeroed unless already zero. Stream
         order puts the copies after the steps queued before and ahead of those after."""
         self.check(slot)
-        for path, (a, b) in self.stacks.items():
+        self._images[slot] = image
+        for path, (a_layers, b) in self.stacks.items():
             src = image.stacks.get(path)
             if src is not None:
                 self._held[slot].add(path)
-                a[:, slot].copy_(src[0], non_blocking=True)
+                for a, a_src in zip(a_layers, src[0]):
+                    a[slot].copy_(a_src, non_blocking=True)
                 b[:, slot].copy_(src[1], non_blocking=True)
             elif path in self._held[slot]:
-                a[:, slot].zero_()
+                for a in a_layers:
+                    a[slot].zero_()
                 b[:, slot].zero_()
                 self._held[slot].discard(path)
-        if next(iter(self.stacks.values()))[0].is_cuda:
+        if b.is_cuda:
             # the pinned image stays referenced until its copies ran (the warm tier may drop it)
             self._copying = [(e, im) for e, im in self._copying if not e.query()]
             done = torch.cuda.Event()
@@ -129,10 +162,19 @@ class LoRASlots:
     def clear(self, slot: int) -> None:
         """Zero `slot` everywhere: its tokens then compute the base model."""
         self.check(slot)
-        for a, b in self.stacks.values():
-            a[:, slot].zero_()
+        for a_layers, b in self.stacks.values():
+            for a in a_layers:
+                a[slot].zero_()
             b[:, slot].zero_()
         self._held[slot].clear()
+        self._images[slot] = None
+
+    def restore(self) -> None:
+        """Load every slot again from its image: after a level-2 wake, A rows kept in the
+        weights' arena come back as they were at the arena's first sleep."""
+        for slot, image in enumerate(self._images):
+            if image is not None:
+                self.load(slot, image)
 
 
 def _write(linear: Linear, a_dst: torch.Tensor, b_dst: torch.Tensor, part: int, m: LoRAModule,

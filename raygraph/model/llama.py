@@ -87,7 +87,8 @@ class Attention(nn.Module):
         proj, cos, sin = self.qkv_proj, self.rotary.cos, self.rotary.sin
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None and not lora_active(proj.lora):
-            return ops.linear_rotary(x, proj.weight, proj.bias, positions, cos, sin, d, hq, hk)
+            return ops.linear_rotary(x, proj.base_weight, proj.bias, positions, cos, sin, d, hq,
+                                     hk)
         t = x.shape[0]
         q, k, v = proj(x).split([hq * d, hk * d, hk * d], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
@@ -108,7 +109,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if lora_active(self.gate_up_proj.lora):  # the delta comes before the activation
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.weight))
+        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.base_weight))
 
 
 # layer index -> that layer's feed-forward block (MoE models swap the dense MLP for it)

@@ -18,6 +18,11 @@ from torch import nn
 from raygraph.model import ops
 from raygraph.model.context import LoRAInputs, get_forward_context
 
+# up to this many tokens (decode), a layer whose A rows follow W's (LoRAWeights.ext) computes
+# every slot's shrink inside its base GEMM; above it (prefill) that work would grow with the
+# tokens, and the shrink kernel multiplies each token by its own slot's A only
+EXT_MAX_TOKENS = 256
+
 
 @dataclass
 class LoRAWeights:
@@ -25,6 +30,9 @@ class LoRAWeights:
 
     A merged layer (q|k|v, gate|up) has one A per part, stacked along the rank dim, and one B
     whose rows are the layer's output rows: part p's rows read A rows [p*R, (p+1)*R).
+    With `ext`, A is the view of the layer's weight rows after W's (append_rows): for a few
+    tokens one GEMM over [W; every slot's A] gives y and every slot's u at once; on an H200
+    that cost 0.5-1 us a decode layer where a separate shrink kernel took ~6.
     """
 
     a: torch.Tensor  # [max_loras, parts * R, in_local]
@@ -33,6 +41,7 @@ class LoRAWeights:
     # the parts adapters may target (LoRAConfig.targets); the others stay zero and the
     # kernels skip them. None: all
     parts: tuple[int, ...] | None = None
+    ext: bool = False  # a's rows follow the base rows in the layer's weight
 
     @property
     def rank(self) -> int:
@@ -42,17 +51,22 @@ class LoRAWeights:
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
                slices: tuple[int, ...] | None = None) -> torch.Tensor:
     """[T, out]: for a token t of slot s >= 0, (x[t] A[s]^T) B[s]^T (per part); 0 for s = -1.
-
-    Branch-free: every slot's shrink in one GEMM, the other slots' rows masked to exact
-    zeros, then one contraction over (slot, rank) per part."""
+    Every slot's shrink in one GEMM, then `expand_all`."""
     # x: [T, in]; a: [L, P*R, in]; b: [L, out, R]; token_slot: [T]
+    return expand_all(x @ a.reshape(-1, a.shape[2]).T, b, token_slot, slices)
+
+
+def expand_all(u: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
+               slices: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[T, out] from every slot's shrink u [T, L * P * R]: each token's own slot's ranks
+    times its B^T, per part. Branch-free: the other slots' rows are masked to exact zeros,
+    then one contraction over (slot, rank) per part."""
     num, _, r = b.shape
     slices = slices or (b.shape[1],)
-    t = x.shape[0]
-    hot = F.one_hot(token_slot.long().clamp(min=0), num).to(x.dtype)
-    hot = hot * (token_slot >= 0).unsqueeze(1).to(x.dtype)  # [T, L]; -1 rows all zero
-    u = (x @ a.reshape(-1, a.shape[2]).T).view(t, num, len(slices), r)
-    u = u * hot[:, :, None, None]
+    t = u.shape[0]
+    hot = F.one_hot(token_slot.long().clamp(min=0), num).to(u.dtype)
+    hot = hot * (token_slot >= 0).unsqueeze(1).to(u.dtype)  # [T, L]; -1 rows all zero
+    u = u.reshape(t, num, len(slices), r) * hot[:, :, None, None]
     return torch.cat([torch.einsum("tlr,lor->to", u[:, :, p], part)
                       for p, part in enumerate(b.split(slices, dim=1))], dim=1)
 
@@ -65,43 +79,30 @@ def lora_active(w: LoRAWeights | None) -> bool:
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 w: LoRAWeights | None) -> torch.Tensor:
     """linear(x) plus each token's adapter delta (linear(x) alone when the layer has no LoRA
-    or the step reads no adapter).
-
-    On a GPU the shrink reads only x, so it runs on a side stream beside the base GEMM (a
-    captured graph keeps the two branches); the expand then adds into the GEMM's output.
-    Measured on an H200 (decode, 64 tokens, q/v adapters): the two barely overlap, as the
-    GEMM's blocks wait for the shrink's SMs, but the layer still took 1 us less than on one
-    stream (replay 1.404-1.414 ms against 1.412-1.420)."""
+    or the step reads no adapter). `weight` may hold the slots' A rows after W's (w.ext)."""
+    if w is None:
+        return ops.linear(x, weight, bias)
+    n = sum(w.slices)
     if not lora_active(w):
-        return ops.linear(x, weight, bias)
+        return ops.linear(x, weight[:n] if w.ext else weight, bias)
     lora: LoRAInputs = get_forward_context().lora
-    if not x.is_cuda:
-        return ops.linear(x, weight, bias).add_(lora_delta(x, w.a, w.b, lora.token_slot,
-                                                           w.slices))
-    from raygraph.model.triton_lora import lora_expand_, lora_parts, lora_shrink
+    if w.ext and x.shape[0] <= EXT_MAX_TOKENS:
+        out = ops.linear(x, weight)  # [T, out + L*P*R]: y, then every slot's u
+        y, u = out[:, :n], out[:, n:]
+        if y.is_cuda:
+            from raygraph.model.triton_lora import lora_expand_
 
-    parts = lora_parts(x, w.a, w.b, w.slices, w.parts)
-    if x.shape[0] == 0:
-        return ops.linear(x, weight, bias)
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    u = torch.empty(x.shape[0], w.a.shape[1], dtype=x.dtype, device=x.device)  # main's
-    side.wait_stream(main)  # x is written
-    with torch.cuda.stream(side):
-        lora_shrink(x, w.a, lora.order, lora.sorted_slot, w.rank, parts, out=u)
-    y = ops.linear(x, weight, bias)
-    main.wait_stream(side)
-    lora_expand_(y, u, w.b, lora.order, lora.sorted_slot, w.slices, parts)
-    return y
+            lora_expand_(y, u, w.b, lora.order, lora.sorted_slot, w.slices,
+                         w.parts or tuple(range(len(w.slices))), slot_stride=w.a.shape[1])
+            return y
+        return y.add_(expand_all(u, w.b, lora.token_slot, w.slices))
+    y = ops.linear(x, weight[:n] if w.ext else weight, bias)
+    if y.is_cuda:
+        from raygraph.model.triton_lora import add_lora_
 
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the shrinks (created once, outside any capture)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+        add_lora_(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices, w.parts)
+        return y
+    return y.add_(lora_delta(x, w.a, w.b, lora.token_slot, w.slices))
 
 
 def num_lora_slots(model: nn.Module) -> int:

@@ -107,6 +107,22 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
         self.shard_dim = 0
         self.lora: LoRAWeights | None = None  # adapter slots (raygraph/lora); B split as W
+        self.out_local = local
+        self.lora_rows = 0  # adapter A rows stored after W's (append_rows)
+
+    @property
+    def base_weight(self) -> torch.Tensor:
+        """W, without the adapter rows a LoRA model may store after it."""
+        return self.weight[: self.out_local] if self.lora_rows else self.weight
+
+    def append_rows(self, rows: int) -> None:
+        """Room for `rows` more output rows after W's (zeros) in one new weight, so a GEMM
+        over all of it also computes what those rows hold (LoRA: every slot's shrink)."""
+        w = self.weight.data
+        ext = torch.zeros(w.shape[0] + rows, w.shape[1], dtype=w.dtype, device=w.device)
+        ext[: w.shape[0]].copy_(w)
+        self.weight = nn.Parameter(ext, requires_grad=False)
+        self.lora_rows += rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lora_linear(x, self.weight, self.bias, self.lora)

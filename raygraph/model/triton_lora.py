@@ -75,7 +75,8 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    u_ptr, b_ptr, y_ptr, order_ptr, slot_ptr, T, stride_um, stride_bl, stride_bn, stride_ym,
+    u_ptr, b_ptr, y_ptr, order_ptr, slot_ptr, T, stride_um, stride_us, stride_bl, stride_bn,
+    stride_ym,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
     C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
@@ -97,8 +98,8 @@ def _expand_kernel(
     cur = _nth_slot(slot, tl.program_id(2), BM)  # axis 2: one program per distinct slot
     if cur >= 0:
         rk = tl.arange(0, BK)
-        u_rows = u_ptr + tok[:, None] * stride_um + _part_start(in1 + in2, P0, P1, P2, R) \
-            + rk[None, :]
+        u_rows = u_ptr + tok[:, None] * stride_um + cur.to(tl.int64) * stride_us \
+            + _part_start(in1 + in2, P0, P1, P2, R) + rk[None, :]
         rows = slot == cur
         b_rows = b_ptr + cur.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rk[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
@@ -126,14 +127,13 @@ def _parts3(parts: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
-                sorted_slot: torch.Tensor, rank: int, parts: tuple[int, ...],
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """u [T, parts * R] in x's dtype (into `out` if given): each token's row of x times its
-    slot's A^T, for the targeted parts' ranks only. Rows of slot -1 and columns of untargeted
-    parts are left unwritten (expand never reads them)."""
+                sorted_slot: torch.Tensor, rank: int, parts: tuple[int, ...]) -> torch.Tensor:
+    """u [T, parts * R] in x's dtype: each token's row of x times its slot's A^T, for the
+    targeted parts' ranks only. Rows of slot -1 and columns of untargeted parts are left
+    unwritten (expand never reads them)."""
     # x: [T, K]; a: [L, N, K]
     t, k = x.shape
-    u = torch.empty(t, a.shape[1], dtype=x.dtype, device=x.device) if out is None else out
+    u = torch.empty(t, a.shape[1], dtype=x.dtype, device=x.device)
     # few tokens: narrow column tiles, so enough programs stream A; many: wide ones, so
     # fewer programs read each row of x again
     bn = 16 if t <= 64 else next(n for n in (64, 32, 16) if rank % n == 0)
@@ -152,9 +152,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor,
 
 def lora_expand_(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, order: torch.Tensor,
                  sorted_slot: torch.Tensor, slices: tuple[int, ...],
-                 parts: tuple[int, ...]) -> None:
+                 parts: tuple[int, ...], slot_stride: int = 0) -> None:
     """y[:, part p] += u[:, part p's ranks] @ B[slot, part p's rows]^T for each token with a
-    slot and each targeted part p, in place."""
+    slot and each targeted part p, in place. `slot_stride`: 0 when u holds each token's own
+    slot's ranks (lora_shrink); the columns between slots when it holds every slot's."""
     # y: [T, out]; u: [T, parts * R]; b: [L, out, R]
     if len(slices) > 3:
         raise ValueError(f"at most 3 merged parts, got {len(slices)}")
@@ -166,35 +167,26 @@ def lora_expand_(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, order: torch
     bn = 128  # H200, decode at 64 tokens: (128, 2 warps) 0.8 us a layer under (64, 4)
     tiles = sum(triton.cdiv(slices[p], bn) for p in parts)
     _expand_kernel[(triton.cdiv(t, BM), tiles, min(BM, b.shape[0]))](
-        u, b, y, order, sorted_slot, t, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        N0=n0, N1=n1, N2=n2, C0=c0, C1=c1, C2=c2, P0=p0, P1=p1, P2=p2, R=r, BM=BM, BN=bn,
+        u, b, y, order, sorted_slot, t, u.stride(0), slot_stride, b.stride(0), b.stride(1),
+        y.stride(0), N0=n0, N1=n1, N2=n2, C0=c0, C1=c1, C2=c2, P0=p0, P1=p1, P2=p2, R=r,
+        BM=BM, BN=bn,
         BK=next(bk for bk in (64, 32, 16) if r % bk == 0),
         PRECISION=_precision(y), num_warps=2,
     )
 
 
-def lora_parts(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slices: tuple[int, ...],
-               parts: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The merged parts the kernels run (default all), after checking the layouts they
-    need; ValueError otherwise."""
-    if x.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("LoRA kernels need unit-stride rows and contiguous A/B stacks")
-    if b.shape[2] % 16:
-        raise ValueError(f"the slots' rank {b.shape[2]} is not a multiple of 16")
-    return tuple(range(len(slices))) if parts is None else parts
-
-
 def add_lora_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               order: torch.Tensor, sorted_slot: torch.Tensor, slices: tuple[int, ...],
               parts: tuple[int, ...] | None = None) -> None:
-    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand,
-    on the current stream. `parts`: the merged parts adapters may target (default all); the
-    others' A and B are never read (they hold zeros) and their output columns are left as
-    they are."""
-    parts = lora_parts(x, a, b, slices, parts)
-    if y.stride(1) != 1:
-        raise ValueError("LoRA kernels need unit-stride rows")
+    """y += each token's LoRA delta (lora_ops.lora_delta), in place: shrink, then expand.
+    `parts`: the merged parts adapters may target (default all); the others' A and B are
+    never read (they hold zeros) and their output columns are left as they are."""
     if x.shape[0] == 0:
         return
+    if x.stride(1) != 1 or y.stride(1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("LoRA kernels need unit-stride rows and contiguous A/B stacks")
+    if b.shape[2] % 16:
+        raise ValueError(f"the slots' rank {b.shape[2]} is not a multiple of 16")
+    parts = tuple(range(len(slices))) if parts is None else parts
     u = lora_shrink(x, a, order, sorted_slot, b.shape[2], parts)
     lora_expand_(y, u, b, order, sorted_slot, slices, parts)

@@ -28,7 +28,7 @@ from raygraph.graph.executor import (
     KeyMismatch,
     make_executor,
 )
-from raygraph.lora import LoRAError, LoRASlots, SlotImage, read_adapter
+from raygraph.lora import LoRAError, LoRASlots, SlotImage, append_slot_rows, read_adapter
 from raygraph.lora.warm import WarmAdapters
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats, SleepStats
@@ -181,6 +181,8 @@ class Worker:
         if self.cfg.offload.budget_bytes is None:
             self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm,
                                      progress)
+            if self.cfg.lora.enabled:  # A rows after W's: in the weights' arena too
+                append_slot_rows(self.model, self.cfg.lora)
             self.sleep_memory.take_weights(self.model)  # level-2 sleep can release them
             if self.cfg.lora.enabled:  # before the KV cache is sized around what is in use
                 self.lora_slots = slots = LoRASlots(self.model, self.cfg.lora)
@@ -344,7 +346,10 @@ class Worker:
         A staged wake (cache.staged_wake) maps the KV cache's first blocks only (the reply's
         kv_blocks_ready) and the rest in the background: no step may use a block past
         kv_blocks_ready()."""
-        return self.sleep_memory.wake_up(self.executor, self.cfg.cache)
+        stats = self.sleep_memory.wake_up(self.executor, self.cfg.cache)
+        if stats.weight_bytes and self.lora_slots is not None:
+            self.lora_slots.restore()  # the arena restores A rows as they were at 1st sleep
+        return stats
 
     def kv_blocks_ready(self) -> int:
         """n: KV blocks [0, n) may be used (all but during a staged wake); raises KVMapError

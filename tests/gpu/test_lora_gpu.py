@@ -63,7 +63,7 @@ def reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 @pytest.mark.parametrize("rank, padded", [(8, 64), (16, 64), (64, 64), (48, 48)])
 def test_triton_lora_matches_reference(rank, padded):
-    from raygraph.model.triton_lora import add_lora_
+    from raygraph.model.triton_lora import add_lora_, lora_expand_
 
     torch.manual_seed(rank)
     # o/down-like (one part), q|k|v-like (uneven parts), gate|up-like; 1 to 300 tokens
@@ -82,6 +82,11 @@ def test_triton_lora_matches_reference(rank, padded):
                                        msg=lambda m, s=slices, t=t: f"{s} x {t}: {m}")
             base = (slots < 0).cuda()
             assert torch.equal(got[base], y[base])  # base rows untouched, bitwise
+        # every slot's u at once (a decode GEMM over W's appended A rows): expand at a stride
+        got, lora = y.clone(), lora_inputs(slots)
+        lora_expand_(got, x @ a.reshape(-1, k).T, b, lora.order, lora.sorted_slot, slices,
+                     tuple(range(len(slices))), slot_stride=a.shape[1])
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("parts", [(0, 2), (1,), (0, 1)])
