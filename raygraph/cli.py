@@ -104,10 +104,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=PATH",
                    help="PEFT LoRA adapters to serve, each under its name (the requests' "
                         "`model` field); more at run time with POST /v1/load_lora_adapter")
-    p.add_argument("--max-loras", type=int, default=None,
-                   help="adapter slots on the GPU (hot adapters); others wait in host memory "
-                        f"or on disk (default: {DEFAULT_MAX_LORAS} with --lora-modules, else "
-                        f"{D.lora.max_loras}: off)")
+    p.add_argument("--max-loras", "--lora-hot-budget", type=int, default=None,
+                   help="adapter slots on the GPU (the hot budget); others wait in host "
+                        f"memory or on disk (default: {DEFAULT_MAX_LORAS} with --lora-modules, "
+                        f"else {D.lora.max_loras}: off)")
+    p.add_argument("--lora-warm-budget", type=float, default=None, metavar="GIB",
+                   help="pinned host memory per worker for recently used adapters (the warm "
+                        f"tier), GiB (default: {D.lora.warm_budget_bytes / 2**30:g})")
     p.add_argument("--max-lora-rank", type=int, default=None,
                    help=f"the largest adapter rank served (default: {D.lora.max_lora_rank})")
     p.add_argument("--lora-target-modules", nargs="+", choices=LORA_MODULES, default=None,
@@ -136,8 +139,11 @@ def lora_config(a: argparse.Namespace, lora: LoRAConfig) -> LoRAConfig:
         max_loras = DEFAULT_MAX_LORAS
     rank = a.max_lora_rank if a.max_lora_rank is not None else lora.max_lora_rank
     targets = tuple(a.lora_target_modules or lora.target_modules)
+    warm = (lora.warm_budget_bytes if a.lora_warm_budget is None
+            else int(a.lora_warm_budget * 2**30))
     return msgspec.structs.replace(lora, modules=modules, max_loras=max_loras,
-                                   max_lora_rank=rank, target_modules=targets)
+                                   max_lora_rank=rank, target_modules=targets,
+                                   warm_budget_bytes=warm)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:

@@ -410,6 +410,10 @@ def test_target_modules_are_inferred_from_the_adapters_at_start(adapters, qv_ada
     add_serve_args(p)
     a = p.parse_args(["--lora-target-modules", "q_proj", "down_proj"])
     assert lora_config(a, LoRAConfig()).target_modules == ("q_proj", "down_proj")
+    # the issue's names for the tiers' budgets: hot slots, warm host memory
+    a = p.parse_args(["--lora-hot-budget", "32", "--lora-warm-budget", "0.5"])
+    cfg = lora_config(a, LoRAConfig())
+    assert (cfg.max_loras, cfg.warm_budget_bytes) == (32, 2**29)
 
 
 def test_only_targeted_projections_get_slots_and_others_are_refused(adapters, qv_adapter):
