@@ -2,10 +2,10 @@
 
 Each projection kind the adapters may target (q|k|v, o, gate|up, down: a module path under
 the decoder layer) keeps the slots of every layer in one stacked B [L, max_loras, out_local,
-R] and, per layer, A [max_loras, P*R, in_local]: q|k|v and gate|up keep A in their weight's
-rows after W's (append_slot_rows, so a decode GEMM computes every slot's shrink), o and down
-in one stacked A [L, ...]. Layer i's LoRAWeights are views (contiguous, as the kernels
-want), allocated once: loads never reallocate, so graphs captured over the slots stay valid.
+R] and, per layer, A [max_loras, P*R, in_local] in the weight's rows after W's
+(append_slot_rows: a decode GEMM computes every slot's shrink). Layer i's LoRAWeights are
+views (contiguous, as the kernels want), allocated once: loads never reallocate, so graphs
+captured over the slots stay valid.
 
 An adapter is loaded from its slot image: the same layout for one slot, on the host, built
 once per adapter (the warm tier keeps it), so a promotion is one copy per stacked tensor.
@@ -46,15 +46,17 @@ def _paths(cfg: LoRAConfig) -> list[str]:
 
 
 def append_slot_rows(model: nn.Module, cfg: LoRAConfig) -> None:
-    """Before the weights move to their arena: each targeted merged column-parallel layer
-    without a bias gets its slots' A rows (zeros) after W's, so a decode step's GEMM computes
-    every slot's shrink (LoRAWeights.ext). Row-parallel layers keep a separate A: their
-    output is all-reduced, and must stay one contiguous tensor."""
+    """Before the weights move to their arena: each targeted layer gets its slots' A rows
+    (zeros) after W's rows, so a decode step's GEMM computes every slot's shrink."""
     for path in _paths(cfg):
         for layer in model.model.layers:
             linear = layer.get_submodule(path)
-            if isinstance(linear, MergedColumnParallelLinear) and linear.bias is None:
-                linear.append_rows(cfg.max_loras * len(linear.local_sizes) * cfg.padded_rank)
+            linear.append_rows(cfg.max_loras * len(_slices(linear)) * cfg.padded_rank)
+
+
+def _slices(linear: Linear) -> tuple[int, ...]:
+    """Each merged part's output rows on this rank (one part: all of W's)."""
+    return tuple(getattr(linear, "local_sizes", [linear.out_local]))
 
 
 @dataclass(frozen=True)
@@ -84,21 +86,16 @@ class LoRASlots:
         self.stacks: Slots = {}
         for path in _paths(cfg):
             first = self.layers[0].get_submodule(path)
-            slices = tuple(getattr(first, "local_sizes", [first.weight.shape[0]]))
-            out_local, in_local, w = sum(slices), first.weight.shape[1], first.weight
+            slices, w = _slices(first), first.weight
             rows = len(slices) * self.rank
-            shape = (len(self.layers), cfg.max_loras)
-            stacked = None if getattr(first, "lora_rows", 0) else torch.zeros(
-                *shape, rows, in_local, dtype=w.dtype, device=w.device)
-            b = torch.zeros(*shape, out_local, self.rank, dtype=w.dtype, device=w.device)
+            b = torch.zeros(len(self.layers), cfg.max_loras, sum(slices), self.rank,
+                            dtype=w.dtype, device=w.device)
             parts = tuple(sorted({TARGETS[n][1] for n in cfg.targets if TARGETS[n][0] == path}))
             a_layers = []
             for i, layer in enumerate(self.layers):
-                linear = layer.get_submodule(path)
-                # A inside the layer's weight (append_slot_rows), or in its own stack
-                a = (stacked[i] if stacked is not None else
-                     linear.weight[out_local:].view(cfg.max_loras, rows, in_local))
-                linear.lora = LoRAWeights(a, b[i], slices, parts, ext=stacked is None)
+                linear = layer.get_submodule(path)  # A: the weight's rows after W's
+                a = linear.weight[linear.out_local:].view(cfg.max_loras, rows, w.shape[1])
+                linear.lora = LoRAWeights(a, b[i], slices, parts)
                 a_layers.append(a)
             self.stacks[path] = (a_layers, b)
         self._held: list[set[str]] = [set() for _ in range(cfg.max_loras)]  # not zero there
@@ -185,8 +182,7 @@ def _write(linear: Linear, a_dst: torch.Tensor, b_dst: torch.Tensor, part: int, 
     a = m.a.to(dtype)
     b = m.b if m.scaling == 1.0 and m.b.dtype == dtype else (m.b.float() * m.scaling).to(dtype)
     if isinstance(linear, RowParallelLinear):  # A split on input columns, B whole
-        _check_full(linear.weight.shape[0], linear.weight.shape[1] * linear.comm.world_size,
-                    m, path)
+        _check_full(linear.out_local, linear.weight.shape[1] * linear.comm.world_size, m, path)
         load_shard(a_dst[:r], a, 1, linear.comm)
         b_dst[:, :r].copy_(b)
     else:  # A whole (this part's rank rows), B split on output rows as the part of W

@@ -18,9 +18,9 @@ from torch import nn
 from raygraph.model import ops
 from raygraph.model.context import LoRAInputs, get_forward_context
 
-# up to this many tokens (decode), a layer whose A rows follow W's (LoRAWeights.ext) computes
-# every slot's shrink inside its base GEMM; above it (prefill) that work would grow with the
-# tokens, and the shrink kernel multiplies each token by its own slot's A only
+# up to this many tokens (decode), a LoRA layer computes every slot's shrink inside its base
+# GEMM; above it (prefill) that work would grow with the tokens, and the shrink kernel
+# multiplies each token by its own slot's A only
 EXT_MAX_TOKENS = 256
 
 
@@ -30,7 +30,7 @@ class LoRAWeights:
 
     A merged layer (q|k|v, gate|up) has one A per part, stacked along the rank dim, and one B
     whose rows are the layer's output rows: part p's rows read A rows [p*R, (p+1)*R).
-    With `ext`, A is the view of the layer's weight rows after W's (append_rows): for a few
+    A is the view of the layer's weight rows after W's (parallel.LoRARows): for a few
     tokens one GEMM over [W; every slot's A] gives y and every slot's u at once; on an H200
     that cost 0.5-1 us a decode layer where a separate shrink kernel took ~6.
     """
@@ -41,7 +41,6 @@ class LoRAWeights:
     # the parts adapters may target (LoRAConfig.targets); the others stay zero and the
     # kernels skip them. None: all
     parts: tuple[int, ...] | None = None
-    ext: bool = False  # a's rows follow the base rows in the layer's weight
 
     @property
     def rank(self) -> int:
@@ -79,30 +78,34 @@ def lora_active(w: LoRAWeights | None) -> bool:
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 w: LoRAWeights | None) -> torch.Tensor:
     """linear(x) plus each token's adapter delta (linear(x) alone when the layer has no LoRA
-    or the step reads no adapter). `weight` may hold the slots' A rows after W's (w.ext)."""
+    or the step reads no adapter). With LoRA, `weight` holds every slot's A after W's rows.
+    A few tokens: one GEMM over all of it, then the expand reads each token's own slot's u.
+    More (prefill): the GEMM over W, and a shrink by each token's own slot only."""
     if w is None:
         return ops.linear(x, weight, bias)
     n = sum(w.slices)
     if not lora_active(w):
-        return ops.linear(x, weight[:n] if w.ext else weight, bias)
+        return ops.linear(x, weight[:n], bias)
     lora: LoRAInputs = get_forward_context().lora
-    if w.ext and x.shape[0] <= EXT_MAX_TOKENS:
-        out = ops.linear(x, weight)  # [T, out + L*P*R]: y, then every slot's u
-        y, u = out[:, :n], out[:, n:]
+    if x.shape[0] > EXT_MAX_TOKENS:
+        y = ops.linear(x, weight[:n], bias)
         if y.is_cuda:
-            from raygraph.model.triton_lora import lora_expand_
+            from raygraph.model.triton_lora import add_lora_
 
-            lora_expand_(y, u, w.b, lora.order, lora.sorted_slot, w.slices,
-                         w.parts or tuple(range(len(w.slices))), slot_stride=w.a.shape[1])
+            add_lora_(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices, w.parts)
             return y
-        return y.add_(expand_all(u, w.b, lora.token_slot, w.slices))
-    y = ops.linear(x, weight[:n] if w.ext else weight, bias)
+        return y.add_(lora_delta(x, w.a, w.b, lora.token_slot, w.slices))
+    out = ops.linear(x, weight)  # [T, out + L*P*R]: y, then every slot's u
+    y, u = out[:, :n], out[:, n:]
+    if bias is not None:
+        y.add_(bias)
     if y.is_cuda:
-        from raygraph.model.triton_lora import add_lora_
+        from raygraph.model.triton_lora import lora_expand_
 
-        add_lora_(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices, w.parts)
+        lora_expand_(y, u, w.b, lora.order, lora.sorted_slot, w.slices,
+                     w.parts or tuple(range(len(w.slices))), slot_stride=w.a.shape[1])
         return y
-    return y.add_(lora_delta(x, w.a, w.b, lora.token_slot, w.slices))
+    return y.add_(expand_all(u, w.b, lora.token_slot, w.slices))
 
 
 def num_lora_slots(model: nn.Module) -> int:

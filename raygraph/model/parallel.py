@@ -96,33 +96,41 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W split by output rows; each rank returns its slice of y."""
+class LoRARows(nn.Module):
+    """A linear layer whose weight may carry rows after W's (append_rows): a LoRA model
+    keeps every adapter slot's A there, so a decode GEMM also computes every slot's shrink
+    (model/lora_ops.py: lora_linear)."""
 
-    def __init__(self, in_f: int, out_f: int, comm: Comm, bias: bool = False) -> None:
+    def __init__(self, out_local: int) -> None:
         super().__init__()
-        self.comm = comm
-        local = _divide(out_f, comm.world_size, "output features")
-        self.weight = nn.Parameter(torch.empty(local, in_f), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
-        self.shard_dim = 0
-        self.lora: LoRAWeights | None = None  # adapter slots (raygraph/lora); B split as W
-        self.out_local = local
-        self.lora_rows = 0  # adapter A rows stored after W's (append_rows)
+        self.out_local = out_local  # W's rows on this rank
+        self.lora_rows = 0
+        self.lora: LoRAWeights | None = None  # the adapter slots (raygraph/lora)
 
     @property
     def base_weight(self) -> torch.Tensor:
-        """W, without the adapter rows a LoRA model may store after it."""
+        """W, without the adapter rows after it."""
         return self.weight[: self.out_local] if self.lora_rows else self.weight
 
     def append_rows(self, rows: int) -> None:
-        """Room for `rows` more output rows after W's (zeros) in one new weight, so a GEMM
-        over all of it also computes what those rows hold (LoRA: every slot's shrink)."""
+        """`rows` more rows (zeros) after W's, in one new weight."""
         w = self.weight.data
         ext = torch.zeros(w.shape[0] + rows, w.shape[1], dtype=w.dtype, device=w.device)
         ext[: w.shape[0]].copy_(w)
         self.weight = nn.Parameter(ext, requires_grad=False)
         self.lora_rows += rows
+
+
+class ColumnParallelLinear(LoRARows):
+    """y = x W^T with W split by output rows; each rank returns its slice of y."""
+
+    def __init__(self, in_f: int, out_f: int, comm: Comm, bias: bool = False) -> None:
+        local = _divide(out_f, comm.world_size, "output features")
+        super().__init__(local)  # adapters: B split as W, A whole
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(local, in_f), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
+        self.shard_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lora_linear(x, self.weight, self.bias, self.lora)
@@ -157,20 +165,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data[start : start + size].copy_(full.narrow(0, shard * size, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LoRARows):
     """y = x W^T with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, in_f: int, out_f: int, comm: Comm) -> None:
-        super().__init__()
+        super().__init__(out_f)  # adapters: A split as W, B replicated
         self.comm = comm
         local = _divide(in_f, comm.world_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_f, local), requires_grad=False)
         self.shard_dim = 1
-        self.lora: LoRAWeights | None = None  # adapter slots; A split as W, B replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # each rank's delta is partial (A split on the input), like its GEMM: one all-reduce
-        return self.comm.all_reduce(lora_linear(x, self.weight, None, self.lora))
+        # each rank's delta is partial (A split on the input), like its GEMM: one all-reduce.
+        # With adapter rows y is a view of a wider GEMM output: made contiguous (a copy of
+        # [T, out]) for the all-reduce and the ops after
+        return self.comm.all_reduce(lora_linear(x, self.weight, None, self.lora).contiguous())
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,8 +1,8 @@
 """GPU: the Triton LoRA shrink/expand kernels against the torch reference (bf16, ranks
 8/16/64 in rank-64 slots and rank 48 in rank-48 slots, one to three merged parts, random
 slots with base rows, sorted and unsorted token orders), replayed inside a CUDA graph while
-slots and inputs change; the linear layer's two-stream path equal to one stream; and a
-model with a mixed batch of adapters: graph logits equal eager, greedy tokens equal too."""
+slots and inputs change; a LoRA layer with its slots' A rows in its weight, both paths; and
+a model with a mixed batch of adapters: graph logits equal eager, greedy tokens equal too."""
 
 from __future__ import annotations
 
@@ -152,34 +152,33 @@ def test_triton_lora_replays_inside_a_cuda_graph():
                                    atol=3e-2, rtol=2e-2)
 
 
-def test_lora_linear_two_streams_equal_one_stream():
-    """lora_linear runs the shrink on a side stream beside the base GEMM: eagerly and in a
-    captured graph (two branches) it gives bitwise what GEMM, shrink, expand give in turn."""
-    from raygraph.model.triton_lora import add_lora_
-
-    torch.manual_seed(3)
-    t, k, slices = 64, 2048, (512, 128, 128)
+@pytest.mark.parametrize("t", [64, 300])
+def test_lora_linear_with_the_slots_a_rows_in_the_weight(t):
+    """A LoRA layer's weight holds every slot's A after W's rows. Up to EXT_MAX_TOKENS one
+    GEMM over all of it gives y and every slot's u (the expand reads each token's own at a
+    slot stride); above, the GEMM over W and the shrink kernel. Both equal the reference;
+    replayed in a captured graph with new inputs and slots, each equals its eager self."""
+    torch.manual_seed(t)
+    k, slices = 2048, (512, 128, 128)
     a, b = stacks(16, k, slices)
-    w = LoRAWeights(a, b, slices, parts=(0, 2))
     weight = torch.randn(sum(slices), k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    ext = torch.cat([weight, a.reshape(-1, k)])
+    w = LoRAWeights(ext[sum(slices):].view(a.shape), b, slices)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-    lora = lora_inputs(torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32))
-
-    def one_stream() -> torch.Tensor:
-        y = F.linear(x, weight)
-        add_lora_(y, x, a, b, lora.order, lora.sorted_slot, slices, (0, 2))
-        return y
-
+    slots = torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32)
+    lora = lora_inputs(slots)
     with forward_context(ForwardContext(attn=None, lora=lora)):
-        assert torch.equal(lora_linear(x, weight, None, w), one_stream())
+        got = lora_linear(x, ext, None, w)
+        want = reference(F.linear(x, weight), x, a, b, slots, slices)
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile before capture
-            lora_linear(x, weight, None, w)
+            lora_linear(x, ext, None, w)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = lora_linear(x, weight, None, w)
+            out = lora_linear(x, ext, None, w)
         for trial in range(3):
             new = lora_inputs(torch.randint(-1, NUM_SLOTS, (t,), dtype=torch.int32))
             for buf, src in zip((lora.token_slot, lora.order, lora.sorted_slot),
@@ -187,7 +186,7 @@ def test_lora_linear_two_streams_equal_one_stream():
                 buf.copy_(src)
             x.copy_(torch.randn_like(x))
             graph.replay()
-            assert torch.equal(out, one_stream()), trial
+            assert torch.equal(out, lora_linear(x, ext, None, w)), trial
 
 
 @pytest.fixture(scope="module")
