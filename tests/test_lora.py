@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from raygraph.cli import add_serve_args, lora_config
@@ -35,7 +36,8 @@ from raygraph.config import (
 from raygraph.graph.inputs import InputBuffers, host_inputs
 from raygraph.lora import LoRAAdapter, LoRAError, LoRASlots, read_adapter
 from raygraph.lora.slots import TARGETS
-from raygraph.model.lora_ops import lora_delta
+from raygraph.model.context import ForwardContext, LoRAInputs, forward_context
+from raygraph.model.lora_ops import EXT_MAX_TOKENS, LoRAWeights, lora_delta, lora_linear
 from raygraph.protocol import SamplingParams, SeqChunk, StepOutput, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import loaded_worker, serve_in_process
@@ -281,9 +283,10 @@ def slot_a(a_layers: list[torch.Tensor], slot: int) -> torch.Tensor:
 
 
 def test_slot_images_rewrite_the_whole_slot(adapters):
-    """One copy per stacked tensor writes what the per-module writes did, at every layer's
-    view; loaded over a previous occupant, nothing of it remains (projection kinds the new
-    adapter lacks are zeroed); a warm load equals a cold one; the other slot is untouched."""
+    """The image's copies (A per layer, B stacked) write what the per-module writes did, at
+    every layer's view; loaded over a previous occupant, nothing of it remains (projection
+    kinds the new adapter lacks are zeroed); a warm load equals a cold one; the other slot
+    is untouched."""
     w = loaded_worker(config(max_loras=2), 8)
     slots = w.lora_slots
     cfg = ModelConfig.from_pretrained(str(MODEL))
@@ -323,6 +326,44 @@ def test_a_level2_sleep_keeps_what_the_slots_hold(adapters):
         assert torch.equal(slot_a(a, 0), want[path][0]), path
         assert torch.equal(slot_a(a, 1), want[path][1]), path
     w.shutdown()
+
+
+def test_a_slot_emptied_after_the_first_sleep_stays_empty(adapters):
+    """A slot loaded before the arena's host copy and unloaded after it: the next level-2
+    wake must not bring its A rows back."""
+    w = loaded_worker(config(max_loras=2), 8)
+    w.load_lora(1, str(adapters[2]))
+    w.sleep(2)
+    w.wake_up()
+    w.unload_lora(1)
+    w.sleep(2)
+    w.wake_up()
+    for a, b in w.lora_slots.stacks.values():
+        assert not slot_a(a, 1).any() and not b[:, 1].any()
+    w.shutdown()
+
+
+@pytest.mark.parametrize("tokens", [5, EXT_MAX_TOKENS + 3])
+def test_lora_linear_both_paths_equal_linear_plus_the_delta(tokens):
+    """A layer whose weight holds every slot's A after W's rows (a q|k|v-like layer with a
+    bias): a few tokens take the GEMM over all of it and expand every slot's u, more take
+    the GEMM over W and the reference delta; both equal linear(x) + lora_delta."""
+    g = torch.Generator().manual_seed(tokens)
+    k, slices, rank, slots = 32, (24, 8, 8), 16, 3
+    weight, bias = torch.randn(sum(slices), k, generator=g), torch.randn(sum(slices), generator=g)
+    a = torch.randn(slots, len(slices) * rank, k, generator=g)
+    b = torch.randn(slots, sum(slices), rank, generator=g)
+    ext = torch.cat([weight, a.reshape(-1, k)])
+    w = LoRAWeights(ext[sum(slices):].view(a.shape), b, slices)
+    x = torch.randn(tokens, k, generator=g)
+    token_slot = torch.randint(-1, slots, (tokens,), generator=g, dtype=torch.int32)
+    order = torch.argsort(token_slot, stable=True).to(torch.int32)
+    lora = LoRAInputs(token_slot, order, token_slot[order])
+    with forward_context(ForwardContext(attn=None, lora=lora)):
+        got = lora_linear(x, ext, bias, w)
+    want = F.linear(x, weight, bias) + lora_delta(x, a, b, token_slot, slices)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32, other sum orders
+    assert got.shape == (tokens, sum(slices))
 
 
 # step -> the prompts arriving: adapters come while others decode, and wait for 2 slots

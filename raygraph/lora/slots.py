@@ -8,7 +8,8 @@ views (contiguous, as the kernels want), allocated once: loads never reallocate,
 captured over the slots stay valid.
 
 An adapter is loaded from its slot image: the same layout for one slot, on the host, built
-once per adapter (the warm tier keeps it), so a promotion is one copy per stacked tensor.
+once per adapter (the warm tier keeps it), so a promotion is a copy per layer's A and one
+per stacked B.
 Under tensor parallelism each rank's image holds its shard, split as the base weight is: a
 column-parallel layer (q|k|v, gate|up) splits B by output rows exactly as its part of W (KV
 heads replicated included), A whole; a row-parallel layer (o, down) splits A by input
@@ -167,11 +168,14 @@ class LoRASlots:
         self._images[slot] = None
 
     def restore(self) -> None:
-        """Load every slot again from its image: after a level-2 wake, A rows kept in the
-        weights' arena come back as they were at the arena's first sleep."""
+        """Every slot written again as it was (its image, or zeros): after a level-2 wake the
+        A rows kept in the weights' arena come back as they were at the arena's first
+        sleep."""
         for slot, image in enumerate(self._images):
             if image is not None:
                 self.load(slot, image)
+            else:
+                self.clear(slot)
 
 
 def _write(linear: Linear, a_dst: torch.Tensor, b_dst: torch.Tensor, part: int, m: LoRAModule,

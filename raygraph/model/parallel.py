@@ -104,13 +104,12 @@ class LoRARows(nn.Module):
     def __init__(self, out_local: int) -> None:
         super().__init__()
         self.out_local = out_local  # W's rows on this rank
-        self.lora_rows = 0
         self.lora: LoRAWeights | None = None  # the adapter slots (raygraph/lora)
 
     @property
     def base_weight(self) -> torch.Tensor:
         """W, without the adapter rows after it."""
-        return self.weight[: self.out_local] if self.lora_rows else self.weight
+        return self.weight[: self.out_local]
 
     def append_rows(self, rows: int) -> None:
         """`rows` more rows (zeros) after W's, in one new weight."""
@@ -118,7 +117,6 @@ class LoRARows(nn.Module):
         ext = torch.zeros(w.shape[0] + rows, w.shape[1], dtype=w.dtype, device=w.device)
         ext[: w.shape[0]].copy_(w)
         self.weight = nn.Parameter(ext, requires_grad=False)
-        self.lora_rows += rows
 
 
 class ColumnParallelLinear(LoRARows):
