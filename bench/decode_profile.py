@@ -189,18 +189,26 @@ def gemm_table(configs: list[tuple[int, int, int, int]], ms: tuple[int, ...] = (
 
 
 def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], heads: int = 32,
-                  kv_heads: int = 8, head_dim: int = 64, bs: int = 16, sets: int = 4) -> dict:
+                  kv_heads: int = 8, head_dim: int = 64, bs: int = 16, sets: int = 4,
+                  shared: int = 0) -> dict:
     """The decode attention kernel alone (split + merge), replayed in a graph: microseconds
-    a call and the KV read rate (GB/s), per config (keys per tile, warps, stages[, splits];
-    "default": the shipped choice). Each call reads its own scattered blocks (`sets`
-    disjoint table sets, as different layers would), so small cases do not live in L2."""
+    a call and the KV read rate (GB/s, counting every sequence's keys), per config (keys per
+    tile, warps, stages[, splits]; "default": the shipped choice). Each call reads its own
+    scattered blocks (`sets` disjoint table sets, as different layers would), so small
+    cases do not live in L2. shared > 0: every table of a set starts with the same blocks
+    holding `shared` keys (a cached system prompt), and each config is timed without and
+    with the cascade ("+cascade")."""
     from raygraph.model.triton_attention import paged_decode_attention
 
     dt, nb = torch.bfloat16, -(-context // bs)
+    if shared // bs * bs > context - 1:
+        raise SystemExit(f"a shared prefix of {shared} keys leaves no own key at {context}")
     total = sets * batch * nb
     kc = torch.randn(total + 1, bs, kv_heads, head_dim, device="cuda", dtype=dt)
     vc = torch.randn_like(kc)
     tables = (torch.randperm(total, device="cuda", dtype=torch.int32) + 1).view(sets, batch, nb)
+    tables[:, :, : shared // bs] = tables[:, :1, : shared // bs].clone()
+    shared_len = torch.tensor([shared // bs * bs], dtype=torch.int32, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dt)
     k_new = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=dt)
@@ -208,16 +216,19 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     row: dict = {"batch": batch, "context": context}
     for cfg in [None, *configs]:
         tiles, splits = (cfg[:3], cfg[3] if len(cfg) > 3 else None) if cfg else (None, None)
+        for cascade in [False, True] if shared else [False]:
 
-        def call(i: int, tiles=tiles, splits=splits) -> torch.Tensor:  # stores, as in a step
-            return paged_decode_attention(q, kc, vc, tables[i % sets], lens, head_dim**-0.5,
-                                          k_new, k_new, tiles=tiles, splits=splits)
+            def call(i: int, tiles=tiles, splits=splits, cascade=cascade) -> torch.Tensor:
+                return paged_decode_attention(  # stores the step's K/V, as in a step
+                    q, kc, vc, tables[i % sets], lens, head_dim**-0.5, k_new, k_new,
+                    tiles=tiles, splits=splits, shared_len=shared_len if cascade else None)
 
-        try:
-            t = time_graph(call)
-            row[str(cfg or "default")] = [round(1e6 * t, 1), round(kv_bytes / t / 1e9)]
-        except Exception as e:  # a config the compiler refuses: say so
-            row[str(cfg)] = type(e).__name__
+            name = str(cfg or "default") + ("+cascade" if cascade else "")
+            try:
+                t = time_graph(call)
+                row[name] = [round(1e6 * t, 1), round(kv_bytes / t / 1e9)]
+            except Exception as e:  # a config the compiler refuses: say so
+                row[name] = type(e).__name__
     return row
 
 
@@ -232,12 +243,15 @@ def main() -> None:
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",
+                   help="--attention: every sequence starts with the same cached KEYS keys; "
+                        "time each config without and with the cascade")
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases]
     if a.attention is not None:
         configs = [tuple(int(v) for v in c.split(",")) for c in a.attention]
         for b, c in cases:
-            print(json.dumps(attention_row(b, c, configs)), flush=True)
+            print(json.dumps(attention_row(b, c, configs, shared=a.shared_prefix)), flush=True)
             torch.cuda.empty_cache()
         return
     if not a.skip_gemm:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from pathlib import Path
@@ -11,6 +12,10 @@ import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+if not torch.cuda.is_available():
+    # Triton kernels can run only in its interpreter here; it is chosen when triton is first
+    # imported (triton.language's own helpers are made then). Nothing else here runs them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,6 +26,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for n in (2, 4):
             if f"gpu{n}" in item.keywords and gpus < n:
                 item.add_marker(pytest.mark.skip(reason=f"needs {n} CUDA GPUs; {gpus} visible"))
+
+
+@pytest.fixture
+def interpreted():
+    """Imports a `raygraph.model` Triton module whose kernels run in Triton's interpreter on
+    CPU tensors: the GPU kernels' logic (indexing, masks, the online softmax, split bounds)
+    is checked on a machine without a GPU. The interpreter has no bfloat16 (it gives
+    garbage): tests use float16 and float32. With a GPU the same logic runs compiled, in
+    tests/gpu."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is visible: its tests run these kernels compiled")
+    pytest.importorskip("triton", reason="the Triton interpreter needs the triton package")
+    return lambda name: importlib.import_module(f"raygraph.model.{name}")
 
 
 @pytest.fixture(scope="session")

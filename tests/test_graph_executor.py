@@ -6,13 +6,21 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.buckets import bucket, capture_schedule, capture_sizes, default_capture_sizes
 from raygraph.graph.executor import EagerExecutor, GraphExecutor
-from raygraph.graph.inputs import InputBuffers, host_inputs, prepare_batch
+from raygraph.graph.inputs import (
+    CASCADE_MIN_SEQS,
+    CASCADE_MIN_TOKENS,
+    InputBuffers,
+    host_inputs,
+    prepare_batch,
+    shared_prefix_len,
+)
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import assert_close_across_shapes, randomise_caches
@@ -85,6 +93,58 @@ def test_buffers_pad_with_minus_one_slots_and_empty_sequences():
     assert (bufs.block_tables[1:4] == 0).all()
     with pytest.raises(ValueError, match="does not fit"):
         bufs.fill(h, num_tokens=2, num_seqs=8)
+
+
+def shared_plan(lens: list[int], shared_blocks: int, bs: int = 16) -> StepPlan:
+    """A decode step whose tables all start with the same `shared_blocks` blocks."""
+    prefix, nxt, chunks = list(range(100, 100 + shared_blocks)), 500, []
+    for i, n in enumerate(lens):
+        own = -(-n // bs) - shared_blocks
+        chunks.append(SeqChunk(i, [7], n - 1, prefix + list(range(nxt, nxt + own)), True))
+        nxt += own
+    return StepPlan(1, chunks)
+
+
+def test_shared_prefix_len_counts_blocks_every_table_starts_with():
+    bs, n = 16, CASCADE_MIN_SEQS
+    tables = lambda plan: np.array([c.block_table + [0] * (40 - len(c.block_table))  # noqa: E731
+                                    for c in plan.seqs])
+    plan = shared_plan([400 + i for i in range(n)], 20)  # 20 blocks = 320 keys shared
+    lens = [c.start_pos + 1 for c in plan.seqs]
+    assert shared_prefix_len(tables(plan), lens, bs) == 320
+    t = tables(plan)
+    t[3, 18] = 9  # one table leaves the prefix at block 18: 288 keys
+    assert shared_prefix_len(t, lens, bs) == 288
+    t[5, 2] = 9  # at block 2: too short to pay for a cascade
+    assert shared_prefix_len(t, lens, bs) == 0
+    assert shared_prefix_len(tables(plan)[: n - 1], lens[: n - 1], bs) == 0  # too few rows
+    # every key of the prefix comes before each sequence's newest key: a sequence of 321
+    # keys has its newest at position 320, so all 20 blocks; one of 320 keys only 19
+    assert shared_prefix_len(tables(plan), [321] + lens[1:], bs) == 320
+    assert shared_prefix_len(tables(plan), [320] + lens[1:], bs) == 304
+    assert CASCADE_MIN_TOKENS > 32 and shared_prefix_len(
+        tables(shared_plan([40] * n, 2)), [40] * n, bs) == 0
+
+
+def test_decode_buffers_carry_the_shared_prefix_length():
+    """The graph path writes the batch's shared prefix into the buffers (0 for prefill and
+    for a batch without one), and decode buckets of CASCADE_MIN_SEQS and more hand the
+    kernel its view; the eager path carries the same value."""
+    bufs = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"))
+    plan = shared_plan([400 + 3 * i for i in range(10)], 20)
+    bufs.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)
+    assert bufs.shared_len.tolist() == [320]
+    md = bufs.metadata(16, 16, 10, 1, 430, True)
+    assert md.shared_len is bufs.shared_len
+    assert bufs.metadata(4, 4, 4, 1, 430, True).shared_len is None  # no cascade compiled in
+    assert bufs.metadata(16, 16, 10, 1, 430, False).shared_len is None
+    assert prepare_batch(plan, 16, torch.device("cpu")).ctx.attn.shared_len.tolist() == [320]
+    bufs.fill(host_inputs(shared_plan([400] * 10, 0), 16), num_tokens=16, num_seqs=16)
+    assert bufs.shared_len.tolist() == [0]
+    bufs.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)
+    prefill = StepPlan(2, [SeqChunk(0, [5] * 3, 0, [1], True)])
+    bufs.fill(host_inputs(prefill, 16), num_tokens=16, num_seqs=16)
+    assert bufs.shared_len.tolist() == [0]
 
 
 def make_worker(model: str, mode: str, prefill_graph: str = "piecewise") -> Worker:

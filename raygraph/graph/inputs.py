@@ -56,6 +56,29 @@ def slot_mapping(tables: np.ndarray, token_seq: np.ndarray, positions: np.ndarra
     return blocks * block_size + positions % block_size
 
 
+# The decode kernel's cascade (one pass over a prefix every sequence shares, for the whole
+# batch) runs only in batches and over prefixes at least this large: below them it saves
+# less than its extra programs cost.
+CASCADE_MIN_SEQS = 8
+CASCADE_MIN_TOKENS = 256
+
+
+def shared_prefix_len(tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
+    """Keys at the start of every sequence that sit in the same physical blocks of every
+    table (a prompt prefix cached once, then reused), whole blocks before each sequence's
+    newest key: what the decode kernel's cascade attends over once for the batch. 0 when the
+    batch or the prefix is too small to pay. `tables`: row b is sequence b's table."""
+    b = len(seq_lens)
+    if b < CASCADE_MIN_SEQS or block_size == 0:
+        return 0
+    limit = (min(seq_lens) - 1) // block_size
+    if limit * block_size < CASCADE_MIN_TOKENS:
+        return 0
+    same = (tables[1:b, :limit] == tables[0, :limit]).all(axis=0)
+    shared = (limit if same.all() else int(same.argmin())) * block_size
+    return shared if shared >= CASCADE_MIN_TOKENS else 0
+
+
 def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInputs:
     """`lora`: the model has adapter slots, so the tokens' slots are read (a pass over the
     sequences a step that a model without LoRA does not pay)."""
@@ -132,6 +155,9 @@ def batch_from(h: HostInputs, device: torch.device) -> Batch:
     positions = t(h.positions)
     width = max(len(x) for x in h.tables)
     tables = _padded_tables(h.tables, width)
+    shared = None
+    if h.decode and h.num_seqs >= CASCADE_MIN_SEQS:
+        shared = t([shared_prefix_len(np.array(tables), h.seq_lens, h.block_size)], torch.int32)
     slots = h.slots if h.slots is not None else slot_mapping(
         np.array(tables), np.array(h.token_seq), np.array(h.positions), h.block_size).tolist()
     md = AttentionMetadata(
@@ -140,7 +166,7 @@ def batch_from(h: HostInputs, device: torch.device) -> Batch:
         query_start=t(query_starts(h.token_row, h.num_seqs).tolist(), torch.int32),
         positions=positions, token_seq=t(h.token_seq), token_row=t(h.token_row),
         num_tokens=h.num_tokens, max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
-        decode=h.decode,
+        decode=h.decode, shared_len=shared,
     )
     lora = None
     if h.lora is not None:
@@ -162,11 +188,11 @@ class InputBuffers:
     step's copy has run: the served loop sends step N+1 while step N runs, so write() waits
     on an event recorded after the last upload (it has nearly always run by then).
 
-    Layout: one byte buffer, [seq lens | query starts | token rows | LoRA rows | block
-    tables], so a step's inputs are one contiguous prefix (the tables' first rows end it) and
-    move in one copy. Strided copy_ calls of row slices stage through pageable memory
-    instead: with three of them, the fill took ~100 us a step on an H100 host
-    (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's slot, the
+    Layout: one byte buffer, [seq lens | query starts | shared prefix length | token rows |
+    LoRA rows | block tables], so a step's inputs are one contiguous prefix (the tables'
+    first rows end it) and move in one copy. Strided copy_ calls of row slices stage
+    through pageable memory instead: with three of them, the fill took ~100 us a step on an
+    H100 host (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's slot, the
     tokens sorted by slot, their slots in that order; padding tokens -1) exist only when
     `lora` is set: without it the layout is the plain model's.
 
@@ -183,7 +209,8 @@ class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
                  lora: bool = False):
         starts_at = max_seqs * 4
-        lens_end = -(-(starts_at + (max_seqs + 1) * 4) // 64) * 64  # token rows 8-byte aligned
+        shared_at = starts_at + (max_seqs + 1) * 4
+        lens_end = -(-(shared_at + 4) // 64) * 64  # token rows 8-byte aligned
         rows_end = lens_end + len(self.ROWS) * max_tokens * 8
         self._tables_at = rows_end + (3 * max_tokens * 4 if lora else 0)
         size = self._tables_at + max_seqs * max_blocks * 4
@@ -192,20 +219,23 @@ class InputBuffers:
 
         def views(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return (buf[:starts_at].view(torch.int32),
-                    buf[starts_at: starts_at + (max_seqs + 1) * 4].view(torch.int32),
+                    buf[starts_at: shared_at].view(torch.int32),
+                    buf[shared_at: shared_at + 4].view(torch.int32),
                     buf[lens_end: rows_end].view(torch.long).view(len(self.ROWS), -1),
                     buf[self._tables_at:].view(torch.int32).view(max_seqs, max_blocks))
 
-        self.host_lens, self.host_starts, self.host_tokens, self.host_tables = views(self.host)
-        self.seq_lens, self.query_start, self.tokens, self.block_tables = views(
-            self.device_bytes)
+        (self.host_lens, self.host_starts, self.host_shared, self.host_tokens,
+         self.host_tables) = views(self.host)
+        (self.seq_lens, self.query_start, self.shared_len, self.tokens,
+         self.block_tables) = views(self.device_bytes)
         # [slot | order | sorted slot] x max_tokens, int32
         self.lora = (self.device_bytes[rows_end: self._tables_at].view(torch.int32)
                      .view(3, max_tokens) if lora else None)
         self._lora = (self.host[rows_end: self._tables_at].view(torch.int32).view(3, max_tokens)
                       .numpy() if lora else None)
-        self._tok, self._tables, self._lens, self._starts = (t.numpy() for t in (
-            self.host_tokens, self.host_tables, self.host_lens, self.host_starts))
+        self._tok, self._tables, self._lens, self._starts, self._shared = (t.numpy() for t in (
+            self.host_tokens, self.host_tables, self.host_lens, self.host_starts,
+            self.host_shared))
         self._arange = np.arange(max(max_tokens, max_seqs), dtype=np.int64)
         self._tok[[2, 6]] = -1
         self.tokens[[2, 6]] = -1
@@ -288,6 +318,7 @@ class InputBuffers:
         if h.slots is None:  # after the tables: the slots are read from them
             tok[2, :n] = slot_mapping(tables, tok[3, :n], tok[1, :n], h.block_size)
         self._lens[:b] = h.seq_lens
+        self._shared[0] = shared_prefix_len(tables, h.seq_lens, h.block_size) if h.decode else 0
         if not h.decode:  # the prefill kernel's offsets; padding sequences are empty
             self._starts[: b + 1] = query_starts(tok[4, :n], b)
             self._starts[b + 1: num_seqs + 1] = n
@@ -330,5 +361,6 @@ class InputBuffers:
                      self.positions[:num_tokens], self.token_seq[:num_tokens],
                      self.token_row[:num_tokens])
             self._views[(num_tokens, num_seqs)] = views
+        shared = self.shared_len if decode and num_seqs >= CASCADE_MIN_SEQS else None
         return AttentionMetadata(*views, num_tokens=num_real, max_q_len=max_q_len,
-                                 max_kv_len=max_kv_len, decode=decode)
+                                 max_kv_len=max_kv_len, decode=decode, shared_len=shared)

@@ -29,6 +29,9 @@ class AttentionMetadata:
     max_q_len: int
     max_kv_len: int
     decode: bool = False  # every sequence has exactly one query token
+    # decode: [1] int32, keys at the start of every sequence held in the same blocks (the
+    # kernel's cascade reads them once for the batch); None: the cascade is not compiled in
+    shared_len: torch.Tensor | None = None
 
 
 @dataclass

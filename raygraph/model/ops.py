@@ -213,7 +213,7 @@ def paged_attention(
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      k, v, window)
+                                      k, v, window, shared_len=md.shared_len)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
     if q.is_cuda:
         from raygraph.model.triton_attention import paged_prefill_attention

@@ -12,6 +12,14 @@ seq_len - 1) and the split holding that position folds it in from registers afte
 loop over cached keys, not from the cache: no separate store kernel and no ordering between
 programs. Padding rows store nothing. A split with no keys stores nothing either; the merge
 derives the same split bounds from `seq_lens` and skips it.
+
+Cascade: when every sequence of the batch starts with the same physical blocks (a shared
+system prompt under prefix caching), `shared_len` [1] says how many keys that prefix holds.
+Extra programs then attend ROWS (sequence, query head) rows of a KV head at a time over the
+prefix, reading each K/V tile once for the whole batch instead of once per sequence; the
+per-sequence splits start after it, and the merge folds both sets of partials. The
+prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
+extra programs exit at once) and any other length.
 """
 
 from __future__ import annotations
@@ -21,23 +29,114 @@ import triton
 import triton.language as tl
 
 TILE = 64
+PREFIX_ROWS = 64  # (sequence, query head) rows a cascade program attends over the prefix
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _decode_split_kernel(
-    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, ml_ptr, acc_ptr,
+    scale, num_seqs, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kb, stride_ks, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    CASCADE: tl.constexpr, ROWS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    TOTAL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    d = tl.arange(0, D)
+    if CASCADE:
+        shared = tl.load(shared_ptr)
+        if b >= num_seqs:  # a cascade program: ROWS query rows over the shared prefix
+            if split < PREFIX_SPLITS:
+                _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale,
+                              b - num_seqs, kvh, split, shared, num_seqs, d, stride_qt,
+                              stride_qh, stride_kb, stride_ks, stride_ch, GROUP, D, BS, TILE,
+                              SPLITS, PREFIX_SPLITS, TOTAL, NUM_HEADS, ROWS, PRECISION,
+                              STAGES)
+        else:
+            _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr,
+                       acc_ptr, scale, b, kvh, split, shared, d, stride_qt, stride_qh,
+                       stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_ks,
+                       stride_ch, stride_bt, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
+                       NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL)
+    else:
+        _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
+                   scale, b, kvh, split, 0, d, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, GROUP,
+                   GROUP_PAD, D, BS, TILE, SPLITS, NUM_HEADS, STORE, WINDOW, PRECISION,
+                   STAGES, CASCADE, TOTAL)
+
+
+@triton.jit
+def _first_key(seq_len, shared, WINDOW: tl.constexpr, CASCADE: tl.constexpr):
+    """The first key the per-sequence splits cover: the window's first key, or the one
+    after the shared prefix (which the cascade programs cover)."""
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    elif CASCADE:
+        first = tl.minimum(shared, seq_len)
+    return first
+
+
+@triton.jit
+def _split_range(first, end, split, SPLITS: tl.constexpr, TILE: tl.constexpr):
+    """Keys [start, stop) of one split of [first, end) (a vector of splits in the merge):
+    whole tiles from `first`."""
+    per_split = tl.cdiv(tl.cdiv(end - first, SPLITS), TILE) * TILE
+    start = first + split * per_split
+    return start, tl.minimum(start + per_split, end)
+
+
+@triton.jit
+def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
+            stride_kb, stride_ks, stride_ch, BS: tl.constexpr, TILE: tl.constexpr,
+            PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """Keys [start, end) of one block table into the online softmax of the rows of q."""
+    t = tl.arange(0, TILE)
+    for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
+        pos = pos0 + t
+        kmask = pos < end
+        blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
+        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
+            + d[None, :]
+        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+        scores = tl.where(kmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l_sum, acc
+
+
+@triton.jit
+def _store_partials(ml_ptr, acc_ptr, row, m, l_sum, acc, mask, d, D: tl.constexpr):
+    # partials: ml [B, Hq, TOTAL, 2], acc [B, Hq, TOTAL, D]; row = (b, head, split) flat
+    tl.store(ml_ptr + row * 2, m, mask=mask)
+    tl.store(ml_ptr + row * 2 + 1, l_sum, mask=mask)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=mask[:, None])
+
+
+@triton.jit
+def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
+               scale, b, kvh, split, shared, d, stride_qt, stride_qh, stride_kt, stride_kh,
+               stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+               BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+               NUM_HEADS: tl.constexpr, STORE: tl.constexpr, WINDOW: tl.constexpr,
+               PRECISION: tl.constexpr, STAGES: tl.constexpr, CASCADE: tl.constexpr,
+               TOTAL: tl.constexpr):
+    """One split of one sequence's own keys (after any shared prefix); split 0 stores the
+    step's K/V."""
     seq_len = tl.load(lens_ptr + b)
     last = seq_len - 1
-    d = tl.arange(0, D)
     k_last = tl.zeros([D], tl.float32)
     v_last = k_last
     if STORE:
@@ -48,90 +147,89 @@ def _decode_split_kernel(
             off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
             tl.store(k_ptr + off, k_last)
             tl.store(v_ptr + off, v_last)
-    start, end = _split_range(seq_len, split, SPLITS, TILE, WINDOW)
+    start, end = _split_range(_first_key(seq_len, shared, WINDOW, CASCADE), seq_len, split,
+                              SPLITS, TILE)
     if start < end:  # NOTE: an empty split stores nothing; the merge skips it the same way
-        _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, k_last, v_last,
-                      b, kvh, split, start, end, last, d, stride_qt, stride_qh, stride_kb,
-                      stride_ks, stride_ch, stride_bt, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
-                      NUM_HEADS, STORE, PRECISION, STAGES)
+        g = tl.arange(0, GROUP_PAD)
+        gmask = g < GROUP
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)  # [G, D]
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        cached_end = end
+        if STORE:  # the newest key is folded in after the loop, from registers
+            cached_end = tl.minimum(end, last)
+        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
+                                scale, start, cached_end, kvh, d, stride_kb, stride_ks,
+                                stride_ch, BS, TILE, PRECISION, STAGES)
+        if STORE:
+            if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop
+                # cost ~50% of the kernel (a layout conversion every tile); one rank-1 update
+                s_last = tl.sum(q.to(tl.float32) * k_last.to(tl.float32)[None, :], axis=1) \
+                    * scale
+                m_new = tl.maximum(m, s_last)
+                p_last = tl.exp(s_last - m_new)
+                alpha = tl.exp(m - m_new)
+                l_sum = l_sum * alpha + p_last
+                acc = acc * alpha[:, None] + p_last[:, None] * v_last.to(tl.float32)[None, :]
+                m = m_new
+        _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m, l_sum,
+                        acc, gmask, d, D)
 
 
 @triton.jit
-def _split_range(seq_len, split, SPLITS: tl.constexpr, TILE: tl.constexpr,
-                 WINDOW: tl.constexpr):
-    """Keys [start, end) of one split (a vector of splits in the merge): whole tiles, the
-    last WINDOW keys only when WINDOW > 0."""
-    first = 0
-    if WINDOW > 0:
-        first = tl.maximum(seq_len - WINDOW, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), TILE) * TILE
-    start = first + split * per_split
-    return start, tl.minimum(start + per_split, seq_len)
+def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, rb, kvh, split,
+                  shared, num_seqs, d, stride_qt, stride_qh, stride_kb, stride_ks, stride_ch,
+                  GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  TILE: tl.constexpr, SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+                  TOTAL: tl.constexpr, NUM_HEADS: tl.constexpr, ROWS: tl.constexpr,
+                  PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """One split of the shared prefix for ROWS (sequence, query head) rows of one KV head:
+    each K/V tile is read once for all of them. The prefix's blocks are every row's first
+    blocks, so sequence 0's table is read. Partials go after the sequences' own splits."""
+    start, end = _split_range(0, shared, split, PREFIX_SPLITS, TILE)
+    if start < end:
+        r = rb * ROWS + tl.arange(0, ROWS)
+        seq = r // GROUP
+        heads = kvh * GROUP + r % GROUP
+        rmask = seq < num_seqs
+        q = tl.load(q_ptr + seq[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None], other=0.0)  # [ROWS, D]
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l_sum = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, scale, start, end,
+                                kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION,
+                                STAGES)
+        _store_partials(ml_ptr, acc_ptr, (seq * NUM_HEADS + heads) * TOTAL + SPLITS + split,
+                        m, l_sum, acc, rmask, d, D)
 
 
 @triton.jit
-def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, k_last, v_last,
-                  b, kvh, split, start, end, last, d, stride_qt, stride_qh, stride_kb,
-                  stride_ks, stride_ch, stride_bt, GROUP: tl.constexpr,
-                  GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                  TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  STORE: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    g = tl.arange(0, GROUP_PAD)
-    t = tl.arange(0, TILE)
-    gmask = g < GROUP
-    heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None], other=0.0)  # [G, D]
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    cached_end = end
-    if STORE:  # the newest key is folded in after the loop, from registers
-        cached_end = tl.minimum(end, last)
-    for pos0 in tl.range(start, cached_end, TILE, num_stages=STAGES):
-        pos = pos0 + t
-        kmask = pos < cached_end
-        blk = tl.load(tables_ptr + b * stride_bt + pos // BS, mask=kmask, other=0).to(tl.int64)
-        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
-            + d[None, :]
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, TILE]
-        scores = tl.where(kmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-    if STORE:
-        if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop cost
-            # ~50% of the kernel (a layout conversion every tile); one rank-1 update here
-            s_last = tl.sum(q.to(tl.float32) * k_last.to(tl.float32)[None, :], axis=1) * scale
-            m_new = tl.maximum(m, s_last)
-            p_last = tl.exp(s_last - m_new)
-            alpha = tl.exp(m - m_new)
-            l_sum = l_sum * alpha + p_last
-            acc = acc * alpha[:, None] + p_last[:, None] * v_last.to(tl.float32)[None, :]
-            m = m_new
-    # partials: ml [B, Hq, SPLITS, 2], acc [B, Hq, SPLITS, D]
-    row = (b * NUM_HEADS + heads) * SPLITS + split
-    tl.store(ml_ptr + row * 2, m, mask=gmask)
-    tl.store(ml_ptr + row * 2 + 1, l_sum, mask=gmask)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-
-
-@triton.jit
-def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, stride_ot, stride_oh,
+def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_ot, stride_oh,
                          D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                         TILE: tl.constexpr, WINDOW: tl.constexpr):
+                         TILE: tl.constexpr, WINDOW: tl.constexpr, CASCADE: tl.constexpr,
+                         PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
+    s = tl.arange(0, TOTAL)  # the sequence's own splits, then (cascade) the prefix's
     d = tl.arange(0, D)
-    start, end = _split_range(tl.load(lens_ptr + b), s, SPLITS, TILE, WINDOW)
+    seq_len = tl.load(lens_ptr + b)
+    shared = 0
+    if CASCADE:
+        shared = tl.load(shared_ptr)
+    start, end = _split_range(_first_key(seq_len, shared, WINDOW, CASCADE), seq_len, s % SPLITS,
+                              SPLITS, TILE)
+    if CASCADE:  # lanes SPLITS.. are the prefix's splits; a padding row has none
+        p_start, p_end = _split_range(0, shared, s - SPLITS, PREFIX_SPLITS, TILE)
+        own = s < SPLITS
+        start = tl.where(own, start, p_start)
+        end = tl.where(own, end, tl.where((seq_len > 0) & (s < SPLITS + PREFIX_SPLITS), p_end,
+                                          p_start))
     used = start < end  # the splits that stored partials (none for a padding row: zeros)
-    row = (b * NUM_HEADS + h) * SPLITS + s
+    row = (b * NUM_HEADS + h) * TOTAL + s
     m = tl.load(ml_ptr + row * 2, mask=used, other=float("-inf"))
     l_sum = tl.load(ml_ptr + row * 2 + 1, mask=used, other=0.0)
     acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
@@ -161,11 +259,15 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None, window: int = 0, tiles: DecodeTiles | None = None,
-    splits: int | None = None,
+    splits: int | None = None, shared_len: torch.Tensor | None = None,
+    prefix_splits: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
-    window > 0: the query sees only its sequence's last `window` keys. `tiles` and `splits`
-    override the defaults (the bench's sweep)."""
+    window > 0: the query sees only its sequence's last `window` keys. shared_len [1] int32:
+    keys at the start of every real row's table that are the same blocks in every row, all
+    before each row's newest key (0: none); cascade programs attend over them once for the
+    batch (not with a window). `tiles`, `splits` and `prefix_splits` (<= splits) override
+    the defaults (the bench's sweep)."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -173,25 +275,35 @@ def paged_decode_attention(
     tile, warps, stages = tiles or DECODE_TILES
     splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
                                   tile)
-    ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
+    cascade = shared_len is not None and window == 0
+    total = splits * (2 if cascade else 1)
+    ml = torch.empty(num_seqs, num_heads, total, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(num_seqs, num_heads, total, head_dim, dtype=torch.float32,
                       device=q.device)
     out = torch.empty_like(q)
     store = k_new is not None
     kn, vn = (k_new, v_new) if store else (q, q)
     if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must be contiguous and alike")
-    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, ml, acc, scale,
+    prefix_programs = -(-num_seqs * group // PREFIX_ROWS) if cascade else 0
+    # the prefix's splits: enough programs to fill the GPU, and no more partials than that
+    prefix_splits = min(splits, prefix_splits or triton.next_power_of_2(
+        -(-FILL_PROGRAMS // max(1, prefix_programs * num_kv_heads))))
+    shared = shared_len if cascade else seq_lens  # (not read without the cascade)
+    _decode_split_kernel[(num_seqs + prefix_programs, num_kv_heads, splits)](
+        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, scale, num_seqs,
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STAGES=stages, num_warps=warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STAGES=stages,
+        CASCADE=cascade, ROWS=PREFIX_ROWS, PREFIX_SPLITS=prefix_splits, TOTAL=total,
+        num_warps=warps,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
-        ml, acc, out, seq_lens, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
-        NUM_HEADS=num_heads, TILE=tile, WINDOW=window, num_warps=1,
+        ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
+        NUM_HEADS=num_heads, TILE=tile, WINDOW=window, CASCADE=cascade,
+        PREFIX_SPLITS=prefix_splits, TOTAL=total, num_warps=1,
     )
     return out
 

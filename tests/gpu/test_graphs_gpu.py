@@ -78,6 +78,47 @@ def test_triton_decode_stores_new_kv_and_skips_padding_rows():
         assert (got[len(lens):] == 0).all()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_decode_cascade_in_one_graph(head_dim):
+    """A shared 1024-key prefix under 64 sequences: the cascade (graph captured once with
+    the shared-length buffer) matches the reference at that length and at 0, replayed in
+    the same graph; the step's K/V is stored the same way."""
+    from raygraph.model.ops import store_kv
+    from raygraph.model.triton_attention import paged_decode_attention
+
+    torch.manual_seed(head_dim)
+    bs, hkv, group, shared_blocks, b = 16, 8, 4, 64, 64
+    lens = [shared_blocks * bs + 1 + random.Random(i).randrange(0, 200) for i in range(b)]
+    own = [-(-n // bs) - shared_blocks for n in lens]
+    blocks = shared_blocks + sum(own)
+    perm = torch.randperm(blocks).tolist()
+    prefix, used, seqs = perm[:shared_blocks], shared_blocks, []
+    for i, n in enumerate(lens):
+        seqs.append(SeqChunk(i, [1], n - 1, prefix + perm[used: used + own[i]], True))
+        used += own[i]
+    md = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda")).ctx.attn
+    assert md.shared_len.item() == shared_blocks * bs
+    kc = torch.randn(blocks + 1, bs, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(b, hkv * group, head_dim, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = torch.randn(2, b, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(k_new, v_new, ref_k, ref_v, md.slot_mapping)
+    ref = paged_attention_ref(q, ref_k, ref_v, md, head_dim**-0.5)
+    shared = md.shared_len.clone()
+    call = lambda: paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens,  # noqa: E731
+                                          head_dim**-0.5, k_new, v_new, shared_len=shared)
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for length in (shared_blocks * bs, 0, 512):
+        shared.fill_(length)
+        graph.replay()
+        assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("vocab", [1000, 32000, 151936])
 def test_greedy_argmax_kernel_matches_torch(vocab):
     """First index on ties (planted across lanes and across loop tiles), all -inf rows."""

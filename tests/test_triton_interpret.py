@@ -1,0 +1,155 @@
+"""The GPU attention kernels run by Triton's interpreter on CPU tensors, against the torch
+reference: decode (splits, the step's own K/V stored, padding rows, a window, the cascade
+over a shared prefix) and prefill. Small shapes: the interpreter runs every program in
+numpy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from raygraph.graph.inputs import prepare_batch
+from raygraph.model.ops import paged_attention_ref, store_kv
+from raygraph.protocol import SeqChunk, StepPlan
+
+BS, HKV, GROUP, D = 16, 2, 4, 64
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    # a few roundings of p and of the sums, as the GPU tests allow
+    eps = torch.finfo(dtype).eps
+    return dict(atol=8 * eps, rtol=8 * eps)
+
+
+def decode_seqs(lens: list[int], shared: int, blocks: int, rng: random.Random
+                ) -> list[SeqChunk]:
+    """One decode token per sequence of the given kv lengths; each table starts with the
+    same `shared` blocks (a cached system prompt), then blocks of its own."""
+    perm = list(range(blocks))
+    rng.shuffle(perm)
+    prefix, used, seqs = perm[:shared], shared, []
+    for i, n in enumerate(lens):
+        own = -(-n // BS) - shared
+        assert own >= 1, "the newest key sits in a block of the sequence's own"
+        seqs.append(SeqChunk(i, [1], n - 1, prefix + perm[used: used + own], True))
+        used += own
+    return seqs
+
+
+def decode_case(dtype: torch.dtype, lens: list[int], shared: int, pad: int, seed: int):
+    """Caches, a batch with `pad` padding rows (kv length 0, a zero table row), queries and
+    the step's K/V; the reference output over the cache with the step's K/V stored."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    blocks = shared + sum(-(-n // BS) - shared for n in lens)
+    kc = torch.randn(blocks + 1, BS, HKV, D, dtype=dtype)
+    vc = torch.randn_like(kc)
+    md = prepare_batch(StepPlan(0, decode_seqs(lens, shared, blocks, rng)), BS,
+                       torch.device("cpu")).ctx.attn
+    tables = torch.cat([md.block_tables, md.block_tables.new_zeros(pad, md.block_tables.shape[1])])
+    seq_lens = torch.cat([md.seq_lens, md.seq_lens.new_zeros(pad)])
+    b = len(lens) + pad
+    q = torch.randn(b, HKV * GROUP, D, dtype=dtype)
+    k_new, v_new = torch.randn(2, b, HKV, D, dtype=dtype)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(k_new[: len(lens)], v_new[: len(lens)], ref_k, ref_v, md.slot_mapping)
+    ref = paged_attention_ref(q[: len(lens)], ref_k, ref_v, md, D**-0.5)
+    return kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_kernel_stores_and_attends(interpreted, dtype):
+    """Splits over each sequence's keys, the newest key stored and folded in, padding rows
+    zero and storing nothing."""
+    attn = interpreted("triton_attention")
+    lens = [1, 17, 64, 65, 150]
+    kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref = decode_case(
+        dtype, lens, 0, 2, seed=1)
+    got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, D**-0.5, k_new, v_new,
+                                      splits=4)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    torch.testing.assert_close(got[: len(lens)], ref, **tolerance(dtype))
+    assert (got[len(lens):] == 0).all()
+
+
+@pytest.mark.parametrize("shared_len,dtype,prefix_splits", [
+    (0, torch.float16, 2), (64, torch.float32, 2), (80, torch.float16, 1),
+    (160, torch.float32, 1)])
+def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, prefix_splits):
+    """Cascade programs attend over the first `shared_len` keys of every row once, the
+    splits over the rest: the same output as the reference, with padding rows and a batch
+    of more rows than one cascade program holds (group 4 x 20 sequences = 80 > 64). 0 turns
+    the cascade off inside the same launch; 80 is not a whole tile of keys; the prefix in
+    fewer splits than the sequences' own leaves some partials unused."""
+    attn = interpreted("triton_attention")
+    rng = random.Random(shared_len)
+    lens = [177 + rng.randrange(0, 60) for _ in range(20)]  # 11 shared blocks: 176 keys
+    kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref = decode_case(
+        dtype, lens, 11, 3, seed=shared_len)
+    shared = torch.tensor([shared_len], dtype=torch.int32)
+    got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, D**-0.5, k_new, v_new,
+                                      splits=2, shared_len=shared, prefix_splits=prefix_splits)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    torch.testing.assert_close(got[: len(lens)], ref, **tolerance(dtype))
+    assert (got[len(lens):] == 0).all()
+
+
+def test_decode_window_ignores_the_cascade(interpreted):
+    """With a window the splits start at the window's first key; a shared prefix is not
+    used (the window's keys differ per row)."""
+    attn = interpreted("triton_attention")
+    lens = [40, 100, 190]
+    kc, vc, tables, seq_lens, q, _, _, _, _, _ = decode_case(torch.float32, lens, 0, 0, seed=3)
+    md = prepare_batch(StepPlan(0, [SeqChunk(i, [1], n - 1, tables[i, : -(-n // BS)].tolist(),
+                                             True) for i, n in enumerate(lens)]),
+                       BS, torch.device("cpu")).ctx.attn
+    ref = paged_attention_ref(q, kc, vc, md, D**-0.5, window=37)
+    shared = torch.tensor([32], dtype=torch.int32)
+    got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, D**-0.5, window=37,
+                                      splits=2, shared_len=shared)
+    torch.testing.assert_close(got, ref, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_kernel_matches_reference(interpreted, dtype):
+    """Packed chunks over cached prefixes, GQA, padding rows zeroed."""
+    attn = interpreted("triton_attention")
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    blocks = 64
+    perm = list(range(blocks))
+    rng.shuffle(perm)
+    seqs, used = [], 0
+    for i, (n, ctx) in enumerate([(5, 0), (40, 70), (1, 33), (70, 0)]):
+        nb = -(-(ctx + n) // BS)
+        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
+        used += nb
+    kc = torch.randn(blocks + 1, BS, HKV, D, dtype=dtype)
+    vc = torch.randn_like(kc)
+    md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cpu")).ctx.attn
+    q = torch.randn(md.num_tokens + 9, HKV * GROUP, D, dtype=dtype)
+    ref = paged_attention_ref(q[: md.num_tokens], kc, vc, md, D**-0.5)
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    got = attn.paged_prefill_attention(q, kc, vc, md.block_tables, md.seq_lens, md.query_start,
+                                       D**-0.5, out=out)
+    torch.testing.assert_close(got[: md.num_tokens], ref, **tolerance(dtype))
+    assert (got[md.num_tokens:] == 0).all()
+
+
+def test_decode_cascade_from_the_batch_metadata(interpreted):
+    """The host's shared-prefix length (prepare_batch) drives the kernel: a cached 272-key
+    system prompt under 8 sequences, the step's K/V stored through the same call."""
+    attn = interpreted("triton_attention")
+    lens = [273 + 9 * i for i in range(8)]  # 17 shared blocks, then each sequence's own
+    kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref = decode_case(
+        torch.float16, lens, 17, 0, seed=11)
+    plan = StepPlan(0, [SeqChunk(i, [1], n - 1, tables[i, : -(-n // BS)].tolist(), True)
+                        for i, n in enumerate(lens)])
+    md = prepare_batch(plan, BS, torch.device("cpu")).ctx.attn
+    assert md.shared_len.tolist() == [272]
+    got = attn.paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, D**-0.5, k_new,
+                                      v_new, shared_len=md.shared_len)
+    assert torch.equal(kc, ref_k)
+    torch.testing.assert_close(got, ref, **tolerance(torch.float16))

@@ -1,0 +1,116 @@
+"""The GPU's elementwise, skinny-GEMM and LoRA kernels run by Triton's interpreter on CPU
+tensors (float16 and float32: the interpreter has no bfloat16), against the torch paths
+the CPU runs (`ops`, `lora_ops`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raygraph.graph.inputs import sort_by_slot
+from raygraph.model import ops
+from raygraph.model.lora_ops import lora_delta
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_pos, head_dim / 2] fp32, as model/rope.py makes them."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), inv)
+    return freqs.cos(), freqs.sin()
+
+
+def tolerance(dtype: torch.dtype, ulps: int = 8) -> dict:
+    eps = torch.finfo(dtype).eps
+    return dict(atol=ulps * eps, rtol=ulps * eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_norms_silu_argmax_and_kv_store(interpreted, dtype):
+    k_ops = interpreted("triton_ops")
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 5, 96, dtype=dtype)  # a width that is not a power of two
+    w = torch.rand(96, dtype=dtype) + 0.5
+    torch.testing.assert_close(k_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6),
+                               **tolerance(dtype))
+    got, total = k_ops.add_rms_norm(x, r, w, 1e-6)
+    want, want_total = ops.add_rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    assert torch.equal(total, want_total)
+    gu = torch.randn(7, 2 * 1100, dtype=dtype)  # more columns than one tile
+    torch.testing.assert_close(k_ops.silu_and_mul(gu), ops.silu_and_mul(gu), **tolerance(dtype))
+    logits = torch.randn(4, 3000, dtype=dtype)
+    logits[1, [17, 2999]] = 50.0  # a tie: the first index wins
+    logits[2] = float("-inf")
+    assert torch.equal(k_ops.argmax(logits), logits.argmax(-1))
+    k, v = torch.randn(2, 6, 2, 8, dtype=dtype)
+    caches = [torch.zeros(5, 4, 2, 8, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([3, -1, 0, 18, 7, -1])  # -1: padding, writes nothing
+    k_ops.store_kv(k, v, caches[0], caches[1], slots)
+    ops.store_kv(k, v, caches[2], caches[3], slots)
+    caches[2].view(-1, 2, 8)[-1] = 0  # the torch path parks padding rows in the scratch slot
+    caches[3].view(-1, 2, 8)[-1] = 0
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotary_in_place(interpreted, dtype):
+    k_ops = interpreted("triton_ops")
+    torch.manual_seed(1)
+    cos, sin = rope_tables(32, 512, 10000.0)
+    q, k = torch.randn(5, 6, 32, dtype=dtype), torch.randn(5, 2, 32, dtype=dtype)
+    pos = torch.tensor([0, 3, 100, 511, 7])
+    want_q, want_k = ops.rotary(q, k, cos, sin, pos)
+    k_ops.rotary_(q, k, cos, sin, pos)
+    torch.testing.assert_close(q, want_q, **tolerance(dtype))
+    torch.testing.assert_close(k, want_k, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_skinny_gemms_with_their_epilogues(interpreted, m):
+    """Plain with a bias (N not a multiple of the tile), gate|up with silu*mul, q|k|v with
+    rotary: the row kernel (m = 1) and the tensor-core kernel (m > 1)."""
+    gemv = interpreted("triton_gemv")
+    torch.manual_seed(m)
+    dt, k = torch.float16, 256
+    tol = dict(atol=2e-3, rtol=2e-3)  # fp16 rounding of sums over 256 products
+    x = torch.randn(m, k, dtype=dt)
+    w, bias = torch.randn(100, k, dtype=dt) * 0.05, torch.randn(100, dtype=dt)
+    want = F.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(gemv.gemv(x, w, bias).float(), want, **tol)
+    gu = torch.randn(2 * 64, k, dtype=dt) * 0.05
+    want = ops.silu_and_mul(F.linear(x.float(), gu.float()))
+    torch.testing.assert_close(gemv.gemv_silu_mul(x, gu).float(), want, **tol)
+    hq, hk, d = 4, 2, 32
+    wqkv = torch.randn((hq + 2 * hk) * d, k, dtype=dt) * 0.05
+    cos, sin = rope_tables(d, 64, 10000.0)
+    pos = torch.arange(m) * 5 + 1
+    got = gemv.gemv_rotary(x, wqkv, None, pos, cos, sin, d, hq + hk)
+    q, kk, v = F.linear(x.float(), wqkv.float()).split([hq * d, hk * d, hk * d], dim=-1)
+    q, kk = ops.rotary(q.view(m, hq, d), kk.view(m, hk, d), cos, sin, pos)
+    torch.testing.assert_close(got.float(), torch.cat([q.flatten(1), kk.flatten(1), v], 1),
+                               **tol)
+
+
+def test_lora_shrink_and_expand(interpreted):
+    """Each token's slot (-1: none) through the shrink + expand kernels, and the expand at
+    a slot stride over every slot's u; base rows untouched bitwise."""
+    lora = interpreted("triton_lora")
+    torch.manual_seed(2)
+    dt, slots_n, rank, k, slices, t = torch.float32, 3, 16, 64, (48, 16, 16), 11
+    a = torch.randn(slots_n, len(slices) * rank, k, dtype=dt) / k**0.5
+    b = torch.randn(slots_n, sum(slices), rank, dtype=dt) / rank**0.5
+    x, y = torch.randn(t, k, dtype=dt), torch.randn(t, sum(slices), dtype=dt)
+    slots = torch.tensor([0, -1, 2, 2, 1, -1, 0, 1, 2, -1, 0], dtype=torch.int32)
+    order, ordered = (torch.as_tensor(v.astype(np.int32)) for v in sort_by_slot(slots.numpy()))
+    want = y + lora_delta(x, a, b, slots, slices)
+    got = y.clone()
+    lora.add_lora_(got, x, a, b, order, ordered, slices)
+    torch.testing.assert_close(got, want, **tolerance(dt, 64))
+    base = slots < 0
+    assert torch.equal(got[base], y[base])
+    got = y.clone()
+    lora.lora_expand_(got, x @ a.reshape(-1, k).T, b, order, ordered, slices, (0, 1, 2),
+                      slot_stride=a.shape[1])
+    torch.testing.assert_close(got, want, **tolerance(dt, 64))
