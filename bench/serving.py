@@ -21,6 +21,7 @@ measures): a Poisson stream of streaming requests, reported like `vllm bench ser
     python -m bench.serving --request-rate 8 --num-prompts 200 --input-len 512 --output-len 128
                             [--range-ratio 0.5] [--seed 0] [--max-num-seqs 64] [--json-out F]
                             [--shared-prefix-len 1024] [--no-prefix-caching]
+                            [--decode-cascade]
                             [--endpoint http://HOST:PORT]
 
 It starts a coordinator sized for the load (max_num_seqs, max_num_batched_tokens 2048 unless
@@ -78,7 +79,8 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
-        graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph, capture=a.capture),
+        graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph, capture=a.capture,
+                          decode_cascade=a.decode_cascade),
     )
     return cfg.resolved(torch.cuda.device_count())
 
@@ -265,6 +267,7 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
                     "input_len": a.input_len, "output_len": a.output_len,
                     "shared_prefix_len": a.shared_prefix_len,
                     "prefix_caching": None if a.endpoint else not a.no_prefix_caching,
+                    "decode_cascade": None if a.endpoint else a.decode_cascade,
                     "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
                     "max_num_batched_tokens": a.max_num_batched_tokens,
                     "temperature": a.temperature, "top_k": a.top_k}
@@ -297,6 +300,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="the coordinator keeps no KV blocks for shared prefixes")
+    p.add_argument("--decode-cascade", action="store_true",
+                   help="decode attends over a prefix the batch shares once (GraphConfig)")
     load.add_load_args(p)
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL

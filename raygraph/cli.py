@@ -87,6 +87,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graph", choices=["piecewise", "full"], default=None,
                    help="prefill buckets: piecewise (attention eager between graphs) or full "
                         f"(one graph, attention inside) (default: {D.graph.prefill_graph})")
+    p.add_argument("--decode-cascade", action="store_true", default=None,
+                   help="decode: attend over a prompt prefix every running sequence shares "
+                        "(prefix caching) once for the batch (default: off)")
     p.add_argument("--capture", choices=["background", "at_start", "lazy"], default=None,
                    help="when the capture schedule runs: background (serve at once, eager "
                         "steps until each shape is captured between steps), at_start (before "
@@ -185,7 +188,9 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
                                       pool=pick(a.graph_pool, cfg.graph.pool),
                                       prefill_graph=pick(a.prefill_graph,
                                                          cfg.graph.prefill_graph),
-                                      capture=pick(a.capture, cfg.graph.capture)),
+                                      capture=pick(a.capture, cfg.graph.capture),
+                                      decode_cascade=pick(a.decode_cascade,
+                                                          cfg.graph.decode_cascade)),
         cache=msgspec.structs.replace(
             c, block_size=pick(a.block_size, c.block_size),
             num_blocks=pick(a.num_kv_blocks, c.num_blocks),

@@ -353,6 +353,11 @@ class GraphConfig(msgspec.Struct, frozen=True):
     max_decode: int = 256
     max_prefill: int = 2048
     prefill_graph: Literal["piecewise", "full"] = "full"  # measured faster: bench/RESULTS.md
+    # decode batches of 8+ sequences that all start with the same cached blocks (a shared
+    # system prompt under prefix caching) attend over them once for the batch (the decode
+    # kernel's cascade, model/triton_attention.py). Off until measured on a GPU: the
+    # kernel that carries it needs more registers, which may slow every decode step
+    decode_cascade: bool = False
     # when the capture schedule runs: `background` serves at once (steps of keys not yet
     # captured run eagerly) and captures between steps, busiest shapes first
     # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs

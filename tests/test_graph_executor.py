@@ -127,18 +127,26 @@ def test_shared_prefix_len_counts_blocks_every_table_starts_with():
 
 
 def test_decode_buffers_carry_the_shared_prefix_length():
-    """The graph path writes the batch's shared prefix into the buffers (0 for prefill and
-    for a batch without one), and decode buckets of CASCADE_MIN_SEQS and more hand the
-    kernel its view; the eager path carries the same value."""
-    bufs = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"))
+    """With the cascade on, the graph path writes the batch's shared prefix into the buffers
+    (0 for prefill and for a batch without one), and decode buckets of CASCADE_MIN_SEQS and
+    more hand the kernel its view; the eager path carries the same value. Off (the
+    default), nothing is computed or handed over."""
+    plain = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"))
+    bufs = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"),
+                        cascade=True)
     plan = shared_plan([400 + 3 * i for i in range(10)], 20)
+    plain.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)  # GraphConfig's default
+    assert plain.metadata(16, 16, 10, 1, 430, True).shared_len is None
+    assert plain.shared_len.tolist() == [0]
+    assert prepare_batch(plan, 16, torch.device("cpu")).ctx.attn.shared_len is None
     bufs.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)
     assert bufs.shared_len.tolist() == [320]
     md = bufs.metadata(16, 16, 10, 1, 430, True)
     assert md.shared_len is bufs.shared_len
     assert bufs.metadata(4, 4, 4, 1, 430, True).shared_len is None  # no cascade compiled in
     assert bufs.metadata(16, 16, 10, 1, 430, False).shared_len is None
-    assert prepare_batch(plan, 16, torch.device("cpu")).ctx.attn.shared_len.tolist() == [320]
+    assert prepare_batch(plan, 16, torch.device("cpu"), cascade=True).ctx.attn.shared_len.tolist(
+    ) == [320]
     bufs.fill(host_inputs(shared_plan([400] * 10, 0), 16), num_tokens=16, num_seqs=16)
     assert bufs.shared_len.tolist() == [0]
     bufs.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)

@@ -147,7 +147,7 @@ def test_decode_cascade_from_the_batch_metadata(interpreted):
         torch.float16, lens, 17, 0, seed=11)
     plan = StepPlan(0, [SeqChunk(i, [1], n - 1, tables[i, : -(-n // BS)].tolist(), True)
                         for i, n in enumerate(lens)])
-    md = prepare_batch(plan, BS, torch.device("cpu")).ctx.attn
+    md = prepare_batch(plan, BS, torch.device("cpu"), cascade=True).ctx.attn
     assert md.shared_len.tolist() == [272]
     got = attn.paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, D**-0.5, k_new,
                                       v_new, shared_len=md.shared_len)

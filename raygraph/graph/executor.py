@@ -136,7 +136,7 @@ class GraphExecutor(Executor):
         max_seqs = self.buckets.max_seqs
         # with LoRA every graph reads each token's slot: one graph serves any mix of adapters
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
-                                 self.device, lora=self.lora)
+                                 self.device, lora=self.lora, cascade=cfg.decode_cascade)
         attn = model.attention_layers()[0]
         dtype = next(model.parameters()).dtype
         # one attention output buffer serves every layer and bucket: pieces run in order

@@ -143,12 +143,15 @@ def _padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batch:
+def prepare_batch(plan: StepPlan, block_size: int, device: torch.device,
+                  cascade: bool = False) -> Batch:
     """Fresh tensors of exactly the batch's size (the eager path)."""
-    return batch_from(host_inputs(plan, block_size), device)
+    return batch_from(host_inputs(plan, block_size), device, cascade)
 
 
-def batch_from(h: HostInputs, device: torch.device) -> Batch:
+def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Batch:
+    """`cascade`: a decode batch carries its shared prefix's length (GraphConfig.
+    decode_cascade)."""
     def t(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
@@ -156,7 +159,7 @@ def batch_from(h: HostInputs, device: torch.device) -> Batch:
     width = max(len(x) for x in h.tables)
     tables = _padded_tables(h.tables, width)
     shared = None
-    if h.decode and h.num_seqs >= CASCADE_MIN_SEQS:
+    if cascade and h.decode and h.num_seqs >= CASCADE_MIN_SEQS:
         shared = t([shared_prefix_len(np.array(tables), h.seq_lens, h.block_size)], torch.int32)
     slots = h.slots if h.slots is not None else slot_mapping(
         np.array(tables), np.array(h.token_seq), np.array(h.positions), h.block_size).tolist()
@@ -194,7 +197,8 @@ class InputBuffers:
     through pageable memory instead: with three of them, the fill took ~100 us a step on an
     H100 host (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's slot, the
     tokens sorted by slot, their slots in that order; padding tokens -1) exist only when
-    `lora` is set: without it the layout is the plain model's.
+    `lora` is set: without it the layout is the plain model's. The shared prefix length
+    (`shared_prefix_len`) is written and handed to decode buckets only with `cascade`.
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
     from a list costs about a microsecond, a torch op several, and this runs on the critical
@@ -207,7 +211,8 @@ class InputBuffers:
             "feed")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 lora: bool = False):
+                 lora: bool = False, cascade: bool = False):
+        self.cascade = cascade
         starts_at = max_seqs * 4
         shared_at = starts_at + (max_seqs + 1) * 4
         lens_end = -(-(shared_at + 4) // 64) * 64  # token rows 8-byte aligned
@@ -318,7 +323,9 @@ class InputBuffers:
         if h.slots is None:  # after the tables: the slots are read from them
             tok[2, :n] = slot_mapping(tables, tok[3, :n], tok[1, :n], h.block_size)
         self._lens[:b] = h.seq_lens
-        self._shared[0] = shared_prefix_len(tables, h.seq_lens, h.block_size) if h.decode else 0
+        if self.cascade:
+            self._shared[0] = (shared_prefix_len(tables, h.seq_lens, h.block_size)
+                               if h.decode else 0)
         if not h.decode:  # the prefill kernel's offsets; padding sequences are empty
             self._starts[: b + 1] = query_starts(tok[4, :n], b)
             self._starts[b + 1: num_seqs + 1] = n
@@ -361,6 +368,7 @@ class InputBuffers:
                      self.positions[:num_tokens], self.token_seq[:num_tokens],
                      self.token_row[:num_tokens])
             self._views[(num_tokens, num_seqs)] = views
-        shared = self.shared_len if decode and num_seqs >= CASCADE_MIN_SEQS else None
+        shared = (self.shared_len if self.cascade and decode and num_seqs >= CASCADE_MIN_SEQS
+                  else None)
         return AttentionMetadata(*views, num_tokens=num_real, max_q_len=max_q_len,
                                  max_kv_len=max_kv_len, decode=decode, shared_len=shared)

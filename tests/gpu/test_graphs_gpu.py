@@ -96,7 +96,7 @@ def test_triton_decode_cascade_in_one_graph(head_dim):
     for i, n in enumerate(lens):
         seqs.append(SeqChunk(i, [1], n - 1, prefix + perm[used: used + own[i]], True))
         used += own[i]
-    md = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda")).ctx.attn
+    md = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda"), cascade=True).ctx.attn
     assert md.shared_len.item() == shared_blocks * bs
     kc = torch.randn(blocks + 1, bs, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -183,12 +183,13 @@ def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                            num_key_value_heads=2, head_dim=64)
 
 
-def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise") -> Worker:
+def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise",
+           cascade: bool = False) -> Worker:
     cfg = ServeConfig(
         model=str(ckpt), device="cuda", dtype=dtype, cache=CacheConfig(block_size=16,
                                                                         num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128),
-        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
+        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph, decode_cascade=cascade),
     )
     return loaded_worker(cfg, 256, capture=True)
 
@@ -234,6 +235,35 @@ def test_greedy_tokens_graph_equals_eager_mixed_workload(ckpt, prefill_graph, lo
                for _ in range(count)]
     graph, eager = greedy_graph_and_eager(ckpt, prompts, 24, prefill_graph)
     assert graph == eager
+
+
+@pytest.mark.parametrize("ckpt", ["llama"], indirect=True)
+def test_greedy_tokens_with_the_decode_cascade_equal_eager(ckpt):
+    """12 prompts behind one 300-token head (18 cached blocks shared under prefix caching):
+    decode graphs with the cascade give the eager path's greedy tokens, and steps ran it
+    (the shared length the buffers carried)."""
+    rng = random.Random(3)
+    head = [rng.randrange(3, 512) for _ in range(300)]
+    prompts = [head + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 40))]
+               for _ in range(12)]
+
+    def greedy(w: Worker) -> list[list[int]]:
+        seqs = serve_in_process(w.cfg, w, [
+            Sequence(i, p, SamplingParams(max_tokens=24, ignore_eos=True))
+            for i, p in enumerate(prompts)], 256)
+        w.shutdown()
+        return [s.output_token_ids for s in seqs]
+
+    g = worker(ckpt, "graph", "float32", "full", cascade=True)
+    shared, fill = [], g.executor.bufs.fill
+
+    def recording_fill(h, n, s):
+        fill(h, n, s)
+        shared.append(int(g.executor.bufs.host_shared[0]))
+
+    g.executor.bufs.fill = recording_fill
+    assert greedy(g) == greedy(worker(ckpt, "eager", "float32", "full"))
+    assert max(shared) == 288  # 18 whole blocks of the head
 
 
 def greedy_graph_and_eager(ckpt, prompts: list[list[int]], max_tokens: int,
