@@ -44,17 +44,20 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict, int]]:
     from raygraph.model import triton_attention as ta
 
     decode = dict(GROUP=4, GROUP_PAD=16, D=64, BS=16, TILE=64, SPLITS=16, NUM_HEADS=32,
-                  STORE=True, WINDOW=0, PRECISION="tf32", STAGES=3, CASCADE=False,
-                  ROWS=ta.PREFIX_ROWS, PREFIX_SPLITS=8, TOTAL=16)
+                  STORE=True, WINDOW=0, PRECISION="tf32", STAGES=3, CASCADE=False, TOTAL=16)
     cascade = decode | dict(CASCADE=True, TOTAL=32)
+    prefix = {k: cascade[k] for k in ("GROUP", "D", "BS", "TILE", "SPLITS", "TOTAL",
+                                      "NUM_HEADS", "PRECISION", "STAGES")}
+    prefix |= dict(PREFIX_SPLITS=8, ROWS=ta.PREFIX_ROWS)
     merge = {k: decode[k] for k in ("D", "SPLITS", "NUM_HEADS", "TILE", "WINDOW", "CASCADE",
-                                    "PREFIX_SPLITS", "TOTAL")}
+                                    "TOTAL")} | dict(PREFIX_SPLITS=8)
     prefill = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, D=64, D_PAD=64, BS=16, BLOCK_N=64,
                    WINDOW=0, ZERO_BLOCKS=ta.ZERO_BLOCKS, PRECISION="tf32")
     return [
         ("decode split", ta._decode_split_kernel, decode, 2),
         ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2),
         ("decode split, cascade", ta._decode_split_kernel, cascade, 2),
+        ("decode prefix (cascade)", ta._decode_prefix_kernel, prefix, ta.PREFIX_WARPS),
         ("decode merge", ta._decode_merge_kernel, merge, 1),
         ("decode merge, cascade", ta._decode_merge_kernel,
          merge | dict(CASCADE=True, TOTAL=32), 1),

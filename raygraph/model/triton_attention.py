@@ -15,11 +15,11 @@ derives the same split bounds from `seq_lens` and skips it.
 
 Cascade: when every sequence of the batch starts with the same physical blocks (a shared
 system prompt under prefix caching), `shared_len` [1] says how many keys that prefix holds.
-Extra programs then attend ROWS (sequence, query head) rows of a KV head at a time over the
-prefix, reading each K/V tile once for the whole batch instead of once per sequence; the
-per-sequence splits start after it, and the merge folds both sets of partials. The
+A third kernel then attends ROWS (sequence, query head) rows of a KV head at a time over
+the prefix, reading each K/V tile once for the whole batch instead of once per sequence;
+the per-sequence splits start after it, and the merge folds both sets of partials. The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
-extra programs exit at once) and any other length.
+cascade's programs exit at once) and any other length.
 """
 
 from __future__ import annotations
@@ -30,44 +30,45 @@ import triton.language as tl
 
 TILE = 64
 PREFIX_ROWS = 64  # (sequence, query head) rows a cascade program attends over the prefix
+PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (360 B of stack), not at 4
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, ml_ptr, acc_ptr,
-    scale, num_seqs, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kb, stride_ks, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    CASCADE: tl.constexpr, ROWS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    TOTAL: tl.constexpr,
+    CASCADE: tl.constexpr, TOTAL: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    d = tl.arange(0, D)
+    shared = 0
     if CASCADE:
         shared = tl.load(shared_ptr)
-        if b >= num_seqs:  # a cascade program: ROWS query rows over the shared prefix
-            if split < PREFIX_SPLITS:
-                _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale,
-                              b - num_seqs, kvh, split, shared, num_seqs, d, stride_qt,
-                              stride_qh, stride_kb, stride_ks, stride_ch, GROUP, D, BS, TILE,
-                              SPLITS, PREFIX_SPLITS, TOTAL, NUM_HEADS, ROWS, PRECISION,
-                              STAGES)
-        else:
-            _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr,
-                       acc_ptr, scale, b, kvh, split, shared, d, stride_qt, stride_qh,
-                       stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_ks,
-                       stride_ch, stride_bt, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
-                       NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL)
-    else:
-        _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
-                   scale, b, kvh, split, 0, d, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, GROUP,
-                   GROUP_PAD, D, BS, TILE, SPLITS, NUM_HEADS, STORE, WINDOW, PRECISION,
-                   STAGES, CASCADE, TOTAL)
+    _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
+               scale, tl.program_id(0), tl.program_id(1), tl.program_id(2), shared,
+               tl.arange(0, D), stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+               stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, GROUP, GROUP_PAD, D, BS,
+               TILE, SPLITS, NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _decode_prefix_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, shared_ptr, ml_ptr, acc_ptr, scale, num_seqs,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_ch,
+    GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+    SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """The cascade: programs (row block, KV head, prefix split); a kernel of its own, so its
+    wider tiles do not raise the per-sequence kernel's registers."""
+    _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, tl.program_id(0),
+                  tl.program_id(1), tl.program_id(2), tl.load(shared_ptr), num_seqs,
+                  tl.arange(0, D), stride_qt, stride_qh, stride_kb, stride_ks, stride_ch,
+                  GROUP, D, BS, TILE, SPLITS, PREFIX_SPLITS, TOTAL, NUM_HEADS, ROWS,
+                  PRECISION, STAGES)
 
 
 @triton.jit
@@ -285,25 +286,33 @@ def paged_decode_attention(
     kn, vn = (k_new, v_new) if store else (q, q)
     if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must be contiguous and alike")
-    prefix_programs = -(-num_seqs * group // PREFIX_ROWS) if cascade else 0
-    # the prefix's splits: enough programs to fill the GPU, and no more partials than that
-    prefix_splits = min(splits, prefix_splits or triton.next_power_of_2(
-        -(-FILL_PROGRAMS // max(1, prefix_programs * num_kv_heads))))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shared = shared_len if cascade else seq_lens  # (not read without the cascade)
-    _decode_split_kernel[(num_seqs + prefix_programs, num_kv_heads, splits)](
-        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, scale, num_seqs,
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, scale,
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STAGES=stages,
-        CASCADE=cascade, ROWS=PREFIX_ROWS, PREFIX_SPLITS=prefix_splits, TOTAL=total,
-        num_warps=warps,
+        PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total, num_warps=warps,
     )
+    p_splits = 0
+    if cascade:
+        row_blocks = -(-num_seqs * group // PREFIX_ROWS)
+        # the prefix's splits: enough programs to fill the GPU, and no more partials than that
+        p_splits = min(splits, prefix_splits or triton.next_power_of_2(
+            -(-FILL_PROGRAMS // (row_blocks * num_kv_heads))))
+        _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
+            q, k_cache, v_cache, block_tables, shared_len, ml, acc, scale, num_seqs,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            GROUP=group, D=head_dim, BS=block_size, TILE=tile, SPLITS=splits,
+            PREFIX_SPLITS=p_splits, TOTAL=total, NUM_HEADS=num_heads, ROWS=PREFIX_ROWS,
+            PRECISION=precision, STAGES=stages, num_warps=PREFIX_WARPS,
+        )
     _decode_merge_kernel[(num_seqs, num_heads)](
         ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
         NUM_HEADS=num_heads, TILE=tile, WINDOW=window, CASCADE=cascade,
-        PREFIX_SPLITS=prefix_splits, TOTAL=total, num_warps=1,
+        PREFIX_SPLITS=p_splits, TOTAL=total, num_warps=1,
     )
     return out
 
