@@ -1,6 +1,6 @@
-"""The attention kernels compile for sm_90 (H100/H200) on any machine: Triton's front end and
-ptxas reject what its interpreter (tests/test_triton_interpret.py) runs as plain Python,
-such as a call to a function that is not a kernel helper."""
+"""raygraph's Triton kernels compile for sm_90 (H100/H200) on any machine: Triton's front end
+and ptxas reject what its interpreter (tests/test_triton_*interpret.py) runs as plain
+Python, such as a call to a function that is not a kernel helper."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 
-def test_attention_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90():
     triton = pytest.importorskip("triton", reason="needs the triton package")
     ptxas = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
@@ -22,4 +22,4 @@ def test_attention_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-m", "tests.triton_aot"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8, done.stdout
+    assert done.stdout.count("compiled") == 19, done.stdout

@@ -3,12 +3,11 @@ front end and ptxas see every constexpr branch the interpreter runs as plain Pyt
 a process without TRITON_INTERPRET (tests/test_triton_compile.py); prints one line a kernel.
 
 Signatures follow the kernels' naming: `*_ptr` pointers (int32 for tables, lengths and
-offsets, fp32 for split partials, bf16 otherwise), UPPERCASE constexprs, the rest int32
-(scales fp32)."""
+offsets, fp32 for split partials, bf16 otherwise, unless a case says), the rest int32
+(scales and eps fp32)."""
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import triton
@@ -19,28 +18,33 @@ INT_PTRS = {"tables_ptr", "lens_ptr", "shared_ptr", "starts_ptr"}
 FP32_PTRS = {"ml_ptr", "acc_ptr"}
 
 
-def signature(fn: triton.JITFunction) -> dict[str, str]:
+Case = tuple[str, triton.JITFunction, dict, int, dict]  # name, kernel, constexprs, warps, types
+
+
+def signature(fn: triton.JITFunction, types: dict[str, str] | None = None) -> dict[str, str]:
     sig = {}
-    for name in inspect.signature(fn.fn).parameters:
-        if name.isupper():
+    for p in fn.params:
+        name = p.name
+        if p.is_constexpr:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = "*i32" if name in INT_PTRS else "*fp32" if name in FP32_PTRS else "*bf16"
         else:
-            sig[name] = "fp32" if name.startswith("scale") else "i32"
-    return sig
+            sig[name] = "fp32" if name.startswith("scale") or name == "eps" else "i32"
+    return sig | (types or {})
 
 
-def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int) -> None:
-    params = inspect.signature(fn.fn).parameters
-    missing = [p for p in params if p.isupper() and p not in constexprs]
+def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int,
+                   types: dict[str, str] | None = None):
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for {missing}")
-    triton.compile(ASTSource(fn=fn, signature=signature(fn), constexprs=constexprs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(ASTSource(fn=fn, signature=signature(fn, types),
+                                    constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def attention_cases() -> list[tuple[str, triton.JITFunction, dict, int]]:
+def attention_cases() -> list[Case]:
     from raygraph.model import triton_attention as ta
 
     decode = dict(GROUP=4, GROUP_PAD=16, D=64, BS=16, TILE=64, SPLITS=16, NUM_HEADS=32,
@@ -54,22 +58,53 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict, int]]:
     prefill = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, D=64, D_PAD=64, BS=16, BLOCK_N=64,
                    WINDOW=0, ZERO_BLOCKS=ta.ZERO_BLOCKS, PRECISION="tf32")
     return [
-        ("decode split", ta._decode_split_kernel, decode, 2),
-        ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2),
-        ("decode split, cascade", ta._decode_split_kernel, cascade, 2),
-        ("decode prefix (cascade)", ta._decode_prefix_kernel, prefix, ta.PREFIX_WARPS),
-        ("decode merge", ta._decode_merge_kernel, merge, 1),
+        ("decode split", ta._decode_split_kernel, decode, 2, {}),
+        ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
+        ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
+        ("decode prefix (cascade)", ta._decode_prefix_kernel, prefix, ta.PREFIX_WARPS, {}),
+        ("decode merge", ta._decode_merge_kernel, merge, 1, {}),
         ("decode merge, cascade", ta._decode_merge_kernel,
-         merge | dict(CASCADE=True, TOTAL=32), 1),
-        ("prefill", ta._prefill_kernel, prefill, 4),
+         merge | dict(CASCADE=True, TOTAL=32), 1, {}),
+        ("prefill", ta._prefill_kernel, prefill, 4, {}),
         ("prefill, head 80, window", ta._prefill_kernel,
-         prefill | dict(D=80, D_PAD=128, WINDOW=37), 8),
+         prefill | dict(D=80, D_PAD=128, WINDOW=37), 8, {}),
+    ]
+
+
+def other_cases() -> list[Case]:
+    """The elementwise, skinny-GEMM and LoRA kernels at llama-1b's decode shapes."""
+    from raygraph.model import triton_gemv as gv
+    from raygraph.model import triton_lora as lr
+    from raygraph.model import triton_ops as op
+
+    rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
+                ROT_ROWS=2560, BM=gv.BM, BN=32, BK=128, PRECISION="tf32")
+    slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
+    return [
+        ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048), 4, {}),
+        ("add_rms_norm", op._add_rms_norm_kernel, dict(BLOCK=2048), 4, {}),
+        ("argmax", op._argmax_kernel, dict(BLOCK=16384), 16, {"out_ptr": "*i64"}),
+        ("rotary", op._rotary_kernel, dict(HQ=32, HK=8, HQ_PAD=32, HK_PAD=8, HALF=32), 1, rope),
+        ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024), 4, {}),
+        ("store_kv", op._store_kv_kernel, dict(N=512, BLOCK=512), 1, {"slots_ptr": "*i64"}),
+        ("skinny gemm + rotary", gv._gemv_kernel, gemv, 4, rope),
+        ("skinny gemm + silu*mul", gv._gemv_kernel,
+         gemv | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, rope),
+        ("row gemv + bias", gv._gemv1_kernel, {k: gemv[k] for k in (
+            "N", "K", "HEAD_DIM", "ROT_ROWS")} | dict(EPILOGUE=gv.PLAIN, HAS_BIAS=True, BN=4,
+                                                     BK=2048), 4, rope),
+        ("lora shrink", lr._shrink_kernel, dict(R=16, K=2048, P0=0, P1=2, P2=2, BM=lr.BM,
+                                                BN=16, BK=512, PRECISION="tf32"), 4, slots),
+        ("lora expand", lr._expand_kernel, dict(N0=2048, N1=512, N2=0, C0=0, C1=2560, C2=2560,
+                                                P0=0, P1=2, P2=2, R=16, BM=lr.BM, BN=128,
+                                                BK=16, PRECISION="tf32"), 2, slots),
     ]
 
 
 def main() -> int:
-    for name, fn, constexprs, warps in attention_cases():
-        compile_kernel(fn, constexprs, warps)
+    for name, fn, constexprs, warps, types in attention_cases() + other_cases():
+        compile_kernel(fn, constexprs, warps, types)
         print(f"compiled {name}", flush=True)
     return 0
 
