@@ -195,9 +195,9 @@ class InputBuffers:
     LoRA rows | block tables], so a step's inputs are one contiguous prefix (the tables'
     first rows end it) and move in one copy. Strided copy_ calls of row slices stage
     through pageable memory instead: with three of them, the fill took ~100 us a step on an
-    H100 host (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's slot, the
-    tokens sorted by slot, their slots in that order; padding tokens -1) exist only when
-    `lora` is set: without it the layout is the plain model's. The shared prefix length
+    H100 host (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's
+    slot, the tokens sorted by slot, their slots in that order; padding tokens -1) exist
+    only when `lora` is set: without it the layout is the plain model's. The shared prefix length
     (`shared_prefix_len`) is written and handed to decode buckets only with `cascade`.
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
