@@ -12,9 +12,15 @@ import torch.nn.functional as F
 from raygraph.model.context import AttentionMetadata, get_forward_context
 
 
+def kernels(x: torch.Tensor) -> bool:
+    """Whether x's ops run the Triton kernels: on a GPU. The one switch of this module (tests
+    also send CPU tensors through them, in Triton's interpreter)."""
+    return x.is_cuda
+
+
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Decode-sized GEMMs on a GPU go to the Triton skinny kernels (M <= 8 rows)."""
-    if not x.is_cuda or x.dim() != 2:
+    if not kernels(x) or x.dim() != 2:
         return False
     from raygraph.model.triton_gemv import supports
 
@@ -65,7 +71,7 @@ def linear_rotary(
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Greedy tokens: the argmax of each row of [N, vocab] logits (first index on ties;
     a NaN is not taken on the GPU path)."""
-    if x.is_cuda and x.dim() == 2:
+    if kernels(x) and x.dim() == 2:
         from raygraph.model.triton_ops import argmax as fused
 
         return fused(x)
@@ -74,7 +80,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight."""
-    if x.is_cuda:
+    if kernels(x):
         from raygraph.model.triton_ops import rms_norm as fused
 
         return fused(x, weight, eps)
@@ -88,7 +94,7 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the residual add fused into the next norm."""
-    if x.is_cuda:
+    if kernels(x):
         from raygraph.model.triton_ops import add_rms_norm as fused
 
         return fused(x, residual, weight, eps)
@@ -98,7 +104,7 @@ def add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x = [gate | up] on the last dim -> silu(gate) * up."""
-    if x.is_cuda:
+    if kernels(x):
         from raygraph.model.triton_ops import silu_and_mul as fused
 
         return fused(x)
@@ -111,7 +117,7 @@ def rotary(
     positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D]; tables [max_pos, D/2]."""
-    if q.is_cuda:
+    if kernels(q):
         from raygraph.model.triton_ops import rotary_
 
         rotary_(q, k, cos_table, sin_table, positions)
@@ -137,7 +143,7 @@ def store_kv(
     allocates one block more than it reports).
     """
     # k: [T, Hkv, D]; k_cache: [num_blocks + 1, block_size, Hkv, D]
-    if k.is_cuda:
+    if kernels(k):
         from raygraph.model.triton_ops import store_kv as fused
 
         return fused(k, v, k_cache, v_cache, slot_mapping)
@@ -209,13 +215,13 @@ def paged_attention(
     """Store this step's K/V, then attend: the Triton kernels on a GPU (decode: one query a
     sequence; anything else: the packed prefill kernel, no per-shape plan), the torch
     reference elsewhere. `out`, if given, receives the result."""
-    if q.is_cuda and md.decode and out is None:  # the decode kernel stores the new K/V itself
+    if kernels(q) and md.decode and out is None:  # the decode kernel stores the new K/V itself
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
                                       k, v, window, shared_len=md.shared_len)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-    if q.is_cuda:
+    if kernels(q):
         from raygraph.model.triton_attention import paged_prefill_attention
 
         return paged_prefill_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,

@@ -1,0 +1,52 @@
+"""The GPU's kernels end to end on CPU: a tiny Llama served through the graph executor's
+buffers and buckets (eager backend) with every op on the Triton kernels, run by Triton's
+interpreter, gives the greedy tokens of the torch reference path. The decode cascade is on,
+under prefix caching, so decode steps read a prefix their sequences share."""
+
+from __future__ import annotations
+
+import pytest
+
+from raygraph.cluster.scheduler import Sequence
+from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.graph import inputs
+from raygraph.model import ops
+from raygraph.protocol import SamplingParams
+from tests.conftest import loaded_worker, serve_in_process
+
+NUM_BLOCKS = 96
+HEAD = [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 5, 9, 11, 13, 40, 30, 31, 32, 7, 21]  # 5 blocks
+
+
+def served(tiny_llama) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of 9 prompts behind HEAD, and the shared length of each step."""
+    cfg = ServeConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+                      cache=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS),
+                      scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                                max_model_len=128),
+                      graph=GraphConfig(decode_sizes=[16], prefill_sizes=[64],
+                                        decode_cascade=True))
+    worker = loaded_worker(cfg, NUM_BLOCKS, capture=True)  # one bucket each: few runs
+    bufs, fill, shared = worker.executor.bufs, worker.executor.bufs.fill, []
+
+    def recording_fill(h, n, s):
+        fill(h, n, s)
+        shared.append(int(bufs.host_shared[0]))
+
+    bufs.fill = recording_fill
+    seqs = serve_in_process(cfg, worker, [
+        Sequence(i, HEAD + [100 + i] * (1 + i % 3), SamplingParams(max_tokens=5,
+                                                                  ignore_eos=True))
+        for i in range(9)], NUM_BLOCKS)
+    worker.shutdown()
+    return [s.output_token_ids for s in seqs], shared
+
+
+def test_triton_kernels_serve_the_reference_greedy_tokens(interpreted, tiny_llama, monkeypatch):
+    interpreted("triton_attention")  # skips where the interpreter is not in use
+    monkeypatch.setattr(inputs, "CASCADE_MIN_TOKENS", 16)  # a 20-token head is enough here
+    want, ref_shared = served(tiny_llama)
+    monkeypatch.setattr(ops, "kernels", lambda x: True)
+    got, shared = served(tiny_llama)
+    assert got == want
+    assert max(shared) == 20 and max(ref_shared) == 20  # decode steps ran the cascade
