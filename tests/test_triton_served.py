@@ -5,8 +5,6 @@ under prefix caching, so decode steps read a prefix their sequences share."""
 
 from __future__ import annotations
 
-import pytest
-
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph import inputs
