@@ -89,7 +89,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lora: LoRAInputs = get_forward_context().lora
     if x.shape[0] > EXT_MAX_TOKENS:
         y = ops.linear(x, weight[:n], bias)
-        if y.is_cuda:
+        if ops.kernels(y):
             from raygraph.model.triton_lora import add_lora_
 
             add_lora_(y, x, w.a, w.b, lora.order, lora.sorted_slot, w.slices, w.parts)
@@ -99,7 +99,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y, u = out[:, :n], out[:, n:]
     if bias is not None:
         y.add_(bias)
-    if y.is_cuda:
+    if ops.kernels(y):
         from raygraph.model.triton_lora import lora_expand_
 
         lora_expand_(y, u, w.b, lora.order, lora.sorted_slot, w.slices,

@@ -13,8 +13,9 @@ from raygraph.model.context import AttentionMetadata, get_forward_context
 
 
 def kernels(x: torch.Tensor) -> bool:
-    """Whether x's ops run the Triton kernels: on a GPU. The one switch of this module (tests
-    also send CPU tensors through them, in Triton's interpreter)."""
+    """Whether x's ops run the Triton kernels: on a GPU. The one switch for the model's ops
+    (lora_ops reads it too); tests also send CPU tensors through the kernels, in Triton's
+    interpreter (tests/test_triton_served.py)."""
     return x.is_cuda
 
 
