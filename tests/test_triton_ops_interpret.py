@@ -22,6 +22,8 @@ def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor
 
 
 def tolerance(dtype: torch.dtype, ulps: int = 8) -> dict:
+    # kernel vs torch: other reduction orders, so a few (over long sums, a few hundred)
+    # epsilons; a wrong row, slot or mask is off by O(1)
     eps = torch.finfo(dtype).eps
     return dict(atol=ulps * eps, rtol=ulps * eps)
 
@@ -107,10 +109,10 @@ def test_lora_shrink_and_expand(interpreted):
     want = y + lora_delta(x, a, b, slots, slices)
     got = y.clone()
     lora.add_lora_(got, x, a, b, order, ordered, slices)
-    torch.testing.assert_close(got, want, **tolerance(dt, 64))
+    torch.testing.assert_close(got, want, **tolerance(dt, 256))
     base = slots < 0
     assert torch.equal(got[base], y[base])
     got = y.clone()
     lora.lora_expand_(got, x @ a.reshape(-1, k).T, b, order, ordered, slices, (0, 1, 2),
                       slot_stride=a.shape[1])
-    torch.testing.assert_close(got, want, **tolerance(dt, 64))
+    torch.testing.assert_close(got, want, **tolerance(dt, 256))
