@@ -243,6 +243,7 @@ def main() -> None:
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
+    p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",
                    help="--attention: every sequence starts with the same cached KEYS keys; "
                         "time each config without and with the cascade")
@@ -251,7 +252,8 @@ def main() -> None:
     if a.attention is not None:
         configs = [tuple(int(v) for v in c.split(",")) for c in a.attention]
         for b, c in cases:
-            print(json.dumps(attention_row(b, c, configs, shared=a.shared_prefix)), flush=True)
+            row = attention_row(b, c, configs, head_dim=a.head_dim, shared=a.shared_prefix)
+            print(json.dumps(row | {"head_dim": a.head_dim}), flush=True)
             torch.cuda.empty_cache()
         return
     if not a.skip_gemm:

@@ -38,36 +38,38 @@ def decode_seqs(lens: list[int], shared: int, blocks: int, rng: random.Random
     return seqs
 
 
-def decode_case(dtype: torch.dtype, lens: list[int], shared: int, pad: int, seed: int):
+def decode_case(dtype: torch.dtype, lens: list[int], shared: int, pad: int, seed: int,
+                d: int = D):
     """Caches, a batch with `pad` padding rows (kv length 0, a zero table row), queries and
     the step's K/V; the reference output over the cache with the step's K/V stored."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     blocks = shared + sum(-(-n // BS) - shared for n in lens)
-    kc = torch.randn(blocks + 1, BS, HKV, D, dtype=dtype)
+    kc = torch.randn(blocks + 1, BS, HKV, d, dtype=dtype)
     vc = torch.randn_like(kc)
     md = prepare_batch(StepPlan(0, decode_seqs(lens, shared, blocks, rng)), BS,
                        torch.device("cpu")).ctx.attn
     tables = torch.cat([md.block_tables, md.block_tables.new_zeros(pad, md.block_tables.shape[1])])
     seq_lens = torch.cat([md.seq_lens, md.seq_lens.new_zeros(pad)])
     b = len(lens) + pad
-    q = torch.randn(b, HKV * GROUP, D, dtype=dtype)
-    k_new, v_new = torch.randn(2, b, HKV, D, dtype=dtype)
+    q = torch.randn(b, HKV * GROUP, d, dtype=dtype)
+    k_new, v_new = torch.randn(2, b, HKV, d, dtype=dtype)
     ref_k, ref_v = kc.clone(), vc.clone()
     store_kv(k_new[: len(lens)], v_new[: len(lens)], ref_k, ref_v, md.slot_mapping)
-    ref = paged_attention_ref(q[: len(lens)], ref_k, ref_v, md, D**-0.5)
+    ref = paged_attention_ref(q[: len(lens)], ref_k, ref_v, md, d**-0.5)
     return kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_decode_kernel_stores_and_attends(interpreted, dtype):
+@pytest.mark.parametrize("dtype,d", [(torch.float16, 64), (torch.float32, 64),
+                                     (torch.float16, 256)])
+def test_decode_kernel_stores_and_attends(interpreted, dtype, d):
     """Splits over each sequence's keys, the newest key stored and folded in, padding rows
-    zero and storing nothing."""
+    zero and storing nothing; a 256-wide head takes its own tiles (32 keys)."""
     attn = interpreted("triton_attention")
     lens = [1, 17, 64, 65, 150]
     kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref = decode_case(
-        dtype, lens, 0, 2, seed=1)
-    got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, D**-0.5, k_new, v_new,
+        dtype, lens, 0, 2, seed=1, d=d)
+    got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, k_new, v_new,
                                       splits=4)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     torch.testing.assert_close(got[: len(lens)], ref, **tolerance(dtype))

@@ -61,6 +61,8 @@ def attention_cases() -> list[Case]:
         ("decode split", ta._decode_split_kernel, decode, 2, {}),
         ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
         ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
+        ("decode split, head 256", ta._decode_split_kernel,
+         decode | dict(D=256, TILE=ta.decode_tiles(256)[0]), ta.decode_tiles(256)[1], {}),
         ("decode prefix (cascade)", ta._decode_prefix_kernel, prefix, ta.PREFIX_WARPS, {}),
         ("decode merge", ta._decode_merge_kernel, merge, 1, {}),
         ("decode merge, cascade", ta._decode_merge_kernel,

@@ -244,6 +244,14 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_
 
 DecodeTiles = tuple[int, int, int]  # keys per tile, warps, pipeline stages
 DECODE_TILES: DecodeTiles = (TILE, 2, 3)  # bench.decode_profile --attention, H200
+
+
+def decode_tiles(head_dim: int) -> DecodeTiles:
+    """Head sizes up to 128: DECODE_TILES, measured at 64 (at 128 ptxas reports 392 B of
+    spill on sm_90; (32, 2, 3) has none: to measure). Wider: 32 keys at 4 warps. At
+    DECODE_TILES a 256-wide head does not fit (ptxas: 32 registers and 6.6 KB of stack a
+    thread); (32, 4, 3) has no spill. Not yet timed on a GPU."""
+    return DECODE_TILES if head_dim <= 128 else (32, 4, 3)
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
 
 
@@ -273,7 +281,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    tile, warps, stages = tiles or DECODE_TILES
+    tile, warps, stages = tiles or decode_tiles(head_dim)
     splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
                                   tile)
     cascade = shared_len is not None and window == 0
