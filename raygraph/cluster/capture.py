@@ -1,4 +1,5 @@
-"""Background capture: the capture schedule runs between served steps, busiest shapes first.
+"""The coordinator's capture schedule (CaptureControl), and background capture: the schedule
+run between served steps, busiest shapes first (BackgroundCapture).
 
 The coordinator serves as soon as the weights and the KV cache are ready. Until a key is
 captured on every rank (lockstep, cluster/lockstep.py), steps of that key run eagerly on
@@ -12,11 +13,18 @@ seconds before the next one; with nothing to serve, keys are captured back to ba
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
+import msgspec
+
+from raygraph.cluster.lockstep import CaptureError, KeyReport, last_line, remote_call_all
 from raygraph.protocol import BucketKey
+
+log = logging.getLogger("raygraph.coordinator")
 
 
 def _rest_order(key: BucketKey) -> tuple[int, int, int]:
@@ -79,3 +87,114 @@ class BackgroundCapture:
         self._next_at = now + seconds * (1 - self.share) / self.share
         if not self.pending:
             self.finished_at = now
+
+
+class CaptureControl:
+    """The coordinator's capture schedule, a mixin of `Coordinator` (its start-up and step
+    loop call these): the whole schedule in lockstep, or one key at a time between steps
+    (BackgroundCapture). Reads the coordinator's `cfg`, `buckets`, `lockstep`, `background`,
+    `group`, `workers`, `healthy`, `_progress`, and calls its `_call`, `_flush`,
+    `_on_step_thread`, `_clear_serving` and `_stop_workers`."""
+
+    async def capture_schedule(self) -> list[KeyReport]:
+        """Capture the whole schedule in lockstep, largest first; returns the per-key table.
+
+        On any disagreement, failure or stall the worker group is torn down (a rank may be
+        blocked in a collective) and CaptureError names the key and rank; `start()` may then
+        be called again.
+        """
+        return await self._on_step_thread(self._capture_schedule)
+
+    def _capture_schedule(self) -> list[KeyReport]:
+        if self.lockstep is None or self.buckets is None:
+            raise RuntimeError("no graph-mode worker group to capture on")
+        keys = self.buckets.schedule()
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys, 1):
+            if key not in self.lockstep.captured:
+                r = self._capture_key(key)
+                log.debug("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, "
+                          "%d collectives, %.1f MiB, %.2fs", i, len(keys), key, r.pieces,
+                          r.nodes, r.collectives, r.pool_bytes / 2**20, r.seconds)
+            self._progress = msgspec.structs.replace(self._progress, capture=(i, len(keys)))
+        self.capture_s += time.perf_counter() - t0
+        self._log_schedule(self.capture_s)
+        return self.lockstep.reports
+
+    def _log_schedule(self, seconds: float, since_serving: float | None = None) -> None:
+        """Once the whole schedule is captured: memory figures and one line of totals."""
+        self.memory = self._call("memory_stats")
+        reports = self.lockstep.reports
+        graphs = sum(r.pieces for r in reports)
+        where = "" if since_serving is None else \
+            f" in the background, complete {since_serving:.2f}s after serving started;"
+        if graphs:
+            log.info("capture schedule:%s %d buckets, %d graphs, %.1f MiB of graph pool in "
+                     "%.2fs", where, len(reports), graphs,
+                     sum(r.pool_bytes for r in reports) / 2**20, seconds)
+        else:  # the eager backend (CPU): the protocol ran, nothing was captured
+            log.info("capture schedule:%s %d keys checked in lockstep in %.2fs (eager "
+                     "backend: no graphs)", where, len(reports), seconds)
+
+    def _capture_in_background(self, busy: bool) -> bool:
+        """Between steps: capture the next key of a background schedule if it is due; True
+        if one was captured."""
+        bg = self.background
+        if bg is None or not bg.due(busy) or not self.healthy:
+            return False
+        self._flush()  # nothing in flight during a capture
+        key = bg.next_key()
+        if key in self.lockstep.captured:  # captured meanwhile (`capture_schedule`)
+            bg.captured_key(key, 0.0)
+        else:
+            t0 = time.perf_counter()
+            report = self._capture_key(key)
+            bg.captured_key(key, time.perf_counter() - t0)
+            log.debug("background capture %d/%d %s: %.3fs", bg.captured, bg.total, key,
+                      report.seconds)
+        self.capture_s = bg.capture_s
+        self._progress = msgspec.structs.replace(self._progress,
+                                                 capture=(bg.captured, bg.total))
+        if bg.done:
+            self._log_schedule(bg.capture_s, bg.finished_at - bg.started)
+        return True
+
+    def capture_progress(self) -> dict:
+        """Keys captured so far and in all, the steps run eagerly meanwhile, and whether
+        the schedule is complete (always, once `at_start` returned)."""
+        bg = self.background
+        captured = len(self.lockstep.reports) if self.lockstep else 0
+        if bg is None:
+            return {"mode": self.cfg.graph.capture, "captured": captured, "total": captured,
+                    "eager_steps": 0, "done": True, "seconds": round(self.capture_s, 3)}
+        return {"mode": "background", "captured": bg.captured, "total": bg.total,
+                "eager_steps": bg.eager_steps, "done": bg.done,
+                "seconds": round(bg.capture_s, 3),
+                "complete_after_s": None if bg.finished_at is None
+                else round(bg.finished_at - bg.started, 3)}
+
+    def _capture_key(self, key: BucketKey) -> KeyReport:
+        try:
+            return self.lockstep.capture(key, self._capture_call)
+        except CaptureError as e:
+            log.error("%s; stopping the worker group", e)
+            self.healthy = False
+            self.unhealthy_reason = str(e)
+            self._clear_serving()
+            self._stop_workers()
+            raise
+
+    def _capture_call(self, method: str, key: BucketKey) -> list[Any]:
+        """One lockstep phase on every rank: over the compiled graph once it is up."""
+        timeout = self.cfg.graph.capture_timeout_s
+        if self.group is None or not self.group.compiled:
+            return remote_call_all(self.workers, timeout)(method, key)
+        try:
+            return self.group.call(method, key, timeout=timeout)
+        except Exception as e:
+            raise CaptureError(f"{method} of {key} failed: {type(e).__name__}: "
+                               f"{last_line(e)}") from None
+
+    def capture_report(self) -> list[KeyReport]:
+        """The per-key capture table so far (also after a failed capture)."""
+        return list(self.lockstep.reports) if self.lockstep else []

@@ -25,16 +25,13 @@ import msgspec
 import ray
 
 from raygraph import setup_logging
-from raygraph.cluster.capture import BackgroundCapture
+from raygraph.cluster.capture import BackgroundCapture, CaptureControl
 from raygraph.cluster.engine import EngineCore
 from raygraph.cluster.group import WorkerGroup
 from raygraph.cluster.kv_cache import merge_stats
 from raygraph.cluster.lockstep import (
-    CaptureError,
-    KeyReport,
     LockstepCapture,
     last_line,
-    remote_call_all,
 )
 from raygraph.cluster.lora import LoRAAdmission, LoRARegistry, UnknownAdapter
 from raygraph.cluster.requests import (
@@ -69,7 +66,7 @@ from raygraph.tokenizer import TextTokenizer, load_tokenizer
 log = logging.getLogger("raygraph.coordinator")
 
 
-class Coordinator:
+class Coordinator(CaptureControl):
     def __init__(self, cfg: ServeConfig) -> None:
         setup_logging()
         # the step thread and the event loop share the GIL: hand it over every 0.5 ms, not
@@ -161,105 +158,6 @@ class Coordinator:
         self.schedulers = self.core.schedulers
         self._seqs = {}
 
-    async def capture_schedule(self) -> list[KeyReport]:
-        """Capture the whole schedule in lockstep, largest first; returns the per-key table.
-
-        On any disagreement, failure or stall the worker group is torn down (a rank may be
-        blocked in a collective) and CaptureError names the key and rank; `start()` may then
-        be called again.
-        """
-        return await self._on_step_thread(self._capture_schedule)
-
-    def _capture_schedule(self) -> list[KeyReport]:
-        if self.lockstep is None or self.buckets is None:
-            raise RuntimeError("no graph-mode worker group to capture on")
-        keys = self.buckets.schedule()
-        t0 = time.perf_counter()
-        for i, key in enumerate(keys, 1):
-            if key not in self.lockstep.captured:
-                r = self._capture_key(key)
-                log.debug("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, "
-                          "%d collectives, %.1f MiB, %.2fs", i, len(keys), key, r.pieces,
-                          r.nodes, r.collectives, r.pool_bytes / 2**20, r.seconds)
-            self._progress = msgspec.structs.replace(self._progress, capture=(i, len(keys)))
-        self.capture_s += time.perf_counter() - t0
-        self._log_schedule(self.capture_s)
-        return self.lockstep.reports
-
-    def _log_schedule(self, seconds: float, since_serving: float | None = None) -> None:
-        """Once the whole schedule is captured: memory figures and one line of totals."""
-        self.memory = self._call("memory_stats")
-        reports = self.lockstep.reports
-        graphs = sum(r.pieces for r in reports)
-        where = "" if since_serving is None else \
-            f" in the background, complete {since_serving:.2f}s after serving started;"
-        if graphs:
-            log.info("capture schedule:%s %d buckets, %d graphs, %.1f MiB of graph pool in "
-                     "%.2fs", where, len(reports), graphs,
-                     sum(r.pool_bytes for r in reports) / 2**20, seconds)
-        else:  # the eager backend (CPU): the protocol ran, nothing was captured
-            log.info("capture schedule:%s %d keys checked in lockstep in %.2fs (eager "
-                     "backend: no graphs)", where, len(reports), seconds)
-
-    def _capture_in_background(self, busy: bool) -> bool:
-        """Between steps: capture the next key of a background schedule if it is due; True
-        if one was captured."""
-        bg = self.background
-        if bg is None or not bg.due(busy) or not self.healthy:
-            return False
-        self._flush()  # nothing in flight during a capture
-        key = bg.next_key()
-        if key in self.lockstep.captured:  # captured meanwhile (`capture_schedule`)
-            bg.captured_key(key, 0.0)
-        else:
-            t0 = time.perf_counter()
-            report = self._capture_key(key)
-            bg.captured_key(key, time.perf_counter() - t0)
-            log.debug("background capture %d/%d %s: %.3fs", bg.captured, bg.total, key,
-                      report.seconds)
-        self.capture_s = bg.capture_s
-        self._progress = msgspec.structs.replace(self._progress,
-                                                 capture=(bg.captured, bg.total))
-        if bg.done:
-            self._log_schedule(bg.capture_s, bg.finished_at - bg.started)
-        return True
-
-    def capture_progress(self) -> dict:
-        """Keys captured so far and in all, the steps run eagerly meanwhile, and whether
-        the schedule is complete (always, once `at_start` returned)."""
-        bg = self.background
-        captured = len(self.lockstep.reports) if self.lockstep else 0
-        if bg is None:
-            return {"mode": self.cfg.graph.capture, "captured": captured, "total": captured,
-                    "eager_steps": 0, "done": True, "seconds": round(self.capture_s, 3)}
-        return {"mode": "background", "captured": bg.captured, "total": bg.total,
-                "eager_steps": bg.eager_steps, "done": bg.done,
-                "seconds": round(bg.capture_s, 3),
-                "complete_after_s": None if bg.finished_at is None
-                else round(bg.finished_at - bg.started, 3)}
-
-    def _capture_key(self, key: BucketKey) -> KeyReport:
-        try:
-            return self.lockstep.capture(key, self._capture_call)
-        except CaptureError as e:
-            log.error("%s; stopping the worker group", e)
-            self.healthy = False
-            self.unhealthy_reason = str(e)
-            self._clear_serving()
-            self._stop_workers()
-            raise
-
-    def _capture_call(self, method: str, key: BucketKey) -> list[Any]:
-        """One lockstep phase on every rank: over the compiled graph once it is up."""
-        timeout = self.cfg.graph.capture_timeout_s
-        if self.group is None or not self.group.compiled:
-            return remote_call_all(self.workers, timeout)(method, key)
-        try:
-            return self.group.call(method, key, timeout=timeout)
-        except Exception as e:
-            raise CaptureError(f"{method} of {key} failed: {type(e).__name__}: "
-                               f"{last_line(e)}") from None
-
     def _call(self, method: str, *args: Any) -> list[Any]:
         """A worker method on every rank, from the step thread (or before it runs)."""
         if self.group is not None and self.group.compiled:
@@ -276,10 +174,6 @@ class Coordinator:
         self._inbox.put(("call", fn, fut))
         self._wake.set()
         return await asyncio.wrap_future(fut)
-
-    def capture_report(self) -> list[KeyReport]:
-        """The per-key capture table so far (also after a failed capture)."""
-        return list(self.lockstep.reports) if self.lockstep else []
 
     def report_progress(self, phase: str, done: int, total: int) -> None:
         """Workers report start-up progress here (rank 0's weight load)."""
