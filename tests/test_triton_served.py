@@ -1,24 +1,38 @@
-"""The GPU's kernels end to end on CPU: a tiny Llama served through the graph executor's
+"""The GPU's kernels end to end on CPU: a tiny model served through the graph executor's
 buffers and buckets (eager backend) with every op on the Triton kernels, run by Triton's
 interpreter, gives the greedy tokens of the torch reference path. The decode cascade is on,
-under prefix caching, so decode steps read a prefix their sequences share."""
+under prefix caching, so Llama's decode steps read a prefix their sequences share; Mistral
+runs the kernels' sliding window (no cascade there), Qwen3 the per-head q/k norms."""
 
 from __future__ import annotations
+
+import pytest
 
 from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph import inputs
 from raygraph.model import ops
 from raygraph.protocol import SamplingParams
-from tests.conftest import loaded_worker, serve_in_process
+from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 
 NUM_BLOCKS = 96
 HEAD = [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 5, 9, 11, 13, 40, 30, 31, 32, 7, 21]  # 5 blocks
 
 
-def served(tiny_llama) -> tuple[list[list[int]], list[int]]:
+@pytest.fixture(params=["llama", "mistral", "qwen3"])
+def ckpt(request, tiny_llama, tmp_path):
+    if request.param == "llama":
+        return request.param, tiny_llama
+    if request.param == "mistral":  # a window shorter than the prompts
+        return request.param, make_checkpoint(tmp_path / "m", "MistralForCausalLM",
+                                              sliding_window=8)
+    return request.param, make_checkpoint(tmp_path / "q", "Qwen3ForCausalLM", head_dim=16,
+                                          random_norms=True)
+
+
+def served(model) -> tuple[list[list[int]], list[int]]:
     """Greedy tokens of 9 prompts behind HEAD, and the shared length of each step."""
-    cfg = ServeConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+    cfg = ServeConfig(model=str(model), device="cpu", dtype="float32",
                       cache=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS),
                       scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
                                                 max_model_len=128),
@@ -40,11 +54,12 @@ def served(tiny_llama) -> tuple[list[list[int]], list[int]]:
     return [s.output_token_ids for s in seqs], shared
 
 
-def test_triton_kernels_serve_the_reference_greedy_tokens(interpreted, tiny_llama, monkeypatch):
+def test_triton_kernels_serve_the_reference_greedy_tokens(interpreted, ckpt, monkeypatch):
     interpreted("triton_attention")  # skips where the interpreter is not in use
+    name, model = ckpt
     monkeypatch.setattr(inputs, "CASCADE_MIN_TOKENS", 16)  # a 20-token head is enough here
-    want, ref_shared = served(tiny_llama)
+    want, ref_shared = served(model)
     monkeypatch.setattr(ops, "kernels", lambda x: True)
-    got, shared = served(tiny_llama)
+    got, shared = served(model)
     assert got == want
-    assert max(shared) == 20 and max(ref_shared) == 20  # decode steps ran the cascade
+    assert max(shared) == max(ref_shared) == 20  # decode steps carried the shared prefix
