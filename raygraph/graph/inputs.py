@@ -157,14 +157,14 @@ def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Ba
 
     positions = t(h.positions)
     width = max(len(x) for x in h.tables)
-    tables = _padded_tables(h.tables, width)
+    tables = np.array(_padded_tables(h.tables, width))
     shared = None
     if cascade and h.decode and h.num_seqs >= CASCADE_MIN_SEQS:
-        shared = t([shared_prefix_len(np.array(tables), h.seq_lens, h.block_size)], torch.int32)
+        shared = t([shared_prefix_len(tables, h.seq_lens, h.block_size)], torch.int32)
     slots = h.slots if h.slots is not None else slot_mapping(
-        np.array(tables), np.array(h.token_seq), np.array(h.positions), h.block_size).tolist()
+        tables, np.array(h.token_seq), np.array(h.positions), h.block_size).tolist()
     md = AttentionMetadata(
-        slot_mapping=t(slots), block_tables=t(tables, torch.int32),
+        slot_mapping=t(slots), block_tables=torch.from_numpy(tables).to(device, torch.int32),
         seq_lens=t(h.seq_lens, torch.int32),
         query_start=t(query_starts(h.token_row, h.num_seqs).tolist(), torch.int32),
         positions=positions, token_seq=t(h.token_seq), token_row=t(h.token_row),
