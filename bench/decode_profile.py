@@ -140,10 +140,12 @@ def time_graph(fn, reps: int = 20) -> float:
 
 
 def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
-    """fn(i): the decode GEMM `name` on weight copy i (cuBLAS when cfg is None)."""
+    """fn(i): the decode GEMM `name` on weight copy i (cuBLAS when cfg is None; the skinny
+    kernels' own choice for the rows when cfg is "auto")."""
     from raygraph.model import triton_gemv as tg
 
     m, half = x.shape[0], 32
+    own = None if cfg == "auto" else cfg
     pos = torch.zeros(m, dtype=torch.long, device="cuda")
     table = torch.zeros(4096, half, device="cuda")
 
@@ -152,15 +154,15 @@ def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
         if cfg is None:
             return F.linear(x, w)
         if name == "qkv+rotary":
-            return tg.gemv_rotary(x, w, None, pos, table, table, 2 * half, 40, cfg)
+            return tg.gemv_rotary(x, w, None, pos, table, table, 2 * half, 40, own)
         if name == "gate_up+silu":
-            return tg.gemv_silu_mul(x, w, cfg)
-        return tg.gemv(x, w, None, cfg)
+            return tg.gemv_silu_mul(x, w, own)
+        return tg.gemv(x, w, None, own)
 
     return fn
 
 
-def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]],
+def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
               ms: tuple[int, ...] = (1, 8)) -> None:
     from raygraph.model.triton_gemv import GemvConfig
 
@@ -173,14 +175,15 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]
                "cublas_GBps": round(n * k * 2 / t / 1e9)}
         for cfg in configs:
             try:
-                t = time_graph(_gemm_call(name, x, ws, GemvConfig(*cfg)))
+                own = cfg if cfg == "auto" else GemvConfig(*cfg)
+                t = time_graph(_gemm_call(name, x, ws, own))
                 row[f"triton{cfg}"] = [round(1e6 * t, 2), round(n * k * 2 / t / 1e9)]
             except Exception as e:  # a config the shape cannot tile: say so
                 row[f"triton{cfg}"] = type(e).__name__
         print(json.dumps(row), flush=True)
 
 
-def gemm_table(configs: list[tuple[int, int, int, int]], ms: tuple[int, ...] = (1, 8)) -> None:
+def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8)) -> None:
     shapes = {"qkv+rotary": (3072, 2048), "o": (2048, 2048), "gate_up+silu": (16384, 2048),
               "down": (2048, 8192), "lm_head": (32000, 2048)}
     for name, (n, k) in shapes.items():
@@ -240,7 +243,8 @@ def main() -> None:
     p.add_argument("--gemm-only", action="store_true")
     p.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8], help="token rows")
     p.add_argument("--gemm-configs", nargs="+", default=None,
-                   help="Triton configs to time, each block_n,block_k,num_warps,num_stages")
+                   help="Triton configs to time, each block_n,block_k,num_warps,num_stages"
+                        "[,split_k], or auto (the kernels' own choice for the rows)")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")
@@ -257,9 +261,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         return
     if not a.skip_gemm:
-        configs = ([tuple(int(v) for v in c.split(",")) for c in a.gemm_configs]
-                   if a.gemm_configs else [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4),
-                                           (64, 128, 4, 4), (32, 128, 4, 6)])
+        configs = ([c if c == "auto" else tuple(int(v) for v in c.split(","))
+                    for c in a.gemm_configs]
+                   if a.gemm_configs else ["auto", (16, 256, 4, 4), (16, 512, 4, 3),
+                                           (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6)])
         gemm_table(configs, tuple(a.gemm_m))
     if a.gemm_only:
         return

@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT_PTRS = {"tables_ptr", "lens_ptr", "shared_ptr", "starts_ptr"}
-FP32_PTRS = {"ml_ptr", "acc_ptr"}
+FP32_PTRS = {"ml_ptr", "acc_ptr", "ws_ptr"}
 
 
 Case = tuple[str, triton.JITFunction, dict, int, dict]  # name, kernel, constexprs, warps, types
@@ -34,14 +34,25 @@ def signature(fn: triton.JITFunction, types: dict[str, str] | None = None) -> di
     return sig | (types or {})
 
 
+def aligned(sig: dict[str, str]) -> dict[tuple[int], list]:
+    """What the JIT specializes on at llama-1b's shapes: pointers 16-byte aligned (torch's
+    allocations and the head-aligned views) and strides multiples of 16. Without it loads
+    are not vectorized and no load is pipelined through shared memory (cp.async), and the
+    registers and spills reported are those of a kernel that never runs."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(sig.items())
+            if kind.startswith("*") or name.startswith("stride")}
+
+
 def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int,
-                   types: dict[str, str] | None = None):
+                   types: dict[str, str] | None = None, num_stages: int = 3):
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for {missing}")
-    return triton.compile(ASTSource(fn=fn, signature=signature(fn, types),
-                                    constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    sig = signature(fn, types)
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                    attrs=aligned(sig)),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def attention_cases() -> list[Case]:
@@ -81,7 +92,9 @@ def other_cases() -> list[Case]:
 
     rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
-                ROT_ROWS=2560, BM=gv.BM, BN=32, BK=128, PRECISION="tf32")
+                ROT_ROWS=2560, SPLIT_K=1, BM=gv.BM, BN=32, BK=128, PRECISION="tf32")
+    wide = gemv | dict(BM=gv.WIDE_M, BN=64)  # 64 rows: wide_config's tiles
+    reduce = {k: gemv[k] for k in ("N", "EPILOGUE", "HAS_BIAS", "HEAD_DIM", "ROT_ROWS")}
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
     return [
         ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048), 4, {}),
@@ -93,6 +106,13 @@ def other_cases() -> list[Case]:
         ("skinny gemm + rotary", gv._gemv_kernel, gemv, 4, rope),
         ("skinny gemm + silu*mul", gv._gemv_kernel,
          gemv | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, rope),
+        ("64-row gemm + silu*mul", gv._gemv_kernel,
+         wide | dict(N=8192, EPILOGUE=gv.SILU_MUL), 4, rope),
+        ("64-row gemm, K split (down)", gv._gemv_kernel,
+         wide | dict(N=2048, K=8192, EPILOGUE=gv.PLAIN, SPLIT_K=4), 4, rope),
+        ("64-row gemm + rotary, K split", gv._gemv_kernel, wide | dict(SPLIT_K=4), 4, rope),
+        ("split-K reduce + rotary", gv._splitk_reduce_kernel,
+         reduce | dict(SPLIT_K=4, BLOCK=gv.REDUCE_BLOCK), 4, rope),
         ("row gemv + bias", gv._gemv1_kernel, {k: gemv[k] for k in (
             "N", "K", "HEAD_DIM", "ROT_ROWS")} | dict(EPILOGUE=gv.PLAIN, HAS_BIAS=True, BN=4,
                                                      BK=2048), 4, rope),
