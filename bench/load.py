@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import random
@@ -39,6 +40,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from raygraph import freeze_heap
 from raygraph.protocol import SamplingParams
 
 
@@ -231,7 +233,11 @@ async def benchmark(client: Client, reqs: list[Request], warmup: list[Request],
     if failed:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
     before = await prefix_counters() if prefix_counters else None
-    records, duration = await run_load(client, reqs, arrivals, max_concurrency)
+    freeze_heap()  # the client's own collections must not stall its streams mid-run
+    try:
+        records, duration = await run_load(client, reqs, arrivals, max_concurrency)
+    finally:
+        gc.unfreeze()
     row = summarize(records, duration)
     after = await prefix_counters() if prefix_counters else None
     row |= prefix_hit_rate(before, after)

@@ -235,6 +235,24 @@ def stream_gaps(coord: ray.actor.ActorHandle, prompt: list[int], params: Samplin
     return 1e3 * (arrivals[0] - t0), 1e3 * statistics.median(gaps) if gaps else float("nan")
 
 
+def served_steps(before: dict, after: dict) -> dict:
+    """The coordinator's steps over the warm-up and the timed load (stats() before and after):
+    how many, by phase, and the per-step figures of stats() over those steps."""
+    steps = after["steps"] - before["steps"]
+    phases = {k: v - before["steps_by_phase"].get(k, 0)
+              for k, v in after["steps_by_phase"].items()}
+
+    def per_step(key: str) -> float:  # stats() gives means since start: back out the window
+        return round((after[key] * after["steps"] - before[key] * before["steps"])
+                     / max(1, steps), 3)
+
+    return {"served_steps": steps, "served_steps_by_phase": phases,
+            "served_worker_step_ms": per_step("worker_step_ms"),
+            "served_device_idle_ms_per_step": per_step("device_idle_ms_per_step"),
+            "served_loop_host_ms_per_step": per_step("loop_host_ms_per_step"),
+            "preemptions": after["preemptions"] - before["preemptions"]}
+
+
 def load_main(a: argparse.Namespace, model: str, name: str) -> None:
     """Load mode: bench/load.py's workload through the coordinator (Ray) or --endpoint (HTTP);
     the table to stderr, one JSON line to stdout (and --json-out)."""
@@ -256,8 +274,10 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         cfg = load_cfg(a, model, longest)
         coord = start_coordinator(cfg)
         client = load.ray_client(coord) if a.client == "ray" else load.mux_client(coord)
+        before = ray.get(coord.stats.remote())
         row = asyncio.run(load.benchmark(client, reqs, warmup, arrivals, a.max_concurrency,
                                          load.coordinator_counters(coord)))
+        row |= served_steps(before, ray.get(coord.stats.remote()))
         ray.get(coord.shutdown.remote())
         where = {"client": a.client, "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON

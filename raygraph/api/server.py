@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from raygraph import setup_logging
+from raygraph import freeze_heap, setup_logging
 from raygraph.api.app import HttpConfig, build_app
 
 
@@ -44,6 +44,7 @@ class HttpServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP server on {self._url} did not start")
             time.sleep(0.01)
+        freeze_heap()  # SSE streams must not wait on a full collection of the app's start-up
 
     def url(self) -> str:
         return self._url

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import gc
 import itertools
 import logging
 import queue
@@ -24,7 +23,7 @@ from typing import Any
 import msgspec
 import ray
 
-from raygraph import setup_logging
+from raygraph import freeze_heap, setup_logging
 from raygraph.cluster.capture import BackgroundCapture, CaptureControl
 from raygraph.cluster.engine import EngineCore
 from raygraph.cluster.group import WorkerGroup
@@ -136,8 +135,7 @@ class Coordinator(CaptureControl):
         self.healthy = True
         self._serving.set()
         self._wake.set()  # a background capture starts at once, traffic or not
-        gc.collect()
-        gc.freeze()  # start-up's objects never need collecting: no full-collection stalls
+        freeze_heap()
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
         return self.describe()
 
