@@ -243,8 +243,8 @@ def main() -> None:
     p.add_argument("--gemm-only", action="store_true")
     p.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8], help="token rows")
     p.add_argument("--gemm-configs", nargs="+", default=None,
-                   help="Triton configs to time, each block_n,block_k,num_warps,num_stages"
-                        "[,split_k], or auto (the kernels' own choice for the rows)")
+                   help="Triton configs to time, each block_n,block_k,num_warps,num_stages, "
+                        "or auto (the kernels' own choice for the rows)")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")

@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT_PTRS = {"tables_ptr", "lens_ptr", "shared_ptr", "starts_ptr"}
-FP32_PTRS = {"ml_ptr", "acc_ptr", "ws_ptr"}
+FP32_PTRS = {"ml_ptr", "acc_ptr"}
 
 
 Case = tuple[str, triton.JITFunction, dict, int, dict]  # name, kernel, constexprs, warps, types
@@ -92,9 +92,7 @@ def other_cases() -> list[Case]:
 
     rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
-                ROT_ROWS=2560, SPLIT_K=1, BM=gv.BM, BN=32, BK=128, PRECISION="tf32")
-    wide = gemv | dict(BM=gv.WIDE_M, BN=64)  # 64 rows: wide_config's tiles
-    reduce = {k: gemv[k] for k in ("N", "EPILOGUE", "HAS_BIAS", "HEAD_DIM", "ROT_ROWS")}
+                ROT_ROWS=2560, BM=gv.BM, BN=32, BK=128, PRECISION="tf32")
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
     return [
         ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048), 4, {}),
@@ -106,13 +104,6 @@ def other_cases() -> list[Case]:
         ("skinny gemm + rotary", gv._gemv_kernel, gemv, 4, rope),
         ("skinny gemm + silu*mul", gv._gemv_kernel,
          gemv | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, rope),
-        ("64-row gemm + silu*mul", gv._gemv_kernel,
-         wide | dict(N=8192, EPILOGUE=gv.SILU_MUL), 4, rope),
-        ("64-row gemm, K split (down)", gv._gemv_kernel,
-         wide | dict(N=2048, K=8192, EPILOGUE=gv.PLAIN, SPLIT_K=4), 4, rope),
-        ("64-row gemm + rotary, K split", gv._gemv_kernel, wide | dict(SPLIT_K=4), 4, rope),
-        ("split-K reduce + rotary", gv._splitk_reduce_kernel,
-         reduce | dict(SPLIT_K=4, BLOCK=gv.REDUCE_BLOCK), 4, rope),
         ("row gemv + bias", gv._gemv1_kernel, {k: gemv[k] for k in (
             "N", "K", "HEAD_DIM", "ROT_ROWS")} | dict(EPILOGUE=gv.PLAIN, HAS_BIAS=True, BN=4,
                                                      BK=2048), 4, rope),

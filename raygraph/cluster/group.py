@@ -36,8 +36,7 @@ class GroupTimeout(RuntimeError):
 
 # Passed to every worker: NVLink multicast must stay off on shared hosts.
 FORWARDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                 "RAYGRAPH_CPU_THREADS", "PYTHONPATH", "RAYGRAPH_SKINNY_MAX_M",
-                 "TORCH_BLAS_PREFER_CUBLASLT")
+                 "RAYGRAPH_CPU_THREADS", "PYTHONPATH")
 
 
 class WorkerGroup:

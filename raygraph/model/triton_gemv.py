@@ -1,4 +1,4 @@
-"""Skinny GEMMs for decode (M <= MAX_M tokens), GPU only; imported lazily by model/ops.py.
+"""Skinny GEMMs for decode (M <= 8 tokens), GPU only; imported lazily by model/ops.py.
 
 At decode a linear layer reads its whole weight to produce a few rows: the step is a weight
 stream, so what matters is keeping HBM busy and launching few kernels. Each program owns a
@@ -17,37 +17,20 @@ One token (M = 1, batch-1 decode) takes a second kernel with the same epilogues:
 tensor-core tile to fill, so each program reduces 2-4 columns with FMAs and there are
 several programs per SM. More weight bytes are in flight, and the small GEMMs stream
 faster (bench/RESULTS.md, third decode pass).
-
-Wider batches (9-64 tokens) take the tensor-core kernel with 32 or 64 rows a tile. There a
-program's K/N tile of x is reread from L2 by every program, so tiles are wider (64 columns)
-and, where N / 64 programs would leave SMs idle (o and down at N = 2048), K is split: each
-(column tile, K slice) program stores fp32 partials and a second kernel sums them in a fixed
-order and applies the epilogue (deterministic: graph and eager give the same bits). cuBLAS
-streams these weights at 2-3 TB/s at M = 64 (bench/RESULTS.md). Whether this path beats it
-is for bench/decode_profile.py to say: until measured, MAX_M stays 8 unless
-RAYGRAPH_SKINNY_MAX_M (at most 64) is set in the workers' environment.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-WIDE_M = 64  # the most rows the tensor-core kernel's tiles take
-# tokens; above this cuBLAS takes the GEMM (8: measured; up to WIDE_M: to be measured)
-MAX_M = min(WIDE_M, int(os.environ.get("RAYGRAPH_SKINNY_MAX_M", "8")))
+MAX_M = 8  # tokens; above this cuBLAS is the better tool
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
-TARGET_PROGRAMS = 128  # about one program per SM on an H100/H200 (132 SMs)
-REDUCE_BLOCK = 512  # output columns a split-K reduce program finishes
-MIN_SLICE_TILES = 4  # a K slice streams at least this many tiles of K
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
-# fp32 runs too (tl.dot in ieee), but cuBLAS is faster there: fp32 models keep F.linear
-DTYPES = (torch.bfloat16, torch.float16)
 
 
 class GemvConfig(NamedTuple):
@@ -55,7 +38,6 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # K slices, each a program of its own; > 1 adds the reduce kernel
 
 
 @triton.jit
@@ -75,17 +57,13 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, ws_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """SPLIT_K > 1: program (n, s) sums K slice s and stores fp32 partials in ws
-    [SPLIT_K, M, N (2N for SILU_MUL: gate, then up)]; _splitk_reduce_kernel finishes."""
     pid = tl.program_id(0)
-    k_len: tl.constexpr = K // SPLIT_K
-    k_first = tl.program_id(1) * k_len
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
         # columns [0, BN/2) are dims j.. of a head's first half, [BN/2, BN) their rotation
@@ -103,90 +81,35 @@ def _gemv_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(k_first, k_first + k_len, BK):
+    for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if EPILOGUE == 1:  # up row n + N next to gate row n
             w_up = tl.load(w_rows + N * stride_wn + k0)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    smask = mmask[:, None] & nmask[None, :]
-    if SPLIT_K > 1:
-        ws_n: tl.constexpr = 2 * N if EPILOGUE == 1 else N
-        part = ws_ptr + (tl.program_id(1) * M + rm[:, None]) * ws_n + rows[None, :]
-        tl.store(part, acc, mask=smask)
-        if EPILOGUE == 1:
-            tl.store(part + N, acc_up, mask=smask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        dtype = out_ptr.dtype.element_ty
-        # as torch stores the GEMM output: rounded to the activation dtype
-        y = acc.to(dtype)
-        if EPILOGUE == 1:
-            y = _silu_mul(y, acc_up.to(dtype))
-        elif EPILOGUE == 2:
-            # each column's partner through a 0/1 permutation matrix: exact in fp32
-            swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(dtype)
-            partner = tl.dot(y, swap, input_precision=PRECISION)
-            pos = tl.load(pos_ptr + rm, mask=mmask, other=0)
-            d = rows % HEAD_DIM % half
-            cos = tl.load(cos_ptr + pos[:, None] * stride_c + d[None, :])
-            sin = tl.load(sin_ptr + pos[:, None] * stride_c + d[None, :])
-            # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (neox)
-            signed_sin = tl.where((cols < hb)[None, :], -sin, sin)
-            x = y.to(tl.float32)
-            y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin,
-                         x).to(dtype)
-        tl.store(out_ptr + rm[:, None] * stride_om + rows[None, :], y, mask=smask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, M, stride_om, stride_c,
-    N: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROT_ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Row m, BLOCK output columns: the K slices' partials summed in slice order, then the
-    bias and the epilogue, rounded as _gemv_kernel rounds. ROTARY reads each column's
-    partner (d +- D/2 of its head) from the partials directly."""
-    m = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    ws_n: tl.constexpr = 2 * N if EPILOGUE == 1 else N
-    row = ws_ptr + m * ws_n
-    if EPILOGUE == 2:
-        half: tl.constexpr = HEAD_DIM // 2
-        d = cols % HEAD_DIM
-        first = d < half
-        partner = tl.where(first, cols + half, cols - half)
-    else:
-        partner = cols + N  # SILU_MUL: the up column beside gate column n
-    y = tl.zeros([BLOCK], tl.float32)
-    y_b = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        y += tl.load(row + s * M * ws_n + cols, mask=mask, other=0.0)
-        if EPILOGUE != 0:
-            y_b += tl.load(row + s * M * ws_n + partner, mask=mask, other=0.0)
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if EPILOGUE == 2:
-            y_b += tl.load(b_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
-    if EPILOGUE == 0:
-        y = y.to(dtype)
-    elif EPILOGUE == 1:
-        y = _silu_mul(y.to(dtype), y_b.to(dtype))
-    else:
-        a = y.to(dtype).to(tl.float32)
-        b = y_b.to(dtype).to(tl.float32)
-        pos = tl.load(pos_ptr + m)
-        cos = tl.load(cos_ptr + pos * stride_c + d % half, mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + pos * stride_c + d % half, mask=mask, other=0.0)
+    # as torch stores the GEMM output: rounded to the activation dtype
+    y = acc.to(dtype)
+    out = out_ptr + rm[:, None] * stride_om + rows[None, :]
+    smask = mmask[:, None] & nmask[None, :]
+    if EPILOGUE == 1:
+        y = _silu_mul(y, acc_up.to(dtype))
+    elif EPILOGUE == 2:
+        # each column's partner through a 0/1 permutation matrix: exact in fp32 accumulation
+        swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(dtype)
+        partner = tl.dot(y, swap, input_precision=PRECISION)
+        pos = tl.load(pos_ptr + rm, mask=mmask, other=0)
+        d = rows % HEAD_DIM % half
+        cos = tl.load(cos_ptr + pos[:, None] * stride_c + d[None, :])
+        sin = tl.load(sin_ptr + pos[:, None] * stride_c + d[None, :])
         # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (neox)
-        rot = tl.where(first, a * cos - b * sin, a * cos + b * sin)
-        y = tl.where(cols < ROT_ROWS, rot, a).to(dtype)
-    tl.store(out_ptr + m * stride_om + cols, y, mask=mask)
+        signed_sin = tl.where((cols < hb)[None, :], -sin, sin)
+        x = y.to(tl.float32)
+        y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(dtype)
+    tl.store(out, y, mask=smask)
 
 
 @triton.jit
@@ -251,51 +174,33 @@ def row_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(2, next(b for b in (1024, 512, 256, 128) if k % b == 0), 2, 1)
 
 
-def default_config(rows: int, k: int, m: int = 8) -> GemvConfig:
+def default_config(rows: int, k: int) -> GemvConfig:
     """Enough programs to cover the SMs, each streaming a long run of K. Chosen from
     bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8)."""
-    if m > BM:
-        return wide_config(rows, k, 64)
     block_n = 16 if rows <= 8192 else 32
     return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
 
 
-def silu_mul_config(n: int, k: int, m: int = 8) -> GemvConfig:
+def silu_mul_config(n: int, k: int) -> GemvConfig:
     """gate|up streams two weight rows per output column: wider, shorter tiles. The tile
     must divide n (ops only sends n % 16 == 0 here)."""
-    if m > BM:
-        return wide_config(n, k, next(b for b in (64, 32, 16) if n % b == 0))
     if n % 64 == 0 and n >= 4096:
         return GemvConfig(64, 128, 4, 4)
     cfg = default_config(2 * n, k)
     return cfg if n % cfg.block_n == 0 else cfg._replace(block_n=16)
 
 
-def rotary_config(n: int, k: int, head_dim: int, m: int = 8) -> GemvConfig:
+def rotary_config(n: int, k: int, head_dim: int) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
     else 16 (ops only sends head_dim % 16 == 0 here)."""
-    if m > BM:
-        return wide_config(n, k, next(b for b in (64, 32, 16) if (head_dim // 2) % (b // 2) == 0))
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
         return GemvConfig(32, 128, 4, 6)
     return GemvConfig(16, 256 if k % 256 == 0 else 128, 4, 4)
 
 
-def wide_config(n: int, k: int, block_n: int) -> GemvConfig:
-    """M of 17-64 rows: every program rereads its x tile, so columns come 64 to a program
-    (x read once per 64 weight rows), and K is split until the programs cover the SMs, each
-    slice at least 4 tiles of K. A first guess from the shapes, not yet timed on a GPU."""
-    block_k = 128
-    programs, split = triton.cdiv(n, block_n), 1
-    while (programs * split < TARGET_PROGRAMS and k % (2 * split * block_k) == 0
-           and k // (2 * split) >= MIN_SLICE_TILES * block_k):
-        split *= 2
-    return GemvConfig(block_n, block_k, 4, 3, split)
-
-
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Shapes and dtypes the skinny path takes; everything else goes to cuBLAS."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in DTYPES
+    return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype == x.dtype and x.stride(1) == 1 and w.stride(1) == 1
             and w.shape[1] % 128 == 0)
 
@@ -304,38 +209,23 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
             n: int, epilogue: int, programs: int, cfg: GemvConfig, rope=None,
             head_dim: int = 0, rot_rows: int = 0) -> torch.Tensor:
     pos, cos, sin = rope if rope is not None else (out, out, out)
-    m, k = x.shape[0], w.shape[1]
-    b = bias if bias is not None else w
-    if m == 1 and x.dtype != torch.float32:
+    if x.shape[0] == 1 and x.dtype != torch.float32:
         _gemv1_kernel[(programs,)](
-            x, w, b, out, pos, cos, sin, w.stride(0),
-            cos.stride(0), N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+            x, w, bias if bias is not None else w, out, pos, cos, sin, w.stride(0),
+            cos.stride(0), N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
             HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BN=cfg.block_n, BK=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
-    split = cfg.split_k
-    if k % (split * cfg.block_k):
-        raise ValueError(f"K {k} does not split into {split} slices of {cfg.block_k}")
-    # the K slices' fp32 partials (gate, then up for SILU_MUL); a stand-in when unsplit
-    ws = (torch.empty(split, m, 2 * n if epilogue == SILU_MUL else n, dtype=torch.float32,
-                      device=x.device) if split > 1 else out)
-    _gemv_kernel[(programs, split)](
-        x, w, b, out, pos, cos, sin, ws,
-        m, x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
-        N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
-        HEAD_DIM=head_dim, ROT_ROWS=rot_rows, SPLIT_K=split,
-        BM=max(BM, triton.next_power_of_2(m)), BN=cfg.block_n, BK=cfg.block_k,
+    _gemv_kernel[(programs,)](
+        x, w, bias if bias is not None else w, out, pos, cos, sin,
+        x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
+        N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BM=BM, BN=cfg.block_n, BK=cfg.block_k,
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
-        _splitk_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
-            ws, b, out, pos, cos, sin, m, out.stride(0), cos.stride(0),
-            N=n, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
-            ROT_ROWS=rot_rows, SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4,
-        )
     return out
 
 
@@ -343,8 +233,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M."""
     n = w.shape[0]
-    m = x.shape[0]
-    cfg = cfg or (row_config(n, w.shape[1]) if m == 1 else default_config(n, w.shape[1], m))
+    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1 else default_config(n, w.shape[1]))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
@@ -354,7 +243,7 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor,
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
     n = w.shape[0] // 2
     cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
-                  else silu_mul_config(n, w.shape[1], x.shape[0]))
+                  else silu_mul_config(n, w.shape[1]))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -368,7 +257,7 @@ def gemv_rotary(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
     n = w.shape[0]
     cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
-                  else rotary_config(n, w.shape[1], head_dim, x.shape[0]))
+                  else rotary_config(n, w.shape[1], head_dim))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)

@@ -135,11 +135,10 @@ def test_greedy_argmax_kernel_matches_torch(vocab):
     assert torch.equal(ops.argmax(bf), bf.argmax(-1))
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 24, 64])
+@pytest.mark.parametrize("m", [1, 3, 8])
 def test_skinny_gemv_kernels_match_torch_reference(m):
     """The decode GEMMs (plain with bias, gate|up with silu*mul, q|k|v with rotary) against
-    F.linear followed by the torch reference of the fused op; at 24 and 64 rows with K split
-    (wide_config), and a CUDA graph of the split GEMM gives the eager call's bits."""
+    F.linear followed by the torch reference of the fused op."""
     import torch.nn.functional as F
 
     from raygraph.model import ops
@@ -170,11 +169,6 @@ def test_skinny_gemv_kernels_match_torch_reference(m):
                                rtol=2e-2)
     torch.testing.assert_close(got[:, (hq + hk) * d:], ref[:, (hq + hk) * d:], atol=2e-2,
                                rtol=2e-2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = gemv_rotary(x, wqkv, bqkv, pos, cos, sin, d, hq + hk)
-    graph.replay()
-    assert torch.equal(replayed.cpu(), got)
 
 
 @pytest.fixture(scope="module")
