@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import math
 import random
 import statistics
@@ -16,6 +17,7 @@ from bench.load import (
     Request,
     RequestRecord,
     arrival_times,
+    benchmark,
     format_table,
     itl_gaps,
     make_requests,
@@ -167,6 +169,40 @@ def test_max_concurrency_caps_requests_in_flight() -> None:
     assert peak[0] == 2 and all(r.ok for r in records)
     records, _ = asyncio.run(run_load(client, reqs, [0.0] * 7))
     assert peak[0] == 7  # no cap: all at once
+
+
+def test_timed_load_runs_with_the_client_heap_frozen() -> None:
+    """The timed requests (not the warm-up) run with the client's start-up heap frozen, so a
+    full collection cannot stall every stream at once; it is unfrozen afterwards."""
+    frozen: dict[int, int] = {}
+
+    async def client(prompt: list[int], params: SamplingParams):
+        import time
+        frozen[prompt[0]] = gc.get_freeze_count()
+        yield Chunk(time.perf_counter(), 1)
+
+    reqs = [Request([i + 3], SamplingParams(max_tokens=1)) for i in range(3)]
+    warm = [Request([100], SamplingParams(max_tokens=1))]
+    row = asyncio.run(benchmark(client, reqs, warm, [0.0] * 3))
+    assert row["completed"] == 3
+    assert all(frozen[i + 3] > frozen[100] for i in range(3))  # the warm-up ran unfrozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_served_steps_backs_the_window_out_of_the_coordinators_means() -> None:
+    from bench.serving import served_steps
+
+    before = {"steps": 10, "steps_by_phase": {"prefill": 2, "decode": 8}, "preemptions": 1,
+              "worker_step_ms": 2.0, "device_idle_ms_per_step": 0.1,
+              "loop_host_ms_per_step": 0.5}
+    after = {"steps": 30, "steps_by_phase": {"prefill": 5, "decode": 24, "mixed": 1},
+             "preemptions": 3, "worker_step_ms": 1.5, "device_idle_ms_per_step": 0.1,
+             "loop_host_ms_per_step": 0.3}
+    assert served_steps(before, after) == {
+        "served_steps": 20, "served_steps_by_phase": {"prefill": 3, "decode": 16, "mixed": 1},
+        "served_worker_step_ms": 1.25,  # (1.5 x 30 - 2.0 x 10) / 20
+        "served_device_idle_ms_per_step": 0.1, "served_loop_host_ms_per_step": 0.2,
+        "preemptions": 2}
 
 
 def test_shared_prefix_prompts() -> None:
