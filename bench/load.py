@@ -311,8 +311,7 @@ def mux_client(coord: Any) -> Client:
 def http_client(session: Any, endpoint: str, model: str) -> Client:
     """OpenAI `POST /v1/completions` with stream and include_usage, over an aiohttp session:
     one token per SSE chunk with non-empty choices (text chunks do not say how many tokens
-    they carry), the output total from the final usage chunk. Untested until the server of
-    issue 17 exists."""
+    they carry), the output total from the final usage chunk."""
     url = endpoint.rstrip("/") + "/v1/completions"
 
     async def stream(prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
