@@ -4,7 +4,6 @@ coordinator wraps it with ray.remote."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -19,7 +18,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from raygraph import setup_logging
+from raygraph import freeze_heap, setup_logging
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.executor import (
     EagerExecutor,
@@ -147,7 +146,7 @@ class Worker:
         self._last_ready: torch.cuda.Event | None = None
         self._thread = threading.get_ident()  # the thread whose CUDA context is set
         self._thread_switches = 0
-        self._frozen = False  # gc.freeze() on the first served call (any device)
+        self._frozen = False  # freeze_heap() on the first served call (any device)
         pinned = self.device.type == "cuda"
         n = cfg.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
@@ -437,8 +436,7 @@ class Worker:
         if not self._frozen:
             # start-up is over: its objects (model, graphs, records) need no more
             # collecting, and a full collection over them stalls a step by tens of ms
-            gc.collect()
-            gc.freeze()
+            freeze_heap()
             self._frozen = True
         if self.device.type == "cuda" and threading.get_ident() != self._thread:
             # Ray runs the compiled graph's loop on its own thread: the driver calls of the
