@@ -355,10 +355,10 @@ class GraphConfig(msgspec.Struct, frozen=True):
     prefill_graph: Literal["piecewise", "full"] = "full"  # measured faster: bench/RESULTS.md
     # decode batches of 8+ sequences that all start with the same cached blocks (a shared
     # system prompt under prefix caching) attend over them once for the batch (the decode
-    # kernel's cascade, model/triton_attention.py). Off until measured on a GPU: it adds a
-    # kernel a layer to every decode step of 8+ sequences (its programs exit at once when
-    # nothing is shared), and the split kernel's variant spills more (ptxas: 152 B of stack
-    # against 104)
+    # kernel's cascade, model/triton_attention.py). Off by default: on an H200 it cut a
+    # 64-sequence step behind a 1024-token prompt by ~10%, but it adds a kernel a layer to
+    # every decode step of 8+ sequences (its programs exit at once when nothing is shared),
+    # ~2% of a step then (bench/RESULTS.md)
     decode_cascade: bool = False
     # when the capture schedule runs: `background` serves at once (steps of keys not yet
     # captured run eagerly) and captures between steps, busiest shapes first

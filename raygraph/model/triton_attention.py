@@ -30,7 +30,7 @@ import triton.language as tl
 
 TILE = 64
 PREFIX_ROWS = 64  # (sequence, query head) rows a cascade program attends over the prefix
-PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (288 B of stack), not at 4
+PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (56 B of stack), not at 4
 
 
 @triton.jit
@@ -247,11 +247,12 @@ DECODE_TILES: DecodeTiles = (TILE, 2, 3)  # bench.decode_profile --attention, H2
 
 
 def decode_tiles(head_dim: int) -> DecodeTiles:
-    """Head sizes up to 128: DECODE_TILES, measured at 64 (at 128 ptxas reports 392 B of
-    spill on sm_90; (32, 2, 3) has none: to measure). Wider: 32 keys at 4 warps. At
-    DECODE_TILES a 256-wide head does not fit (ptxas: 32 registers and 6.6 KB of stack a
-    thread); (32, 4, 3) has no spill. Not yet timed on a GPU."""
+    """Head sizes up to 128: DECODE_TILES, measured at 64 (no spill on sm_90 up to 128).
+    Wider: 32 keys at 4 warps, since at DECODE_TILES a 256-wide head spills (ptxas: 255
+    registers and 280 B of stack a thread; (32, 4, 3): 141, none). Not yet timed."""
     return DECODE_TILES if head_dim <= 128 else (32, 4, 3)
+
+
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
 
 
