@@ -350,6 +350,33 @@ def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
     assert hub._cancelled == set() and hub.queues == {} and hub._ended == set()
 
 
+def test_a_burst_of_opens_with_a_bad_prompt_serves_the_others(server):
+    """One submit_streams call for the burst: the prompt longer than the context is refused
+    with BadRequest, alone; the others stream all their tokens."""
+    from raygraph.cluster.requests import BadRequest
+    from raygraph.cluster.streams import StreamHub
+
+    async def run() -> list:
+        hub = StreamHub(server[0])
+        sp = SamplingParams(max_tokens=5, ignore_eos=True)
+        prompts = [[5, 6, 7], [9] * 4096, [5, 6, 8], [5, 6, 9]]
+        opened = await asyncio.gather(*(hub.open(p, sp) for p in prompts),
+                                      return_exceptions=True)
+        for rid in (r for r in opened if isinstance(r, int)):
+            n = 0
+            while True:
+                d = await hub.next(rid)
+                n += len(d.token_ids)
+                if d.finish_reason is not None:
+                    break
+            assert n == 5
+        return opened
+
+    opened = asyncio.run(run())
+    assert isinstance(opened[1], BadRequest) and "context holds" in str(opened[1])
+    assert all(isinstance(opened[i], int) for i in (0, 2, 3))
+
+
 def test_sleep_and_wake_endpoints(server, client):
     url = server[1]
     auth = {"Authorization": f"Bearer {KEY}"}

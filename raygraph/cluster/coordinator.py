@@ -367,14 +367,30 @@ class Coordinator(CaptureControl):
             for req in [r for r in self.clients.requests.values() if r.deltas is sink]:
                 self._abort(req.seq_id)
 
-    async def submit_stream(self, name: str, prompt: Any, params: Any = None) -> int:
-        """Start one streamed request whose deltas go to subscriber `name`; its request id.
-        Bad input raises BadRequest here, before anything is scheduled."""
+    async def submit_streams(self, name: str, requests: list[tuple[Any, Any]]
+                             ) -> list[int | Exception]:
+        """Start streamed requests, (prompt, params) each, whose deltas go to subscriber
+        `name`: each one's request id, or the exception that refused it (BadRequest and the
+        like: nothing of it was scheduled; the others start). One call for a burst: its
+        prompts reach the step thread together (one prefill step, not one per call as calls
+        trickle in), and the burst pays one Ray call, not one each."""
         await self._wait_serving()
-        (req,) = self._submit(prompt, params, stream=True)
-        # nothing was emitted yet: deltas come from this loop, which has not yielded since
-        req.deltas = self._sinks.setdefault(name, asyncio.Queue())
-        return req.seq_id
+        # nothing is emitted before this returns: deltas come from this loop, which does not
+        # yield below
+        sink = self._sinks.setdefault(name, asyncio.Queue())
+        out: list[int | Exception] = []
+        added: list[tuple[Sequence, str | None]] = []
+        for prompt, params in requests:
+            try:
+                (req,), seqs = self._requests(prompt, params, stream=True)
+            except Exception as e:  # this request's own error, for its caller
+                out.append(e)
+                continue
+            req.deltas = sink
+            out.append(req.seq_id)
+            added += seqs
+        self._enqueue(added)
+        return out
 
     def cancel(self, request_ids: list[int]) -> None:
         """Stop the given requests (their clients went away); finished ones are ignored. A
@@ -398,6 +414,14 @@ class Coordinator(CaptureControl):
                 pass  # _submit reports why
 
     def _submit(self, prompts: Any, params: Any, stream: bool = False) -> list[Request]:
+        reqs, seqs = self._requests(prompts, params, stream)
+        self._enqueue(seqs)
+        return reqs
+
+    def _requests(self, prompts: Any, params: Any, stream: bool
+                  ) -> tuple[list[Request], list[tuple[Sequence, str | None]]]:
+        """Checked and registered requests, and their sequences (with the adapter each
+        names) for _enqueue; raises before registering any if one is bad."""
         if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
             raise WorkerFailure(f"coordinator is not serving: {reason}")
@@ -421,10 +445,14 @@ class Coordinator(CaptureControl):
             if sp.lora is not None:  # its blocks are keyed by the adapter's id
                 seq.adapter_id = self.lora.registry.open(sp.lora).adapter_id
             reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
-            seqs.append(seq)
-        self._inbox.put(("add", seqs, sp.lora))  # one item: a call's prompts reach one step
-        self._wake.set()
-        return reqs
+            seqs.append((seq, sp.lora))
+        return reqs, seqs
+
+    def _enqueue(self, seqs: list[tuple[Sequence, str | None]]) -> None:
+        """To the step thread as one item: the prompts reach one step."""
+        if seqs:
+            self._inbox.put(("add", seqs))
+            self._wake.set()
 
     def _finish_on_stop_string(self, seq_id: int) -> None:
         """From the event loop: a stop string ended this sequence; the step thread frees it."""
@@ -464,9 +492,8 @@ class Coordinator(CaptureControl):
             if kind == "add":
                 if not self.healthy or self.core is None:
                     continue  # failed with the group; its request was told
-                seqs = item[1] if self.lora is None else \
-                    self.lora.admit([(seq, item[2]) for seq in item[1]])
-                self._add(seqs)
+                self._add([seq for seq, _ in item[1]] if self.lora is None
+                          else self.lora.admit(item[1]))
             elif kind == "finish":
                 entry = self._seqs.pop(item[1], None)
                 if entry is not None:

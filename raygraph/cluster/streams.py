@@ -26,6 +26,9 @@ class StreamHub:
         # cancelled while running: their deltas still in flight are dropped until the last
         self._cancelled: set[int] = set()
         self._pump_task: asyncio.Task | None = None
+        # opens not sent yet, and the task sending them: one call per burst (submit_streams)
+        self._opening: list[tuple[list[int], SamplingParams, asyncio.Future[int]]] = []
+        self._open_task: asyncio.Task | None = None
 
     def _queue(self, request_id: int) -> asyncio.Queue[StreamDelta]:
         return self.queues.setdefault(request_id, asyncio.Queue())
@@ -49,11 +52,36 @@ class StreamHub:
             q.put_nowait(StreamDelta(rid, [], why, "error"))
 
     async def open(self, prompt: list[int], params: SamplingParams) -> int:
+        """Start a stream; its request id. Opens made while a call is on its way go together
+        in the next one: a burst of arrivals costs a Ray call or two, not one each, and
+        reaches the scheduler at once instead of trickling in over many steps."""
+        loop = asyncio.get_running_loop()
         if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
-        rid = await self.coord.submit_stream.remote(self.name, prompt, params)
-        self._queue(rid)  # open from now: a cancel before the first delta is known
-        return rid
+            self._pump_task = loop.create_task(self._pump())
+        fut: asyncio.Future[int] = loop.create_future()
+        self._opening.append((prompt, params, fut))
+        if self._open_task is None or self._open_task.done():
+            self._open_task = loop.create_task(self._send_opens())
+        return await fut
+
+    async def _send_opens(self) -> None:
+        while self._opening:
+            batch, self._opening = self._opening, []
+            try:
+                results = await self.coord.submit_streams.remote(
+                    self.name, [(prompt, params) for prompt, params, _ in batch])
+            except Exception as e:  # the call itself failed: every open in it fails
+                results = [e] * len(batch)
+            for (_, _, fut), r in zip(batch, results):
+                if isinstance(r, BaseException):
+                    if not fut.done():
+                        fut.set_exception(r)
+                    continue
+                self._queue(r)  # open from now: a cancel before the first delta is known
+                if fut.done():  # its caller went away while the call was out
+                    self.cancel([r])
+                else:
+                    fut.set_result(r)
 
     async def next(self, request_id: int) -> StreamDelta:
         """The request's deltas queued so far, as one (WorkerFailure if it failed)."""

@@ -1,0 +1,113 @@
+"""StreamHub's opens (cluster/streams.py): a burst goes to the coordinator as one call, opens
+made while a call is out go in the next, and each open gets its own result or error. The
+coordinator here records the calls the hub makes; the real one is in tests/test_http.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from raygraph.cluster.requests import BadRequest
+from raygraph.cluster.streams import StreamHub
+from raygraph.protocol import SamplingParams
+
+
+class Method:
+    def __init__(self, fn: Any) -> None:
+        self.remote, self.options = fn, lambda **_: self
+
+
+class Recorder:
+    """The coordinator methods StreamHub calls: each submit_streams call waits for the test to
+    answer it (a request id per prompt, or the exception given for that prompt)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[Any], asyncio.Future]] = []
+        self.cancelled: list[int] = []
+        self.submit_streams = Method(self._submit)
+        self.subscribe = Method(self._subscribe)
+        self.cancel = Method(self.cancelled.extend)
+
+    def _submit(self, name: str, requests: list[tuple[Any, Any]]) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.calls.append(([prompt for prompt, _ in requests], fut))
+        return fut
+
+    async def _subscribe(self, name: str):
+        await asyncio.Event().wait()  # no deltas: these tests only open
+        yield
+
+    def answer(self, call: int, errors: dict[int, Exception] | None = None) -> None:
+        prompts, fut = self.calls[call]
+        fut.set_result([(errors or {}).get(p[0], p[0] * 10) for p in prompts])
+
+
+async def until(cond: Any) -> None:
+    for _ in range(100):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the hub did not get there")
+
+
+def test_a_burst_of_opens_is_one_call_and_later_ones_wait_for_the_next() -> None:
+    async def run() -> None:
+        coord = Recorder()
+        hub = StreamHub(coord)
+        sp = SamplingParams(max_tokens=1)
+        first = [asyncio.ensure_future(hub.open([i], sp)) for i in (1, 2, 3)]
+        await until(lambda: coord.calls)
+        assert [p for p, _ in coord.calls] == [[[1], [2], [3]]]
+        later = [asyncio.ensure_future(hub.open([i], sp)) for i in (4, 5)]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(coord.calls) == 1  # one call at a time: these wait for the first's answer
+        coord.answer(0, {2: BadRequest("prompt 2 is bad")})
+        assert await first[0] == 10 and await first[2] == 30
+        with pytest.raises(BadRequest, match="prompt 2 is bad"):
+            await first[1]  # only its own open fails
+        await until(lambda: len(coord.calls) == 2)
+        assert [p for p, _ in coord.calls][1] == [[4], [5]]
+        coord.answer(1)
+        assert [await f for f in later] == [40, 50]
+        assert set(hub.queues) == {10, 30, 40, 50}
+
+    asyncio.run(run())
+
+
+def test_an_open_whose_caller_left_is_cancelled_once_its_id_is_known() -> None:
+    async def run() -> None:
+        coord = Recorder()
+        hub = StreamHub(coord)
+        sp = SamplingParams(max_tokens=1)
+        kept, gone = (asyncio.ensure_future(hub.open([i], sp)) for i in (1, 2))
+        await until(lambda: coord.calls)
+        gone.cancel()
+        await asyncio.sleep(0)
+        coord.answer(0)
+        assert await kept == 10
+        await until(lambda: coord.cancelled)
+        assert coord.cancelled == [20] and set(hub.queues) == {10}
+
+    asyncio.run(run())
+
+
+def test_a_failed_call_fails_every_open_in_it_and_the_hub_goes_on() -> None:
+    async def run() -> None:
+        coord = Recorder()
+        hub = StreamHub(coord)
+        sp = SamplingParams(max_tokens=1)
+        opens = [asyncio.ensure_future(hub.open([i], sp)) for i in (1, 2)]
+        await until(lambda: coord.calls)
+        coord.calls[0][1].set_exception(RuntimeError("the coordinator is gone"))
+        for f in opens:
+            with pytest.raises(RuntimeError, match="is gone"):
+                await f
+        again = asyncio.ensure_future(hub.open([3], sp))
+        await until(lambda: len(coord.calls) == 2)
+        coord.answer(1)
+        assert await again == 30
+
+    asyncio.run(run())
