@@ -23,6 +23,9 @@ Per request, from the moment it is launched:
 - TPOT: (e2e - TTFT) / (output tokens - 1), for requests with more than one output token.
 - E2EL: until the last chunk that carries tokens.
 Output tokens are the server's count when it gives one (HTTP usage), else the chunks' sum.
+Through Ray the last delta also carries the coordinator's own timing (RequestTiming), reported
+as server_queue (submitted -> first scheduled) and server_ttft (submitted -> first token): the
+client's TTFT less server_ttft is its call's way in and the first token's way out.
 ITL pools the gaps of all requests; the other figures are one value per request. A request
 fails when its client raises or no token arrives; figures cover completed requests only.
 """
@@ -41,13 +44,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from raygraph import freeze_heap
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import RequestTiming, SamplingParams
 
 
 class Chunk(NamedTuple):
     time: float  # time.perf_counter() when the chunk arrived
     tokens: int  # new output tokens it carries
     total: int | None = None  # the server's count of output tokens so far, when it says
+    timing: RequestTiming | None = None  # the coordinator's own figures, on a last delta
 
 
 Client = Callable[[list[int], SamplingParams], AsyncIterator[Chunk]]
@@ -145,6 +149,10 @@ class RequestRecord:
         return self.token_chunks[0].time - self.start
 
     @property
+    def timing(self) -> RequestTiming | None:
+        return next((c.timing for c in self.chunks if c.timing is not None), None)
+
+    @property
     def e2e(self) -> float:
         return self.token_chunks[-1].time - self.start
 
@@ -180,6 +188,10 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, An
     tpots = [t for r in ok if (t := r.tpot) is not None]
     series = {"ttft": [r.ttft for r in ok], "tpot": tpots,
               "itl": [g for r in ok for g in itl_gaps(r.chunks)], "e2el": [r.e2e for r in ok]}
+    timed = [t for r in ok if (t := r.timing) is not None]
+    if timed:  # the client's TTFT less these: its call in and the first token's way out
+        series |= {"server_queue": [t.queue_s for t in timed],
+                   "server_ttft": [t.ttft_s for t in timed]}
     for name, secs in series.items():
         ms = [1e3 * s for s in secs]
         row[f"mean_{name}_ms"] = round(sum(ms) / len(ms), 3) if ms else None
@@ -287,7 +299,7 @@ def ray_client(coord: Any) -> Client:
         gen = coord.generate_stream.options(num_returns="streaming").remote(prompt, params)
         async for ref in gen:
             delta = await ref
-            yield Chunk(time.perf_counter(), len(delta.token_ids))
+            yield Chunk(time.perf_counter(), len(delta.token_ids), None, delta.timing)
     return stream
 
 
@@ -302,7 +314,7 @@ def mux_client(coord: Any) -> Client:
         rid = await hub.open(prompt, params)
         while True:
             delta = await hub.next(rid)
-            yield Chunk(time.perf_counter(), len(delta.token_ids))
+            yield Chunk(time.perf_counter(), len(delta.token_ids), None, delta.timing)
             if delta.finish_reason is not None:
                 return
     return stream
@@ -399,7 +411,9 @@ TABLE = [
 ]
 SECTIONS = [("ttft", "TTFT", "Time to First Token"),
             ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency")]
+            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"),
+            ("server_queue", "queue", "Coordinator: submitted to scheduled"),
+            ("server_ttft", "TTFT", "Coordinator: submitted to first token")]
 
 
 def format_table(row: dict[str, Any]) -> str:
@@ -408,6 +422,8 @@ def format_table(row: dict[str, Any]) -> str:
     lines += [f"{label + ':':<40}{row[key]}" for label, key in TABLE
               if row.get(key) is not None]
     for key, short, title in SECTIONS:
+        if f"mean_{key}_ms" not in row:
+            continue  # the coordinator's figures: not over HTTP
         lines.append(f"{' ' + title + ' ':-^50}")
         for stat in ("mean", "median", "p90", "p99"):
             v = row[f"{stat}_{key}_ms"]

@@ -22,7 +22,7 @@ from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.memory.pool import PagePool
 from raygraph.protocol import NewSeq, SamplingParams, SeqStep, StepDelta, StepOutput
 from raygraph.worker.state import SeqTable, StateError
-from tests.test_scheduler import STOP_CASES, check_pool
+from tests.test_scheduler import STOP_CASES, check_pool, kv_step, writable
 
 EOS = 2
 DELTA = msgspec.msgpack.Decoder(StepDelta)
@@ -98,7 +98,7 @@ class FakeGroup:
         assert plan.num_tokens <= s.max_num_batched_tokens
         assert len(plan.seqs) <= s.max_num_seqs
         assert len({c.seq_id for c in plan.seqs}) == len(plan.seqs)
-        tokens = []
+        tokens, writes = [], []
         for c in plan.seqs:
             q = self.seqs[c.seq_id]
             assert c.block_table == q.block_table  # the workers' table is the scheduler's
@@ -106,15 +106,20 @@ class FakeGroup:
             if c.feed >= 0:  # the token this seq sampled last step, still on the device
                 assert ids == [0] and c.sample
                 ids = [self.prev[c.feed]]
+            own = {}
             for pos, t in enumerate(ids, c.start_pos):
                 assert t == self.expected(c.seq_id, pos), (c, pos)
                 block = c.block_table[pos // bs]
-                assert s.pool.page_info(block).refs == 1, "a write into a shared block"
-                self.cache[block * bs + pos % bs] = self.prefix(c.seq_id, pos)
-            end = c.start_pos + len(ids)
+                assert writable(s, block, q, pos), "a write into a shared block"
+                own[block * bs + pos % bs] = self.prefix(c.seq_id, pos)
+            writes.append(own)
+        step_view = kv_step(self.cache, writes, plan.num_tokens == len(plan.seqs))
+        for c, own in zip(plan.seqs, writes, strict=True):
+            q, view = self.seqs[c.seq_id], step_view(own)
+            end = c.start_pos + len(c.token_ids)
             for pos in range(end):  # attention reads every earlier position through the table
                 slot = c.block_table[pos // bs] * bs + pos % bs
-                assert self.cache.get(slot) == self.prefix(c.seq_id, pos), (c.seq_id, pos)
+                assert view(slot) == self.prefix(c.seq_id, pos), (c.seq_id, pos)
             if c.sample:
                 # the sampled position follows the last one computed
                 assert c.num_generated == end - len(q.prompt_token_ids)

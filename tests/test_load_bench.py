@@ -28,7 +28,7 @@ from bench.load import (
     sample_lengths,
     summarize,
 )
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import RequestTiming, SamplingParams
 
 
 def test_lengths_bounds_and_seed() -> None:
@@ -129,6 +129,19 @@ def test_summary() -> None:
     assert row["first_error"] == "RuntimeError: boom"
     empty = summarize([recs[2]], duration=1.0)
     assert empty["completed"] == 0 and empty["mean_itl_ms"] is None
+    assert "mean_server_ttft_ms" not in row and "Coordinator" not in format_table(row)
+
+
+def test_summary_gives_the_coordinators_own_timing_where_the_client_has_it() -> None:
+    recs = [RequestRecord(10, 0.0, [Chunk(0.1, 1), Chunk(0.2, 1, None, RequestTiming(
+                0.01, 0.06, 0.15))]),
+            RequestRecord(10, 0.0, [Chunk(0.3, 2, None, RequestTiming(0.02, 0.2, 0.2))])]
+    row = summarize(recs, duration=1.0)
+    assert recs[0].timing == RequestTiming(0.01, 0.06, 0.15)
+    assert row["mean_server_queue_ms"] == pytest.approx(15.0)
+    assert row["median_server_ttft_ms"] == pytest.approx(130.0)  # 60 and 200
+    assert row["mean_ttft_ms"] == pytest.approx(200.0)  # the client's: 100 and 300
+    assert "Coordinator: submitted to first token" in format_table(row)
 
 
 def test_run_load_launches_on_schedule_and_records_failures() -> None:

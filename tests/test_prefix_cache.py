@@ -113,24 +113,41 @@ def test_caching_off_caches_nothing() -> None:
     assert s.kv.queries == s.kv.hits == 0 and s.pool.num_free == s.pool.num_pages
 
 
-def test_a_block_computed_in_this_step_is_shared_from_the_next() -> None:
-    """Keys are made once a step is planned: a block written by a step is read by later
-    steps only (a decode kernel writes and reads in parallel). So a request whose next block
-    is being computed by one admitted in the same step (n > 1 samples, a burst sharing a
-    system prompt) waits one step and then finds it cached instead of computing it again."""
+def test_a_burst_sharing_a_prompt_joins_the_step_that_computes_it() -> None:
+    """Blocks are keyed as a step's chunks fill them: a request sharing them (a burst behind
+    one system prompt, n > 1 samples) is admitted into the same step on them, and computes
+    only its own tokens. The step stores every row's K/V before any row attends (it is not a
+    decode step: the filling chunk has more than one token)."""
     s = make(caching=True)
     a, b = req(0, SHARED[:8]), req(1, SHARED[:8] + [5])
-    d = req(3, [90, 91, 92, 93, 94])  # behind b: admission stays in arrival order
+    d = req(3, [90, 91, 92, 93, 94])
     s.add(a), s.add(b), s.add(d)
     st = step(s)
-    assert [c.seq_id for c in st.seqs] == [0] and b.num_computed == 0
-    assert [s.pool.page_info(p).key for p in a.block_table] == a.block_hashes[:2]
-    st = step(s)  # b computes only its last token, on a's two blocks
+    assert [(c.seq_id, c.start_pos) for c in st.seqs] == [(0, 0), (1, 8), (3, 0)]
+    assert not st.out.decode
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
-    assert [(c.seq_id, c.start_pos) for c in st.seqs if c.seq_id != 0] == [(1, 8), (3, 0)]
+    assert [s.pool.page_info(p).key for p in a.block_table] == a.block_hashes[:2]
     assert [s.pool.page_info(p).refs for p in a.block_table[:2]] == [2, 2]
     run(s)
     assert s.pool.num_cached == 3  # a's two, and d's first block
+
+
+def test_a_block_a_one_token_chunk_fills_is_shared_from_the_next_step() -> None:
+    """A step whose chunks are all one token runs the decode kernel, whose rows store and
+    attend in parallel: a block filled by a one-token chunk is keyed once the step is
+    planned, so no row of that step reads it."""
+    s = make(caching=True, max_batched=7)
+    a = req(0, SHARED[:8])
+    s.add(a)
+    step(s)  # 7 of a's 8 tokens
+    b = req(1, SHARED[:8] + [5])  # would compute one token on a's two blocks
+    s.add(b)
+    st = step(s)  # a's last prompt token fills its second block
+    assert [(c.seq_id, len(c.token_ids)) for c in st.seqs] == [(0, 1), (1, 5)]
+    assert b.num_cached_tokens == 4 and not st.out.decode
+    # b computed that block too (into its own page, keyed first): later steps find one
+    assert s.pool.lookup(a.block_hashes[1]) in (a.block_table[1], b.block_table[1])
+    run(s)
 
 
 def test_n_samples_of_one_prompt_compute_its_blocks_once() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -292,6 +293,28 @@ def check_pool(s: Scheduler) -> None:
     s.pool.check_invariants()
 
 
+def writable(s: Scheduler, block: int, q: Sequence, pos: int) -> bool:
+    """q may write position pos into block: a block of its own, or one it fills for the first
+    time (past its cached tokens, allocated to it) that others joined in the same step."""
+    info = s.pool.page_info(block)
+    return info.refs == 1 or (info.owner == q.seq_id and pos >= q.num_cached_tokens)
+
+
+def kv_step(cache: dict, writes: list[dict], decode: bool) -> Callable:
+    """A step's K/V as the kernels order it; returns own writes -> (slot -> what a row
+    reads). Any other step stores every row's K/V, then attends (ops.paged_attention); the
+    decode kernel's rows store and attend in parallel, so a row sees this step's writes of
+    other rows never, and `cache` gets them after."""
+    if not decode:
+        for own in writes:
+            cache.update(own)
+        return lambda own: cache.get
+    before = dict(cache)
+    for own in writes:
+        cache.update(own)
+    return lambda own: lambda slot: own[slot] if slot in own else before.get(slot)
+
+
 def simulate(s: Scheduler, seqs: list[Sequence]) -> int:
     """Run to completion while checking every read of a fake KV cache; returns preemptions.
     A slot holds the tokens up to its position, as a real one holds K/V computed from them:
@@ -314,19 +337,24 @@ def simulate(s: Scheduler, seqs: list[Sequence]) -> int:
         check_pool(s)
         _, p, chunks = plan(s, out)
         assert p.num_tokens == out.num_tokens
-        sampled = []
+        sampled, writes = [], []
         for q, c in zip(batch, chunks, strict=True):
             assert c.seq_id == q.seq_id and c.block_table == q.block_table
             assert c.start_pos + len(c.token_ids) == q.num_computed  # advanced at schedule
             assert c.token_ids == q.token_ids[c.start_pos : c.start_pos + len(c.token_ids)]
+            own = {}
             for pos in range(c.start_pos, c.start_pos + len(c.token_ids)):
                 block = c.block_table[pos // bs]
-                assert s.pool.page_info(block).refs == 1, "a write into a shared block"
-                cache[block * bs + pos % bs] = tuple(q.token_ids[: pos + 1])
+                assert writable(s, block, q, pos), "a write into a shared block"
+                own[block * bs + pos % bs] = tuple(q.token_ids[: pos + 1])
+            writes.append(own)
+        step_view = kv_step(cache, writes, out.decode)
+        for q, c, own in zip(batch, chunks, writes, strict=True):
             end = c.start_pos + len(c.token_ids)
+            view = step_view(own)
             for pos in range(end):  # attention reads every earlier position through the table
                 slot = c.block_table[pos // bs] * bs + pos % bs
-                assert cache.get(slot) == tuple(q.token_ids[: pos + 1]), (q.seq_id, pos)
+                assert view(slot) == tuple(q.token_ids[: pos + 1]), (q.seq_id, pos)
             if c.sample:
                 assert c.num_generated == len(q.output_token_ids) == end - len(q.prompt_token_ids)
                 sampled.append(token(c.seq_id, c.num_generated))

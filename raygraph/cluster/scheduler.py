@@ -3,10 +3,11 @@ Pure Python.
 
 Every step spends a token budget: running sequences first (decode = 1 token, or the next
 chunk of a long prompt), then waiting ones in arrival order. A sequence is admitted with the
-cached blocks of its prefix (cluster/kv_cache.py) and computes from the first token they do
-not hold. When blocks run out the most recently admitted running sequence is preempted: its
-blocks are released (full ones stay cached) and it goes back to the front of the queue to
-recompute prompt + output so far, from what is still cached.
+cached blocks of its prefix (cluster/kv_cache.py), including blocks earlier chunks of the same
+step compute, and computes from the first token they do not hold. When blocks run out the
+most recently admitted running sequence is preempted: its blocks are released (full ones stay
+cached) and it goes back to the front of the queue to recompute prompt + output so far, from
+what is still cached.
 
 The served loop sends step N+1 before step N's tokens are back, so a sequence may have one
 token *pending*: sampled on the workers, unknown here. Its next decode is sent as "feed"
@@ -116,8 +117,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._drop: list[int] = []  # tracked sequences to forget with the next step
-        # sequences with blocks filled this step: keyed once the step is planned, so no
-        # sequence admitted in the same step reads a block that step writes
+        # Prompt blocks are keyed as a step fills them, so a burst sharing a system prompt
+        # computes it once, in the step that admits the first of them, and the others join
+        # that same step. That is safe because a step with a chunk of more than one token
+        # runs the prefill path, which stores every row's K/V before any row attends in each
+        # layer (ops.paged_attention). In a decode step the rows store and attend in
+        # parallel, so blocks a one-token chunk fills wait here until the step is planned.
         self._filled: list[Sequence] = []
 
     def check_prompt(self, num_tokens: int) -> None:
@@ -178,9 +183,9 @@ class Scheduler:
             hits = self.kv.match(seq)
             miss = self.kv.first_miss(seq, hits)
             if miss in computing:
-                # its next block is being computed by one admitted in this step (n > 1
-                # samples, a burst sharing a system prompt): admitted next step, it finds
-                # that block cached instead of computing it again
+                # its next block is being computed by one admitted in this step but is not
+                # keyed yet (the chunk ends inside it): admitted next step, it finds that
+                # block cached instead of computing it again
                 break
             cached = len(hits) * bs
             n = min(seq.num_tokens - cached, budget)
@@ -225,7 +230,10 @@ class Scheduler:
         # request with its output in the prompt can use those), so a decode never pays here
         if (start < len(seq.prompt_token_ids) and self.kv.prefix_caching
                 and seq.num_computed >= (seq.num_keyed + 1) * self.pool.page_size):
-            self._filled.append(seq)
+            if n > 1:  # keyed now: sequences admitted after it in this step read them
+                self.kv.commit(seq)
+            else:
+                self._filled.append(seq)
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
