@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from raygraph.cluster.requests import BadRequest
+from raygraph.cluster.requests import BadRequest, encode_prompt, pack_ids
 from raygraph.cluster.streams import StreamHub
 from raygraph.protocol import SamplingParams
 
@@ -32,7 +32,7 @@ class Recorder:
 
     def _submit(self, name: str, requests: list[tuple[Any, Any]]) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
-        self.calls.append(([prompt for prompt, _ in requests], fut))
+        self.calls.append(([encode_prompt(p, None, 2**20) for p, _ in requests], fut))
         return fut
 
     async def _subscribe(self, name: str):
@@ -111,3 +111,20 @@ def test_a_failed_call_fails_every_open_in_it_and_the_hub_goes_on() -> None:
         assert await again == 30
 
     asyncio.run(run())
+
+
+def test_packed_prompts_are_checked_like_lists() -> None:
+    ids = [0, 5, 131071, 70000]
+    packed = pack_ids(ids)
+    assert isinstance(packed, bytes) and len(packed) == 16
+    assert encode_prompt(packed, None, 131072) == ids
+    with pytest.raises(BadRequest, match=r"token ids \[131071\] are outside"):
+        encode_prompt(packed, None, 131071)
+    with pytest.raises(BadRequest, match="empty prompt"):
+        encode_prompt(pack_ids([]), None, 10)
+    with pytest.raises(BadRequest, match="not uint32s"):
+        encode_prompt(packed[:7], None, 131072)
+    for bad in ([1, -2], [1, 2**40], [1, 2.5]):  # sent as given: the coordinator says why
+        assert pack_ids(bad) == bad
+        with pytest.raises(BadRequest):
+            encode_prompt(bad, None, 10)

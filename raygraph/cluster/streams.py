@@ -8,7 +8,7 @@ import secrets
 from typing import Any
 
 from raygraph.cluster.lockstep import last_line
-from raygraph.cluster.requests import WorkerFailure, take_deltas
+from raygraph.cluster.requests import WorkerFailure, pack_ids, take_deltas
 from raygraph.protocol import SamplingParams, StreamDelta
 
 
@@ -69,7 +69,7 @@ class StreamHub:
             batch, self._opening = self._opening, []
             try:
                 results = await self.coord.submit_streams.remote(
-                    self.name, [(prompt, params) for prompt, params, _ in batch])
+                    self.name, [(pack_ids(prompt), params) for prompt, params, _ in batch])
             except Exception as e:  # the call itself failed: every open in it fails
                 results = [e] * len(batch)
             for (_, _, fut), r in zip(batch, results):
