@@ -52,15 +52,19 @@ async def until(cond: Any) -> None:
     raise AssertionError("the hub did not get there")
 
 
+def opening(hub: StreamHub, *ids: int) -> list[asyncio.Future]:
+    """An open per id (prompt [id]), started now; the recorder answers id * 10."""
+    return [asyncio.ensure_future(hub.open([i], SamplingParams(max_tokens=1))) for i in ids]
+
+
 def test_a_burst_of_opens_is_one_call_and_later_ones_wait_for_the_next() -> None:
     async def run() -> None:
         coord = Recorder()
         hub = StreamHub(coord)
-        sp = SamplingParams(max_tokens=1)
-        first = [asyncio.ensure_future(hub.open([i], sp)) for i in (1, 2, 3)]
+        first = opening(hub, 1, 2, 3)
         await until(lambda: coord.calls)
         assert [p for p, _ in coord.calls] == [[[1], [2], [3]]]
-        later = [asyncio.ensure_future(hub.open([i], sp)) for i in (4, 5)]
+        later = opening(hub, 4, 5)
         for _ in range(10):
             await asyncio.sleep(0)
         assert len(coord.calls) == 1  # one call at a time: these wait for the first's answer
@@ -81,8 +85,7 @@ def test_an_open_whose_caller_left_is_cancelled_once_its_id_is_known() -> None:
     async def run() -> None:
         coord = Recorder()
         hub = StreamHub(coord)
-        sp = SamplingParams(max_tokens=1)
-        kept, gone = (asyncio.ensure_future(hub.open([i], sp)) for i in (1, 2))
+        kept, gone = opening(hub, 1, 2)
         await until(lambda: coord.calls)
         gone.cancel()
         await asyncio.sleep(0)
@@ -98,14 +101,13 @@ def test_a_failed_call_fails_every_open_in_it_and_the_hub_goes_on() -> None:
     async def run() -> None:
         coord = Recorder()
         hub = StreamHub(coord)
-        sp = SamplingParams(max_tokens=1)
-        opens = [asyncio.ensure_future(hub.open([i], sp)) for i in (1, 2)]
+        opens = opening(hub, 1, 2)
         await until(lambda: coord.calls)
         coord.calls[0][1].set_exception(RuntimeError("the coordinator is gone"))
         for f in opens:
             with pytest.raises(RuntimeError, match="is gone"):
                 await f
-        again = asyncio.ensure_future(hub.open([3], sp))
+        (again,) = opening(hub, 3)
         await until(lambda: len(coord.calls) == 2)
         coord.answer(1)
         assert await again == 30
