@@ -21,7 +21,7 @@ measures): a Poisson stream of streaming requests, reported like `vllm bench ser
     python -m bench.serving --request-rate 8 --num-prompts 200 --input-len 512 --output-len 128
                             [--range-ratio 0.5] [--seed 0] [--max-num-seqs 64] [--json-out F]
                             [--shared-prefix-len 1024] [--no-prefix-caching]
-                            [--decode-cascade]
+                            [--no-decode-cascade]
                             [--endpoint http://HOST:PORT]
 
 It starts a coordinator sized for the load (max_num_seqs, max_num_batched_tokens 2048 unless
@@ -320,8 +320,9 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="the coordinator keeps no KV blocks for shared prefixes")
-    p.add_argument("--decode-cascade", action="store_true",
-                   help="decode attends over a prefix the batch shares once (GraphConfig)")
+    p.add_argument("--decode-cascade", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode attends over a prefix the batch shares once (GraphConfig; "
+                        "default on)")
     load.add_load_args(p)
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL

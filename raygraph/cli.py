@@ -87,9 +87,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graph", choices=["piecewise", "full"], default=None,
                    help="prefill buckets: piecewise (attention eager between graphs) or full "
                         f"(one graph, attention inside) (default: {D.graph.prefill_graph})")
-    p.add_argument("--decode-cascade", action="store_true", default=None,
+    p.add_argument("--decode-cascade", action=argparse.BooleanOptionalAction, default=None,
                    help="decode: attend over a prompt prefix every running sequence shares "
-                        "(prefix caching) once for the batch (default: off)")
+                        "(prefix caching) once for the batch, in a second graph per decode "
+                        f"bucket (default: {'on' if D.graph.decode_cascade else 'off'})")
     p.add_argument("--capture", choices=["background", "at_start", "lazy"], default=None,
                    help="when the capture schedule runs: background (serve at once, eager "
                         "steps until each shape is captured between steps), at_start (before "

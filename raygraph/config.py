@@ -354,12 +354,12 @@ class GraphConfig(msgspec.Struct, frozen=True):
     max_prefill: int = 2048
     prefill_graph: Literal["piecewise", "full"] = "full"  # measured faster: bench/RESULTS.md
     # decode batches of 8+ sequences that all start with the same cached blocks (a shared
-    # system prompt under prefix caching) attend over them once for the batch (the decode
-    # kernel's cascade, model/triton_attention.py). Off by default: on an H200 it cut a
-    # 64-sequence step behind a 1024-token prompt by ~10%, but it adds a kernel a layer to
-    # every decode step of 8+ sequences (its programs exit at once when nothing is shared),
-    # ~2% of a step then (bench/RESULTS.md)
-    decode_cascade: bool = False
+    # system prompt under prefix caching, 256+ keys) attend over them once for the batch (the
+    # decode kernel's cascade, model/triton_attention.py). Decode buckets of 8+ are captured
+    # twice, with and without it, and a step takes the cascade graph only when its batch
+    # shares such a prefix, so other steps launch none of its kernels; the cost is a second
+    # capture per bucket (bench/RESULTS.md)
+    decode_cascade: bool = True
     # when the capture schedule runs: `background` serves at once (steps of keys not yet
     # captured run eagerly) and captures between steps, busiest shapes first
     # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs

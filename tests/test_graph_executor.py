@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.graph import inputs
 from raygraph.graph.buckets import bucket, capture_schedule, capture_sizes, default_capture_sizes
 from raygraph.graph.executor import EagerExecutor, GraphExecutor
 from raygraph.graph.inputs import (
@@ -128,23 +129,23 @@ def test_shared_prefix_len_counts_blocks_every_table_starts_with():
 
 def test_decode_buffers_carry_the_shared_prefix_length():
     """With the cascade on, the graph path writes the batch's shared prefix into the buffers
-    (0 for prefill and for a batch without one), and decode buckets of CASCADE_MIN_SEQS and
-    more hand the kernel its view; the eager path carries the same value. Off (the
-    default), nothing is computed or handed over."""
+    (0 for prefill and for a batch without one), and decode metadata asked for the cascade
+    hands the kernel its view; the eager path carries the same value. Off, nothing is
+    computed or handed over."""
     plain = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"))
     bufs = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"),
                         cascade=True)
     plan = shared_plan([400 + 3 * i for i in range(10)], 20)
-    plain.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)  # GraphConfig's default
-    assert plain.metadata(16, 16, 10, 1, 430, True).shared_len is None
-    assert plain.shared_len.tolist() == [0]
+    plain.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)
+    assert plain.metadata(16, 16, 10, 1, 430, True, cascade=True).shared_len is None
+    assert plain.shared_len.tolist() == [0] and plain.shared_prefix == 0
     assert prepare_batch(plan, 16, torch.device("cpu")).ctx.attn.shared_len is None
     bufs.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)
-    assert bufs.shared_len.tolist() == [320]
-    md = bufs.metadata(16, 16, 10, 1, 430, True)
+    assert bufs.shared_len.tolist() == [320] and bufs.shared_prefix == 320
+    md = bufs.metadata(16, 16, 10, 1, 430, True, cascade=True)
     assert md.shared_len is bufs.shared_len
-    assert bufs.metadata(4, 4, 4, 1, 430, True).shared_len is None  # no cascade compiled in
-    assert bufs.metadata(16, 16, 10, 1, 430, False).shared_len is None
+    assert bufs.metadata(16, 16, 10, 1, 430, True).shared_len is None  # the plain graph's
+    assert bufs.metadata(16, 16, 10, 1, 430, False, cascade=True).shared_len is None
     assert prepare_batch(plan, 16, torch.device("cpu"), cascade=True).ctx.attn.shared_len.tolist(
     ) == [320]
     bufs.fill(host_inputs(shared_plan([400] * 10, 0), 16), num_tokens=16, num_seqs=16)
@@ -155,12 +156,48 @@ def test_decode_buffers_carry_the_shared_prefix_length():
     assert bufs.shared_len.tolist() == [0]
 
 
-def make_worker(model: str, mode: str, prefill_graph: str = "piecewise") -> Worker:
+def test_decode_steps_run_the_cascade_graph_only_when_the_batch_shares_a_prefix(
+        tiny_llama, monkeypatch):
+    """Decode buckets of CASCADE_MIN_SEQS+ rows are captured twice; a step runs the cascade
+    graph (its metadata reads the shared length) when its batch shares a prefix, else the
+    plain graph, whose kernels know nothing of a cascade. Off: one graph per key."""
+    monkeypatch.setattr(inputs, "CASCADE_MIN_TOKENS", 16)  # 5 blocks of 4 are enough here
+    g = make_worker(str(tiny_llama), "graph")
+    ex = g.executor
+    key = BucketKey("decode", CASCADE_MIN_SEQS)
+    ex.capture(key)
+    assert ex.cascade_graphs[key].md.shared_len is ex.bufs.shared_len
+    assert ex.graphs[key].md.shared_len is None
+    assert BucketKey("decode", 4) not in ex.cascade_graphs  # too few rows for a cascade
+    ran = []
+    for name, runner in (("plain", ex.graphs[key]), ("cascade", ex.cascade_graphs[key])):
+        monkeypatch.setattr(runner, "run", lambda md, f=runner.run, n=name: (ran.append(n),
+                                                                            f(md))[1])
+    rng = random.Random(5)
+    shared = [0, 1, 2, 3, 4]  # 20 keys in the same blocks of every table
+    seqs = [SeqChunk(i, [rng.randrange(3, 256)], 20 + i % 7,
+                     shared + [5 + 2 * i, 6 + 2 * i], True) for i in range(CASCADE_MIN_SEQS)]
+    randomise_caches((g,), 5)
+    g.executor.logits(StepPlan(1, seqs))
+    assert (ran, ex.last_cascade, ex.bufs.shared_prefix) == (["cascade"], True, 20)
+    g.executor.logits(plan_of([(20 + i, 1) for i in range(CASCADE_MIN_SEQS)], rng))
+    assert (ran[1:], ex.last_cascade, ex.bufs.shared_prefix) == (["plain"], False, 0)
+    g.executor.logits(StepPlan(2, seqs[:4]))  # shares, but too few to pay
+    assert ex.last_key == BucketKey("decode", 4) and not ex.last_cascade
+    off = make_worker(str(tiny_llama), "graph", cascade=False)
+    off.executor.capture(key)
+    assert not off.executor.cascade_graphs
+    off.executor.logits(StepPlan(1, seqs))
+    assert not off.executor.last_cascade and off.executor.bufs.shared_prefix == 0
+
+
+def make_worker(model: str, mode: str, prefill_graph: str = "piecewise",
+                cascade: bool = True) -> Worker:
     cfg = ServeConfig(
         model=model, device="cpu", cache=CacheConfig(block_size=BS),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
                                   max_model_len=200),
-        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
+        graph=GraphConfig(mode=mode, prefill_graph=prefill_graph, decode_cascade=cascade),
     )
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))

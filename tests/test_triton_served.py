@@ -31,7 +31,8 @@ def ckpt(request, tiny_llama, tmp_path):
 
 
 def served(model) -> tuple[list[list[int]], list[int]]:
-    """Greedy tokens of 9 prompts behind HEAD, and the shared length of each step."""
+    """Greedy tokens of 9 prompts behind HEAD, and the shared length each step's cascade
+    graph read (0: the plain graph ran)."""
     cfg = ServeConfig(model=str(model), device="cpu", dtype="float32",
                       cache=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS),
                       scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
@@ -39,13 +40,15 @@ def served(model) -> tuple[list[list[int]], list[int]]:
                       graph=GraphConfig(decode_sizes=[16], prefill_sizes=[64],
                                         decode_cascade=True))
     worker = loaded_worker(cfg, NUM_BLOCKS, capture=True)  # one bucket each: few runs
-    bufs, fill, shared = worker.executor.bufs, worker.executor.bufs.fill, []
+    ex, shared = worker.executor, []
+    step = ex.step
 
-    def recording_fill(h, n, s):
-        fill(h, n, s)
-        shared.append(int(bufs.host_shared[0]))
+    def recording_step(plan):
+        out = step(plan)
+        shared.append(ex.bufs.shared_prefix if ex.last_cascade else 0)
+        return out
 
-    bufs.fill = recording_fill
+    ex.step = recording_step
     seqs = serve_in_process(cfg, worker, [
         Sequence(i, HEAD + [100 + i] * (1 + i % 3), SamplingParams(max_tokens=5,
                                                                   ignore_eos=True))
@@ -62,4 +65,4 @@ def test_triton_kernels_serve_the_reference_greedy_tokens(interpreted, ckpt, mon
     monkeypatch.setattr(ops, "kernels", lambda x: True)
     got, shared = served(model)
     assert got == want
-    assert max(shared) == max(ref_shared) == 20  # decode steps carried the shared prefix
+    assert max(shared) == max(ref_shared) == 20  # decode steps ran the cascade graph

@@ -12,12 +12,14 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
 from raygraph.config import GraphConfig
 from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
 from raygraph.graph.inputs import (
+    CASCADE_MIN_SEQS,
     HostInputs,
     InputBuffers,
     batch_from,
@@ -146,6 +148,10 @@ class GraphExecutor(Executor):
             make_graph_pool(cfg.pool, self.device, cfg.vmm_chunk_bytes, graph_budget)
             if self.cuda else None)
         self.graphs: dict[BucketKey, FullGraph | PiecewiseGraph] = {}
+        # a second graph of each decode key that may run the cascade, taken by the steps
+        # whose batch shares a prefix: the others launch none of its kernels
+        self.cascade_graphs: dict[BucketKey, FullGraph] = {}
+        self.last_cascade = False  # whether the last step ran its key's cascade graph
         self.eager = EagerExecutor(model, block_size)
         self.eager.prev_tokens = self.prev_tokens  # one buffer, whichever path runs the step
         self.capture_log: list[CaptureRecord] = []
@@ -182,8 +188,9 @@ class GraphExecutor(Executor):
             return self.eager.run(h, plan.num_comm_tokens), None
         num_seqs = self.num_seqs(key, h.num_seqs)
         self.bufs.fill(h, key.num_tokens, num_seqs)
+        cascade = self.last_cascade = self.has_cascade(key) and self.bufs.shared_prefix > 0
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.num_tokens, h.max_q_len,
-                                max(h.seq_lens), h.decode)
+                                max(h.seq_lens), h.decode, cascade)
         if uncaptured:
             runner = FullGraph(self._forward(key, key.phase == "decode"), md, False, None)
         else:
@@ -192,7 +199,7 @@ class GraphExecutor(Executor):
                     raise KeyMismatch(f"step {plan.step_id}: {key} was never captured on this "
                                       "rank")
                 self.capture(key, md)
-            runner = self.graphs[key]
+            runner = (self.cascade_graphs if cascade else self.graphs)[key]
         if key.phase == "decode":
             logits, greedy = (t[: h.num_seqs] for t in runner.run(md))
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
@@ -212,6 +219,12 @@ class GraphExecutor(Executor):
         if self.cfg.prefill_graph == "full":
             return min(self.bufs.max_seqs, key.num_tokens)
         return real
+
+    def has_cascade(self, key: BucketKey) -> bool:
+        """Whether `key` gets a cascade graph: decode buckets that can hold a batch large
+        enough for one (GraphConfig.decode_cascade)."""
+        return (self.cfg.decode_cascade and key.phase == "decode"
+                and key.num_tokens >= CASCADE_MIN_SEQS)
 
     def _forward(self, key: BucketKey, with_logits: bool):
         n = key.num_tokens
@@ -246,17 +259,25 @@ class GraphExecutor(Executor):
         if dummy:
             md = self._dummy(key)
         t0 = time.perf_counter()
+        md = replace(md, shared_len=None)
         scope = self.pool.capture(key) if self.pool is not None else nullcontext()
-        with recording(self.comms) as collectives, scope as pool:
-            if key.phase == "decode" or self.cfg.prefill_graph == "full":
-                runner = FullGraph(self._forward(key, key.phase == "decode"), md, self.cuda,
-                                   pool)
-            else:
-                runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out, self.cuda,
-                                        pool)
-            if not self.cuda and dummy:
-                runner.run(md)
+        with scope as pool:
+            with recording(self.comms) as collectives:
+                if key.phase == "decode" or self.cfg.prefill_graph == "full":
+                    runner = FullGraph(self._forward(key, key.phase == "decode"), md, self.cuda,
+                                       pool)
+                else:
+                    runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out,
+                                            self.cuda, pool)
+                if not self.cuda and dummy:
+                    runner.run(md)
+            cascade = None
+            if self.has_cascade(key):  # the same collectives again: recorded once
+                cascade = FullGraph(self._forward(key, True),
+                                    replace(md, shared_len=self.bufs.shared_len), self.cuda, pool)
         self.graphs[key] = runner
+        if cascade is not None:
+            self.cascade_graphs[key] = cascade
         record = CaptureRecord(
             key=key, rank=self.rank, pieces=runner.num_pieces,
             nodes=runner.num_nodes, collectives=collectives,
@@ -362,6 +383,7 @@ class GraphExecutor(Executor):
     def release(self) -> None:
         """Drop every graph, then the pool's memory."""
         self.graphs.clear()
+        self.cascade_graphs.clear()
         if self.pool is not None:
             self.pool.release()
 

@@ -357,10 +357,16 @@ class InputBuffers:
             views = self._lora_views[num_tokens] = LoRAInputs(*self.lora[:, :num_tokens])
         return views
 
+    @property
+    def shared_prefix(self) -> int:
+        """The shared prefix length the last write gave (0: none, or `cascade` off)."""
+        return int(self._shared[0])
+
     def metadata(self, num_tokens: int, num_seqs: int, num_real: int, max_q_len: int,
-                 max_kv_len: int, decode: bool) -> AttentionMetadata:
+                 max_kv_len: int, decode: bool, cascade: bool = False) -> AttentionMetadata:
         """Views of the bucket's size (their addresses never change; made once per size);
-        the first `num_real` tokens are real."""
+        the first `num_real` tokens are real. `cascade`: the decode kernel reads the shared
+        prefix length (a graph with the cascade compiled in)."""
         views = self._views.get((num_tokens, num_seqs))
         if views is None:
             views = (self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
@@ -368,7 +374,6 @@ class InputBuffers:
                      self.positions[:num_tokens], self.token_seq[:num_tokens],
                      self.token_row[:num_tokens])
             self._views[(num_tokens, num_seqs)] = views
-        shared = (self.shared_len if self.cascade and decode and num_seqs >= CASCADE_MIN_SEQS
-                  else None)
+        shared = self.shared_len if cascade and self.cascade and decode else None
         return AttentionMetadata(*views, num_tokens=num_real, max_q_len=max_q_len,
                                  max_kv_len=max_kv_len, decode=decode, shared_len=shared)

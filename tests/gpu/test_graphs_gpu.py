@@ -184,7 +184,7 @@ def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise",
-           cascade: bool = False) -> Worker:
+           cascade: bool = True) -> Worker:
     cfg = ServeConfig(
         model=str(ckpt), device="cuda", dtype=dtype, cache=CacheConfig(block_size=16,
                                                                         num_blocks=256),
@@ -255,15 +255,16 @@ def test_greedy_tokens_with_the_decode_cascade_equal_eager(ckpt):
         return [s.output_token_ids for s in seqs]
 
     g = worker(ckpt, "graph", "float32", "full", cascade=True)
-    shared, fill = [], g.executor.bufs.fill
+    ex, shared, step = g.executor, [], g.executor.step
 
-    def recording_fill(h, n, s):
-        fill(h, n, s)
-        shared.append(int(g.executor.bufs.host_shared[0]))
+    def recording_step(plan):
+        out = step(plan)
+        shared.append(ex.bufs.shared_prefix if ex.last_cascade else 0)
+        return out
 
-    g.executor.bufs.fill = recording_fill
+    ex.step = recording_step
     assert greedy(g) == greedy(worker(ckpt, "eager", "float32", "full"))
-    assert max(shared) == 288  # 18 whole blocks of the head
+    assert max(shared) == 288  # the cascade graph ran over 18 whole blocks of the head
 
 
 def greedy_graph_and_eager(ckpt, prompts: list[list[int]], max_tokens: int,
