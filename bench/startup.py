@@ -97,7 +97,7 @@ def run_mode(model: str, mode: str, a: argparse.Namespace) -> dict:
     name = f"startup-{mode}"
     cache = triton_cache_state()
     cfg = ServeConfig(model=model, coordinator_name=name,
-                      graph=GraphConfig(capture=mode))
+                      graph=GraphConfig(capture=mode, decode_cascade=a.decode_cascade))
     marks: dict = {}
     stop = threading.Event()
     t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def run_mode(model: str, mode: str, a: argparse.Namespace) -> dict:
     loaded = marks.get("weights_loaded_s")
     ready = t_ready - t0
     first = row["first_token_after_ready_s"]
-    return {"capture": mode, "triton_cache": cache,
+    return {"capture": mode, "decode_cascade": a.decode_cascade, "triton_cache": cache,
             "weights_loaded_s": round(loaded, 3) if loaded else None,
             "ready_s": round(ready, 3),
             "first_token_after_weights_s": round(ready + first - loaded, 3)
@@ -131,6 +131,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--decode-cascade", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode buckets of 8+ rows captured with and without the cascade")
     a = p.parse_args()
     model = a.model or str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
     connect(None, num_cpus=4)
