@@ -191,6 +191,17 @@ def test_decode_steps_run_the_cascade_graph_only_when_the_batch_shares_a_prefix(
     assert not off.executor.last_cascade and off.executor.bufs.shared_prefix == 0
 
 
+def test_decode_cascade_is_on_by_default_and_a_flag_turns_it_off():
+    import argparse
+
+    from raygraph.cli import add_serve_args, serve_config
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert GraphConfig().decode_cascade and serve_config(p.parse_args([])).graph.decode_cascade
+    assert not serve_config(p.parse_args(["--no-decode-cascade"])).graph.decode_cascade
+
+
 def make_worker(model: str, mode: str, prefill_graph: str = "piecewise",
                 cascade: bool = True) -> Worker:
     cfg = ServeConfig(
