@@ -78,13 +78,14 @@ def test_decode_kernel_stores_and_attends(interpreted, dtype, d):
 
 @pytest.mark.parametrize("shared_len,dtype,prefix_splits", [
     (0, torch.float16, 2), (64, torch.float32, 2), (80, torch.float16, 1),
-    (160, torch.float32, 1)])
+    (160, torch.float32, 1), (176, torch.float16, 4)])
 def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, prefix_splits):
     """Cascade programs attend over the first `shared_len` keys of every row once, the
     splits over the rest: the same output as the reference, with padding rows and a batch
     of more rows than one cascade program holds (group 4 x 20 sequences = 80 > 64). 0 turns
     the cascade off inside the same launch; 80 is not a whole tile of keys; the prefix in
-    fewer splits than the sequences' own leaves some partials unused."""
+    fewer splits than the sequences' own leaves some partials unused, and in more (4 after
+    2: 6 of 8 partial lanes) leaves the last lanes unused."""
     attn = interpreted("triton_attention")
     rng = random.Random(shared_len)
     lens = [177 + rng.randrange(0, 60) for _ in range(20)]  # 11 shared blocks: 176 keys
@@ -96,6 +97,15 @@ def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, pre
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     torch.testing.assert_close(got[: len(lens)], ref, **tolerance(dtype))
     assert (got[len(lens):] == 0).all()
+
+
+def test_large_batches_split_less():
+    """Splits per sequence: more for few sequences, fewer once the (sequence, KV head)
+    pairs alone pass MAX_PROGRAMS, never under MIN_SPLITS (at a 4096-key table)."""
+    attn = pytest.importorskip("raygraph.model.triton_attention")
+    assert [attn.num_splits(4096, b, 8) for b in (1, 8, 32, 64, 256)] == [32, 16, 4, 2, 2]
+    assert attn.num_splits(256, 1, 8) == 4  # a short table: one tile a split
+    assert attn.MIN_SPLITS == 2
 
 
 def test_decode_window_ignores_the_cascade(interpreted):

@@ -254,15 +254,22 @@ def decode_tiles(head_dim: int) -> DecodeTiles:
 
 
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
+# large batches split less: programs past ~1024 (8 an SM) mostly find no keys in a wide table
+# and cost launch slots. On an H200 at a 4096-key table, 2 splits beat 16 at 64-256
+# sequences (e.g. 256 x 128: 33.1 vs 48.2 us; 64 x 1152: 45.8 vs 49.7); 1 was not measured
+MAX_PROGRAMS, MIN_SPLITS = 1024, 2
 
 
 def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TILE) -> int:
     """Splits per sequence, from the block-table width and the batch (both static per graph
     bucket): at least 4 tiles a split up to 16 splits, and more (down to one tile a split)
-    when the batch's (sequence, KV head) pairs alone leave most SMs idle."""
+    when the batch's (sequence, KV head) pairs alone leave most SMs idle; fewer when the
+    pairs alone pass MAX_PROGRAMS."""
+    pairs = max(1, num_seqs * num_kv_heads)
     by_length = max(1, min(16, triton.next_power_of_2(-(-max_tokens // (4 * tile)))))
-    fill = triton.next_power_of_2(-(-FILL_PROGRAMS // max(1, num_seqs * num_kv_heads)))
-    return max(by_length, min(fill, triton.next_power_of_2(-(-max_tokens // tile))))
+    fill = triton.next_power_of_2(-(-FILL_PROGRAMS // pairs))
+    splits = max(by_length, min(fill, triton.next_power_of_2(-(-max_tokens // tile))))
+    return min(splits, max(MIN_SPLITS, triton.next_power_of_2(-(-MAX_PROGRAMS // pairs))))
 
 
 def paged_decode_attention(
@@ -276,8 +283,8 @@ def paged_decode_attention(
     window > 0: the query sees only its sequence's last `window` keys. shared_len [1] int32:
     keys at the start of every real row's table that are the same blocks in every row, all
     before each row's newest key (0: none); cascade programs attend over them once for the
-    batch (not with a window). `tiles`, `splits` and `prefix_splits` (<= splits) override
-    the defaults (the bench's sweep)."""
+    batch (not with a window). `tiles`, `splits` and `prefix_splits` override the defaults
+    (the bench's sweep)."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -286,7 +293,12 @@ def paged_decode_attention(
     splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
                                   tile)
     cascade = shared_len is not None and window == 0
-    total = splits * (2 if cascade else 1)
+    row_blocks = -(-num_seqs * group // PREFIX_ROWS)
+    # the prefix's splits fill the GPU on their own (not tied to the sequences' splits,
+    # which large batches keep few); partials: the sequences' splits, then the prefix's
+    p_splits = (prefix_splits or triton.next_power_of_2(
+        -(-FILL_PROGRAMS // (row_blocks * num_kv_heads)))) if cascade else 0
+    total = triton.next_power_of_2(splits + p_splits)
     ml = torch.empty(num_seqs, num_heads, total, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(num_seqs, num_heads, total, head_dim, dtype=torch.float32,
                       device=q.device)
@@ -305,12 +317,7 @@ def paged_decode_attention(
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
         PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total, num_warps=warps,
     )
-    p_splits = 0
     if cascade:
-        row_blocks = -(-num_seqs * group // PREFIX_ROWS)
-        # the prefix's splits: enough programs to fill the GPU, and no more partials than that
-        p_splits = min(splits, prefix_splits or triton.next_power_of_2(
-            -(-FILL_PROGRAMS // (row_blocks * num_kv_heads))))
         _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
             q, k_cache, v_cache, block_tables, shared_len, ml, acc, scale, num_seqs,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
