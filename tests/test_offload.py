@@ -251,6 +251,25 @@ def test_offloaded_worker_matches_all_resident(tiny_llama, reference, mode, grap
         msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=type(stats))
 
 
+def test_offloaded_graph_worker_skips_the_logits_warm_up(tiny_llama, monkeypatch):
+    """GraphExecutor.warm_logits runs the lm_head outside a forward. An offloaded model reads
+    its head only after the body (the recorded order) and refuses that read, which failed
+    every graph-mode offload worker on a GPU at load; such workers skip the warm-up. Off
+    CUDA warm_logits does nothing, so here it runs the head once, as on a GPU."""
+    warmed = []
+
+    def warm_logits(self) -> None:
+        hidden = self.model.config.hidden_size
+        self.model.compute_logits(torch.zeros(1, hidden, dtype=self.model.lm_head.weight.dtype))
+        warmed.append(self)
+
+    monkeypatch.setattr(GraphExecutor, "warm_logits", warm_logits)
+    w = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**6, mode="ring"), "graph")
+    assert isinstance(w.executor, GraphExecutor) and not warmed
+    run(w)  # and it serves
+    assert len(warmed) == 0 and make_worker(tiny_llama, None, "graph") and len(warmed) == 1
+
+
 @pytest.mark.parametrize("prefill_graph", ["piecewise", "full"])
 def test_ring_graph_executor_runs_prefill_graphs(tiny_llama, reference, prefill_graph):
     """CPU eager backend of the graph executor: piecewise prefill goes through the split hook

@@ -304,7 +304,10 @@ class Worker:
         t1 = time.perf_counter()
         self.executor = self._make_executor(self.graph_budget)
         t2 = time.perf_counter()
-        if isinstance(self.executor, GraphExecutor):  # every rank here at once: TP gathers
+        # every rank here at once: TP gathers. An offloaded model reads its head only after a
+        # forward's body (the recorded order) and refuses a warm-up outside one: its first
+        # few-row steps pay the compile instead
+        if isinstance(self.executor, GraphExecutor) and self.offload is None:
             self.executor.warm_logits()
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
         log.info("rank %d: KV cache of %d blocks mapped in %.2fs, executor built in %.2fs, "
