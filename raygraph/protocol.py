@@ -109,7 +109,8 @@ class CaptureRecord(msgspec.Struct, frozen=True):
 
     key: BucketKey
     rank: int
-    pieces: int  # graphs in this bucket (1 full graph, or the piecewise segments)
+    pieces: int  # graphs in this bucket (full graphs: 1, or 2 with a cascade graph; or the
+    # piecewise segments)
     nodes: int | None  # CUDA graph nodes summed over pieces; None where not known (CPU)
     collectives: list[Collective]  # in issue order: warm-up + captured pass (GPU), eager pass (CPU)
     pool_bytes: int

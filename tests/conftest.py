@@ -143,6 +143,20 @@ def serve_in_process(cfg, worker, seqs: list, num_blocks: int) -> list:
     return seqs
 
 
+def cascade_lengths(executor) -> list[int]:
+    """From now on, per step of the graph executor: the shared prefix length its cascade
+    graph read, or 0 where the plain graph (or a prefill) ran."""
+    lengths, step = [], executor.step
+
+    def recording_step(plan):
+        out = step(plan)
+        lengths.append(executor.bufs.shared_prefix if executor.last_cascade else 0)
+        return out
+
+    executor.step = recording_step
+    return lengths
+
+
 def randomise_caches(workers, seed: int) -> None:
     """The same random K/V contents in every worker's cache (graph and eager compared)."""
     for w in workers:

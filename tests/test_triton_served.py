@@ -13,7 +13,7 @@ from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConf
 from raygraph.graph import inputs
 from raygraph.model import ops
 from raygraph.protocol import SamplingParams
-from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
+from tests.conftest import cascade_lengths, loaded_worker, make_checkpoint, serve_in_process
 
 NUM_BLOCKS = 96
 HEAD = [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 5, 9, 11, 13, 40, 30, 31, 32, 7, 21]  # 5 blocks
@@ -40,15 +40,7 @@ def served(model) -> tuple[list[list[int]], list[int]]:
                       graph=GraphConfig(decode_sizes=[16], prefill_sizes=[64],
                                         decode_cascade=True))
     worker = loaded_worker(cfg, NUM_BLOCKS, capture=True)  # one bucket each: few runs
-    ex, shared = worker.executor, []
-    step = ex.step
-
-    def recording_step(plan):
-        out = step(plan)
-        shared.append(ex.bufs.shared_prefix if ex.last_cascade else 0)
-        return out
-
-    ex.step = recording_step
+    shared = cascade_lengths(worker.executor)
     seqs = serve_in_process(cfg, worker, [
         Sequence(i, HEAD + [100 + i] * (1 + i % 3), SamplingParams(max_tokens=5,
                                                                   ignore_eos=True))

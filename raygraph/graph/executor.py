@@ -276,11 +276,14 @@ class GraphExecutor(Executor):
                 cascade = FullGraph(self._forward(key, True),
                                     replace(md, shared_len=self.bufs.shared_len), self.cuda, pool)
         self.graphs[key] = runner
+        runners = [runner]
         if cascade is not None:
             self.cascade_graphs[key] = cascade
+            runners.append(cascade)
+        nodes = [r.num_nodes for r in runners]
         record = CaptureRecord(
-            key=key, rank=self.rank, pieces=runner.num_pieces,
-            nodes=runner.num_nodes, collectives=collectives,
+            key=key, rank=self.rank, pieces=sum(r.num_pieces for r in runners),
+            nodes=None if None in nodes else sum(nodes), collectives=collectives,
             pool_bytes=self.pool.last_growth if self.pool is not None else 0,
             buffers=self.buffer_infos(), seconds=round(time.perf_counter() - t0, 4),
         )

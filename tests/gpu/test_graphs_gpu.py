@@ -14,7 +14,13 @@ from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import loaded_worker, make_checkpoint, randomise_caches, serve_in_process
+from tests.conftest import (
+    cascade_lengths,
+    loaded_worker,
+    make_checkpoint,
+    randomise_caches,
+    serve_in_process,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -255,14 +261,7 @@ def test_greedy_tokens_with_the_decode_cascade_equal_eager(ckpt):
         return [s.output_token_ids for s in seqs]
 
     g = worker(ckpt, "graph", "float32", "full", cascade=True)
-    ex, shared, step = g.executor, [], g.executor.step
-
-    def recording_step(plan):
-        out = step(plan)
-        shared.append(ex.bufs.shared_prefix if ex.last_cascade else 0)
-        return out
-
-    ex.step = recording_step
+    shared = cascade_lengths(g.executor)
     assert greedy(g) == greedy(worker(ckpt, "eager", "float32", "full"))
     assert max(shared) == 288  # the cascade graph ran over 18 whole blocks of the head
 
