@@ -78,6 +78,18 @@ def test_slots_follow_each_sequences_block_table():
     assert md.slot_mapping.tolist() == expected_slots(plan)
 
 
+@pytest.mark.parametrize("seqs", [[(5, 30), (0, 1), (17, 40), (0, 16)], [(7, 1), (0, 1), (3, 1)],
+                                  [(0, 12)], [(9, 1), (2, 5)]])
+def test_host_inputs_lay_out_each_sequences_tokens(seqs):
+    """Each token's sequence, row in its chunk and absolute position (numpy, per step)."""
+    h = host_inputs(plan_of(seqs, random.Random(4)), BS)
+    assert h.token_seq.tolist() == [b for b, (_, n) in enumerate(seqs) for _ in range(n)]
+    assert h.token_row.tolist() == [r for _, n in seqs for r in range(n)]
+    assert h.positions.tolist() == [c + r for c, n in seqs for r in range(n)]
+    assert h.decode == all(n == 1 for _, n in seqs)
+    assert h.max_q_len == max(n for _, n in seqs)
+
+
 def test_buffers_pad_with_minus_one_slots_and_empty_sequences():
     bufs = InputBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"))
     plan = plan_of([(5, 1), (0, 1), (9, 1)], random.Random(0))
@@ -279,6 +291,24 @@ def test_decode_step_returns_the_argmax_it_took(workers, mid_prompt):
     assert logits.shape[0] == greedy.shape[0] == sum(s.sample for s in plan.seqs)
     assert greedy.tolist() == logits.argmax(-1).tolist()
     assert g.executor.step(plan_of([(0, 3)], rng))[1] is None  # prefill: the sampler's argmax
+
+
+def test_full_prefill_graph_takes_the_sampled_rows_logits(workers, full_prefill):
+    """A full prefill graph ends in the logits and argmax of the rows the host wrote as
+    sampled (one per sequence row): after a larger step left other row indices behind in
+    the buffer, and with a chunk mid-prompt that samples nothing, the rows are the plan's."""
+    _, e = workers
+    rng = random.Random(31)
+    full_prefill.executor.step(plan_of([(0, 9), (0, 9), (0, 9)], rng))  # rows 8, 17, 26
+    randomise_caches((full_prefill, e), 31)
+    plan = plan_of([(rng.randrange(0, 30), rng.randrange(2, 6)) for _ in range(3)], rng)
+    plan = msgspec.structs.replace(plan, seqs=[
+        msgspec.structs.replace(c, sample=i != 1) for i, c in enumerate(plan.seqs)])
+    logits, greedy = full_prefill.executor.step(plan)
+    assert full_prefill.executor.last_key.num_tokens < 27  # a smaller bucket than the last
+    assert logits.shape[0] == greedy.shape[0] == 2
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+    assert_close_across_shapes(logits, e.executor.logits(plan))
 
 
 def test_above_the_largest_bucket_runs_eagerly(workers):

@@ -192,7 +192,7 @@ class GraphExecutor(Executor):
         md = self.bufs.metadata(key.num_tokens, num_seqs, h.num_tokens, h.max_q_len,
                                 max(h.seq_lens), h.decode, cascade)
         if uncaptured:
-            runner = FullGraph(self._forward(key, key.phase == "decode"), md, False, None)
+            runner = FullGraph(self._forward(key, self._graph_logits(key)), md, False, None)
         else:
             if key not in self.graphs:
                 if plan.key is not None:  # coordinator-driven: captures happen in lockstep only
@@ -206,6 +206,8 @@ class GraphExecutor(Executor):
                 rows = self.bufs.sample_idx[: len(h.sample_idx)]
                 logits, greedy = logits[rows], greedy[rows]
             return logits, greedy  # already fp32: the cast is in the graph
+        if self._graph_logits(key):  # the graph took the sampled rows' logits
+            return tuple(t[: len(h.sample_idx)] for t in runner.run(md))
         hidden = runner.run(md)
         rows = self.bufs.sample_idx[: len(h.sample_idx)]
         return self.model.compute_logits(hidden[rows]).float(), None
@@ -226,11 +228,20 @@ class GraphExecutor(Executor):
         return (self.cfg.decode_cascade and key.phase == "decode"
                 and key.num_tokens >= CASCADE_MIN_SEQS)
 
+    def _graph_logits(self, key: BucketKey) -> bool:
+        """Whether `key`'s graph ends in the logits and greedy tokens: decode, and full
+        prefill graphs (their sampled rows: one per sequence row of the bucket). A piecewise
+        prefill step takes its logits eagerly after the last piece."""
+        return key.phase == "decode" or self.cfg.prefill_graph == "full"
+
     def _forward(self, key: BucketKey, with_logits: bool):
         n = key.num_tokens
         ids, pos, feed = (self.bufs.input_ids[:n], self.bufs.positions[:n],
                           self.bufs.feed[:n])
         lora = self.bufs.lora_inputs(n)
+        # prefill samples a row per sequence at most: the rows the host wrote (the rest 0)
+        rows = (None if key.phase == "decode"
+                else self.bufs.sample_idx[: self.num_seqs(key, n)])
 
         def forward(ctx: ForwardContext):
             ctx.num_comm_tokens = key.num_comm_tokens  # the EP dispatch size is in the key
@@ -239,6 +250,8 @@ class GraphExecutor(Executor):
                 hidden = self.model(feed_tokens(ids, feed, self.prev_tokens), pos)
             if not with_logits:
                 return hidden
+            if rows is not None:
+                hidden = hidden[rows]
             # the fp32 cast and the greedy argmax inside the graph: launches off the step's
             # host path (a sampler with temperature still reads the logits)
             logits = self.model.compute_logits(hidden).float()
@@ -263,9 +276,8 @@ class GraphExecutor(Executor):
         scope = self.pool.capture(key) if self.pool is not None else nullcontext()
         with scope as pool:
             with recording(self.comms) as collectives:
-                if key.phase == "decode" or self.cfg.prefill_graph == "full":
-                    runner = FullGraph(self._forward(key, key.phase == "decode"), md, self.cuda,
-                                       pool)
+                if self._graph_logits(key):
+                    runner = FullGraph(self._forward(key, True), md, self.cuda, pool)
                 else:
                     runner = PiecewiseGraph(self._forward(key, False), md, self.attn_out,
                                             self.cuda, pool)

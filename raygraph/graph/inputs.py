@@ -15,10 +15,10 @@ from raygraph.protocol import StepPlan
 @dataclass
 class HostInputs:
     ids: list[int]
-    positions: list[int]
+    positions: np.ndarray | list[int]  # host_inputs gives arrays (token_layout), others lists
     slots: list[int] | None  # None: each token's slot follows from its table (slot_mapping)
-    token_seq: list[int]
-    token_row: list[int]
+    token_seq: np.ndarray | list[int]
+    token_row: np.ndarray | list[int]
     seq_lens: list[int]
     tables: list[list[int]]
     sample_idx: list[int]
@@ -79,6 +79,21 @@ def shared_prefix_len(tables: np.ndarray, seq_lens: list[int], block_size: int) 
     return shared if shared >= CASCADE_MIN_TOKENS else 0
 
 
+def token_layout(q_lens: list[int], starts: list[int]) -> tuple[np.ndarray, ...]:
+    """(token_seq, token_row, positions) of sequences of q_lens new tokens each, the first at
+    position starts[b]. In numpy: built as Python lists, a 2048-token chunk's three rows cost
+    ~0.2 ms of host time a step (bench/RESULTS.md), before the step could start."""
+    if len(q_lens) == sum(q_lens):  # decode: one token each (a batch-1 step pays microseconds)
+        return (np.arange(len(q_lens), dtype=np.int64), np.zeros(len(q_lens), dtype=np.int64),
+                np.asarray(starts, dtype=np.int64))
+    q = np.asarray(q_lens, dtype=np.int64)
+    token_seq = np.repeat(np.arange(len(q), dtype=np.int64), q)
+    first = np.cumsum(q) - q  # each sequence's first row in the step
+    token_row = np.arange(len(token_seq), dtype=np.int64) - first[token_seq]
+    positions = token_row + np.asarray(starts, dtype=np.int64)[token_seq]
+    return token_seq, token_row, positions
+
+
 def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInputs:
     """`lora`: the model has adapter slots, so the tokens' slots are read (a pass over the
     sequences a step that a model without LoRA does not pay)."""
@@ -88,22 +103,24 @@ def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInpu
                                                  else [-1] * len(s.token_ids))]
     if lora and any(s.lora_slot >= 0 for s in plan.seqs):
         h.lora = [s.lora_slot for s in plan.seqs for _ in s.token_ids]
-    for b, s in enumerate(plan.seqs):
+    q_lens, starts = [], []
+    for s in plan.seqs:
         n = len(s.token_ids)
         end = s.start_pos + n
         if len(s.block_table) * block_size < end:
             raise ValueError(
                 f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
         h.ids += s.token_ids
-        h.positions += range(s.start_pos, end)
-        h.token_seq += [b] * n
-        h.token_row += range(n)
+        q_lens.append(n)
+        starts.append(s.start_pos)
         h.seq_lens.append(end)
         h.tables.append(s.block_table)
         if s.sample:
             h.sample_idx.append(len(h.ids) - 1)
-        h.max_q_len = max(h.max_q_len, n)
-        h.decode = h.decode and n == 1
+    if q_lens:
+        h.max_q_len = max(q_lens)
+        h.decode = h.max_q_len == 1
+    h.token_seq, h.token_row, h.positions = token_layout(q_lens, starts)
     return h
 
 
@@ -300,11 +317,15 @@ class InputBuffers:
             raise ValueError(f"a sequence needs {width} blocks; buffers hold {self.max_blocks}")
         # few numpy calls: each costs microseconds on a busy host, on every step's critical path
         tok = self._tok
-        if h.slots is None:
-            tok[[0, 1, 3, 4], :n] = (h.ids, h.positions, h.token_seq, h.token_row)
-        else:
-            tok[:5, :n] = (h.ids, h.positions, h.slots, h.token_seq, h.token_row)
+        # one row at a time: numpy converts a tuple of rows element by element (~4x slower)
+        tok[0, :n] = h.ids
+        tok[1, :n] = h.positions
+        if h.slots is not None:
+            tok[2, :n] = h.slots
+        tok[3, :n] = h.token_seq
+        tok[4, :n] = h.token_row
         tok[5, : len(h.sample_idx)] = h.sample_idx
+        tok[5, len(h.sample_idx): n] = 0  # a full prefill graph gathers these rows too
         tok[6, :n] = -1 if h.feed is None else h.feed
         if self._lora is not None:
             self._write_lora(h.lora, n, num_tokens)
