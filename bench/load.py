@@ -184,6 +184,8 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, An
         "request_throughput": round(len(ok) / duration, 3),
         "output_throughput": round(out / duration, 2),
         "total_token_throughput": round((inp + out) / duration, 2),
+        # requests in flight on average (Little's law): what a rate "keeps running"
+        "mean_concurrency": round(sum(r.e2e for r in ok) / duration, 1) if duration else None,
     }
     tpots = [t for r in ok if (t := r.tpot) is not None]
     series = {"ttft": [r.ttft for r in ok], "tpot": tpots,
@@ -407,6 +409,7 @@ TABLE = [
     ("Request throughput (req/s)", "request_throughput"),
     ("Output token throughput (tok/s)", "output_throughput"),
     ("Total token throughput (tok/s)", "total_token_throughput"),
+    ("Mean requests in flight", "mean_concurrency"),
     ("Prefix cache hit rate", "prefix_cache_hit_rate"),
 ]
 SECTIONS = [("ttft", "TTFT", "Time to First Token"),

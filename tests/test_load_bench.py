@@ -126,6 +126,7 @@ def test_summary() -> None:
     assert row["median_itl_ms"] == pytest.approx(100.0)  # 100, 100, 400
     assert row["mean_itl_ms"] == pytest.approx(200.0)
     assert row["mean_e2el_ms"] == pytest.approx(500.0)  # 300 and 700
+    assert row["mean_concurrency"] == 0.5  # 1.0 s of requests in flight over 2.0 s
     assert row["first_error"] == "RuntimeError: boom"
     empty = summarize([recs[2]], duration=1.0)
     assert empty["completed"] == 0 and empty["mean_itl_ms"] is None
