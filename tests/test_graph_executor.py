@@ -79,7 +79,8 @@ def test_slots_follow_each_sequences_block_table():
 
 
 @pytest.mark.parametrize("seqs", [[(5, 30), (0, 1), (17, 40), (0, 16)], [(7, 1), (0, 1), (3, 1)],
-                                  [(0, 12)], [(9, 1), (2, 5)]])
+                                  [(0, 12)], [(9, 1), (2, 5)], [(5, 0), (0, 2)],
+                                  [(5, 0), (0, 1)]])
 def test_host_inputs_lay_out_each_sequences_tokens(seqs):
     """Each token's sequence, row in its chunk and absolute position (numpy, per step)."""
     h = host_inputs(plan_of(seqs, random.Random(4)), BS)
@@ -88,6 +89,7 @@ def test_host_inputs_lay_out_each_sequences_tokens(seqs):
     assert h.positions.tolist() == [c + r for c, n in seqs for r in range(n)]
     assert h.decode == all(n == 1 for _, n in seqs)
     assert h.max_q_len == max(n for _, n in seqs)
+    assert len(h.ids) == len(h.positions) == sum(n for _, n in seqs)
 
 
 def test_buffers_pad_with_minus_one_slots_and_empty_sequences():

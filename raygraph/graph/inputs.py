@@ -83,7 +83,7 @@ def token_layout(q_lens: list[int], starts: list[int]) -> tuple[np.ndarray, ...]
     """(token_seq, token_row, positions) of sequences of q_lens new tokens each, the first at
     position starts[b]. In numpy: built as Python lists, a 2048-token chunk's three rows cost
     ~0.2 ms of host time a step (bench/RESULTS.md), before the step could start."""
-    if len(q_lens) == sum(q_lens):  # decode: one token each (a batch-1 step pays microseconds)
+    if q_lens.count(1) == len(q_lens):  # decode, one token each: a batch-1 step's shortcut
         return (np.arange(len(q_lens), dtype=np.int64), np.zeros(len(q_lens), dtype=np.int64),
                 np.asarray(starts, dtype=np.int64))
     q = np.asarray(q_lens, dtype=np.int64)
@@ -117,9 +117,8 @@ def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInpu
         h.tables.append(s.block_table)
         if s.sample:
             h.sample_idx.append(len(h.ids) - 1)
-    if q_lens:
-        h.max_q_len = max(q_lens)
-        h.decode = h.max_q_len == 1
+    h.max_q_len = max(q_lens, default=0)
+    h.decode = q_lens.count(1) == len(q_lens)
     h.token_seq, h.token_row, h.positions = token_layout(q_lens, starts)
     return h
 
