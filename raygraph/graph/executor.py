@@ -26,6 +26,7 @@ from raygraph.graph.inputs import (
     feed_tokens,
     host_inputs,
     padding_inputs,
+    token_layout,
 )
 from raygraph.graph.runners import FullGraph, PiecewiseGraph
 from raygraph.memory.graph_pool import GraphPool, make_graph_pool
@@ -323,11 +324,10 @@ class GraphExecutor(Executor):
         else:
             per = self.bufs.max_blocks * self.block_size
             lens = [min(per, n - start) for start in range(0, n, per)]
-            rows = [r for length in lens for r in range(length)]
-            h = HostInputs([0] * n, rows, [-1] * n,
-                           [i for i, length in enumerate(lens) for _ in range(length)], rows,
-                           lens, [[self.scratch_block()] * -(-length // self.block_size)
-                                  for length in lens],
+            token_seq, token_row, positions = token_layout(lens, [0] * len(lens))
+            h = HostInputs([0] * n, positions, [-1] * n, token_seq, token_row, lens,
+                           [[self.scratch_block()] * -(-length // self.block_size)
+                            for length in lens],
                            [sum(lens[: i + 1]) - 1 for i in range(len(lens))], max(lens),
                            False)
         seqs = self.num_seqs(key, h.num_seqs)
@@ -347,11 +347,12 @@ class GraphExecutor(Executor):
 
     @torch.inference_mode()
     def warm_logits(self) -> None:
-        """A prefill step's logits run eagerly after its graph, on as many rows as it samples:
-        the skinny-GEMM path JIT-compiles per row regime (the first 5-sequence step took
-        157-184 ms on an H200) and cuBLAS loads a kernel per row range on first use. Run every
-        row count a step can sample once here, before serving, not in a served step. Every rank
-        runs it in the same order (the TP logits gather); a no-op off CUDA."""
+        """Steps whose logits run eagerly (piecewise prefill, eager steps above the largest
+        bucket) take them on as many rows as they sample: the skinny-GEMM path JIT-compiles
+        per row regime (the first 5-sequence step took 157-184 ms on an H200) and cuBLAS
+        loads a kernel per row range on first use. Run every row count a step can sample once
+        here, before serving, not in a served step. Every rank runs it in the same order (the
+        TP logits gather); a no-op off CUDA."""
         if not self.cuda:
             return
         from raygraph.model.triton_gemv import MAX_M

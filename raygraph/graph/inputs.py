@@ -15,10 +15,10 @@ from raygraph.protocol import StepPlan
 @dataclass
 class HostInputs:
     ids: list[int]
-    positions: np.ndarray | list[int]  # host_inputs gives arrays (token_layout), others lists
+    positions: np.ndarray  # token_layout gives these three
     slots: list[int] | None  # None: each token's slot follows from its table (slot_mapping)
-    token_seq: np.ndarray | list[int]
-    token_row: np.ndarray | list[int]
+    token_seq: np.ndarray
+    token_row: np.ndarray
     seq_lens: list[int]
     tables: list[list[int]]
     sample_idx: list[int]
@@ -44,7 +44,8 @@ def padding_inputs(n: int, scratch_block: int) -> HostInputs:
     usable ones): the batch of a capture, and of an idle DP rank that must still join the
     MoE collectives. NOTE: the GPU decode kernel stores each sequence's newest K/V through
     its block table, so these rows must never point at a real block (slot -1 is not enough)."""
-    return HostInputs([0] * n, [0] * n, [-1] * n, list(range(n)), [0] * n, [1] * n,
+    token_seq, token_row, positions = token_layout([1] * n, [0] * n)
+    return HostInputs([0] * n, positions, [-1] * n, token_seq, token_row, [1] * n,
                       [[scratch_block]] * n, list(range(n)), 1, True)
 
 
@@ -97,29 +98,30 @@ def token_layout(q_lens: list[int], starts: list[int]) -> tuple[np.ndarray, ...]
 def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInputs:
     """`lora`: the model has adapter slots, so the tokens' slots are read (a pass over the
     sequences a step that a model without LoRA does not pay)."""
-    h = HostInputs([], [], None, [], [], [], [], [], 0, True, block_size=block_size)
-    if any(s.feed >= 0 for s in plan.seqs):
-        h.feed = [f for s in plan.seqs for f in ([s.feed] if len(s.token_ids) == 1
-                                                 else [-1] * len(s.token_ids))]
-    if lora and any(s.lora_slot >= 0 for s in plan.seqs):
-        h.lora = [s.lora_slot for s in plan.seqs for _ in s.token_ids]
-    q_lens, starts = [], []
+    ids: list[int] = []
+    q_lens, starts, seq_lens, tables, sample_idx = [], [], [], [], []
     for s in plan.seqs:
         n = len(s.token_ids)
         end = s.start_pos + n
         if len(s.block_table) * block_size < end:
             raise ValueError(
                 f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
-        h.ids += s.token_ids
+        ids += s.token_ids
         q_lens.append(n)
         starts.append(s.start_pos)
-        h.seq_lens.append(end)
-        h.tables.append(s.block_table)
+        seq_lens.append(end)
+        tables.append(s.block_table)
         if s.sample:
-            h.sample_idx.append(len(h.ids) - 1)
-    h.max_q_len = max(q_lens, default=0)
-    h.decode = q_lens.count(1) == len(q_lens)
-    h.token_seq, h.token_row, h.positions = token_layout(q_lens, starts)
+            sample_idx.append(len(ids) - 1)
+    token_seq, token_row, positions = token_layout(q_lens, starts)
+    h = HostInputs(ids, positions, None, token_seq, token_row, seq_lens, tables, sample_idx,
+                   max(q_lens, default=0), q_lens.count(1) == len(q_lens),
+                   block_size=block_size)
+    if any(s.feed >= 0 for s in plan.seqs):
+        h.feed = [f for s in plan.seqs for f in ([s.feed] if len(s.token_ids) == 1
+                                                 else [-1] * len(s.token_ids))]
+    if lora and any(s.lora_slot >= 0 for s in plan.seqs):
+        h.lora = [s.lora_slot for s in plan.seqs for _ in s.token_ids]
     return h
 
 
@@ -178,7 +180,7 @@ def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Ba
     if cascade and h.decode and h.num_seqs >= CASCADE_MIN_SEQS:
         shared = t([shared_prefix_len(tables, h.seq_lens, h.block_size)], torch.int32)
     slots = h.slots if h.slots is not None else slot_mapping(
-        tables, np.array(h.token_seq), np.array(h.positions), h.block_size).tolist()
+        tables, h.token_seq, h.positions, h.block_size).tolist()
     md = AttentionMetadata(
         slot_mapping=t(slots), block_tables=torch.from_numpy(tables).to(device, torch.int32),
         seq_lens=t(h.seq_lens, torch.int32),
