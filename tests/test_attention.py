@@ -224,7 +224,8 @@ def test_fused_linear_ops_equal_the_unfused_reference() -> None:
     b = torch.randn((hq + 2 * hk) * d, generator=g)
     pos = torch.tensor([0, 3, 7, 1, 30])
     freqs = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
-    q, k, v = ops.linear_rotary(x, w, b, pos, freqs.cos(), freqs.sin(), d, hq, hk)
+    q, k, v, rope = ops.linear_rotary(x, w, b, pos, freqs.cos(), freqs.sin(), d, hq, hk)
+    assert rope is None  # off the kernels, rotated here, never left to attention
     y = F.linear(x, w, b)
     rq, rk = ops.rotary(y[:, : hq * d].view(5, hq, d), y[:, hq * d: (hq + hk) * d].view(5, hk, d),
                         freqs.cos(), freqs.sin(), pos)

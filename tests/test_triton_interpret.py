@@ -60,32 +60,36 @@ def decode_case(dtype: torch.dtype, lens: list[int], shared: int, pad: int, seed
     return kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref
 
 
-@pytest.mark.parametrize("dtype,d", [(torch.float16, 64), (torch.float32, 64),
-                                     (torch.float16, 256)])
-def test_decode_kernel_stores_and_attends(interpreted, dtype, d):
+@pytest.mark.parametrize("dtype,d,splits", [(torch.float16, 64, 4), (torch.float32, 64, 4),
+                                            (torch.float16, 256, 4), (torch.float32, 64, 1)])
+def test_decode_kernel_stores_and_attends(interpreted, dtype, d, splits):
     """Splits over each sequence's keys, the newest key stored and folded in, padding rows
-    zero and storing nothing; a 256-wide head takes its own tiles (32 keys)."""
+    zero and storing nothing; a 256-wide head takes its own tiles (32 keys). At one split
+    each program writes the output itself (no merge)."""
     attn = interpreted("triton_attention")
     lens = [1, 17, 64, 65, 150]
     kc, vc, tables, seq_lens, q, k_new, v_new, ref_k, ref_v, ref = decode_case(
         dtype, lens, 0, 2, seed=1, d=d)
     got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, k_new, v_new,
-                                      splits=4)
+                                      splits=splits)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     torch.testing.assert_close(got[: len(lens)], ref, **tolerance(dtype))
     assert (got[len(lens):] == 0).all()
 
 
-@pytest.mark.parametrize("shared_len,dtype,prefix_splits", [
-    (0, torch.float16, 2), (64, torch.float32, 2), (80, torch.float16, 1),
-    (160, torch.float32, 1), (176, torch.float16, 4)])
-def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, prefix_splits):
+@pytest.mark.parametrize("shared_len,dtype,prefix_splits,splits", [
+    (0, torch.float16, 2, 2), (64, torch.float32, 2, 2), (80, torch.float16, 1, 2),
+    (160, torch.float32, 1, 2), (176, torch.float16, 4, 2), (176, torch.float32, 4, 1),
+    (80, torch.float16, 2, 1), (0, torch.float32, 2, 1)])
+def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, prefix_splits,
+                                             splits):
     """Cascade programs attend over the first `shared_len` keys of every row once, the
     splits over the rest: the same output as the reference, with padding rows and a batch
     of more rows than one cascade program holds (group 4 x 20 sequences = 80 > 64). 0 turns
     the cascade off inside the same launch; 80 is not a whole tile of keys; the prefix in
     fewer splits than the sequences' own leaves some partials unused, and in more (4 after
-    2: 6 of 8 partial lanes) leaves the last lanes unused."""
+    2: 6 of 8 partial lanes) leaves the last lanes unused. At one split of their own, the
+    sequences' programs merge the prefix's partials themselves."""
     attn = interpreted("triton_attention")
     rng = random.Random(shared_len)
     lens = [177 + rng.randrange(0, 60) for _ in range(20)]  # 11 shared blocks: 176 keys
@@ -93,19 +97,56 @@ def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, pre
         dtype, lens, 11, 3, seed=shared_len)
     shared = torch.tensor([shared_len], dtype=torch.int32)
     got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, D**-0.5, k_new, v_new,
-                                      splits=2, shared_len=shared, prefix_splits=prefix_splits)
+                                      splits=splits, shared_len=shared,
+                                      prefix_splits=prefix_splits)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     torch.testing.assert_close(got[: len(lens)], ref, **tolerance(dtype))
     assert (got[len(lens):] == 0).all()
 
 
+@pytest.mark.parametrize("dtype,splits,shared_blocks", [
+    (torch.float32, 2, 0), (torch.float16, 1, 0), (torch.float32, 1, 11), (torch.float16, 2, 11)])
+def test_decode_kernel_rotates_q_and_the_new_key(interpreted, dtype, splits, shared_blocks):
+    """With the rotary tables given, q and the step's K come unrotated: the kernels rotate
+    them at each row's position (seq_len - 1), so the output and the stored key equal the
+    rotary op's followed by the unrotated kernel; with the cascade, the prefix programs
+    rotate their rows too."""
+    from raygraph.model.ops import rotary
+
+    attn = interpreted("triton_attention")
+    lens = [177 + 7 * i for i in range(6)] if shared_blocks else [3, 40, 100, 190]
+    kc, vc, tables, seq_lens, q, k_new, v_new, _, _, _ = decode_case(
+        dtype, lens, shared_blocks, 2, seed=5)
+    cos, sin = torch.randn(2, 512, D // 2)  # any tables: the kernels read, not derive them
+    pos = (seq_lens.long() - 1).clamp(min=0)
+    rq, rk = rotary(q, k_new, cos, sin, pos)  # the torch path: fp32 math, cast back
+    shared = torch.tensor([shared_blocks * BS], dtype=torch.int32) if shared_blocks else None
+    want_k, want_v = kc.clone(), vc.clone()
+    want = attn.paged_decode_attention(rq, want_k, want_v, tables, seq_lens, D**-0.5, rk,
+                                       v_new, splits=splits, shared_len=shared)
+    got = attn.paged_decode_attention(q, kc, vc, tables, seq_lens, D**-0.5, k_new, v_new,
+                                      splits=splits, shared_len=shared, rope=(cos, sin))
+    n = len(lens)
+    # one bf16/fp16 rounding of a rotated element may differ (fma contraction)
+    torch.testing.assert_close(kc, want_k, **tolerance(dtype))
+    torch.testing.assert_close(got[:n], want[:n], **tolerance(dtype))
+    assert (got[n:] == 0).all()
+    assert not torch.equal(got[:n], attn.paged_decode_attention(
+        q, want_k.clone(), want_v.clone(), tables, seq_lens, D**-0.5, k_new, v_new,
+        splits=splits, shared_len=shared)[:n])  # the rotation is not a no-op here
+
+
 def test_large_batches_split_less():
     """Splits per sequence: more for few sequences, fewer once the (sequence, KV head)
-    pairs alone pass MAX_PROGRAMS, never under MIN_SPLITS (at a 4096-key table)."""
+    pairs alone pass MAX_PROGRAMS, never under MIN_SPLITS with the cascade, and one (no
+    merge) for a plain batch of ONE_SPLIT_PAIRS pairs (at a 4096-key table)."""
     attn = pytest.importorskip("raygraph.model.triton_attention")
-    assert [attn.num_splits(4096, b, 8) for b in (1, 8, 32, 64, 256)] == [32, 16, 4, 2, 2]
+    assert [attn.num_splits(4096, b, 8, cascade=True) for b in (1, 8, 32, 64, 256)] == \
+        [32, 16, 4, 2, 2]
+    assert [attn.num_splits(4096, b, 8) for b in (1, 8, 32, 64, 256)] == [32, 16, 4, 1, 1]
+    assert attn.num_splits(4096, 64, 4) == 4  # 256 pairs: still split
     assert attn.num_splits(256, 1, 8) == 4  # a short table: one tile a split
-    assert attn.MIN_SPLITS == 2
+    assert attn.MIN_SPLITS == 2 and attn.ONE_SPLIT_PAIRS == 512
 
 
 def test_decode_window_ignores_the_cascade(interpreted):

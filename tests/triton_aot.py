@@ -59,11 +59,14 @@ def attention_cases() -> list[Case]:
     from raygraph.model import triton_attention as ta
 
     decode = dict(GROUP=4, GROUP_PAD=16, D=64, BS=16, TILE=64, SPLITS=16, NUM_HEADS=32,
-                  STORE=True, WINDOW=0, PRECISION="tf32", STAGES=3, CASCADE=False, TOTAL=16)
-    cascade = decode | dict(CASCADE=True, TOTAL=32)
+                  STORE=True, WINDOW=0, PRECISION="tf32", STAGES=3, CASCADE=False, TOTAL=16,
+                  PREFIX_SPLITS=0, ROPE=False)
+    cascade = decode | dict(CASCADE=True, TOTAL=32, PREFIX_SPLITS=8)
     prefix = {k: cascade[k] for k in ("GROUP", "D", "BS", "TILE", "SPLITS", "TOTAL",
-                                      "NUM_HEADS", "PRECISION", "STAGES")}
-    prefix |= dict(PREFIX_SPLITS=8, ROWS=ta.PREFIX_ROWS)
+                                      "NUM_HEADS", "PRECISION", "STAGES", "PREFIX_SPLITS",
+                                      "ROPE")}
+    prefix |= dict(ROWS=ta.PREFIX_ROWS)
+    rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     merge = {k: decode[k] for k in ("D", "SPLITS", "NUM_HEADS", "TILE", "WINDOW", "CASCADE",
                                     "TOTAL")} | dict(PREFIX_SPLITS=8)
     prefill = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, D=64, D_PAD=64, BS=16, BLOCK_N=64,
@@ -72,9 +75,15 @@ def attention_cases() -> list[Case]:
         ("decode split", ta._decode_split_kernel, decode, 2, {}),
         ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
         ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
+        ("decode one split, rotary", ta._decode_split_kernel,
+         decode | dict(SPLITS=1, TOTAL=1, ROPE=True), 2, rope),
+        ("decode one split, cascade, rotary", ta._decode_split_kernel,
+         cascade | dict(SPLITS=1, TOTAL=16, ROPE=True), 2, rope),
         ("decode split, head 256", ta._decode_split_kernel,
          decode | dict(D=256, TILE=ta.decode_tiles(256)[0]), ta.decode_tiles(256)[1], {}),
         ("decode prefix (cascade)", ta._decode_prefix_kernel, prefix, ta.PREFIX_WARPS, {}),
+        ("decode prefix (cascade), rotary", ta._decode_prefix_kernel, prefix | dict(ROPE=True),
+         ta.PREFIX_WARPS, rope),
         ("decode merge", ta._decode_merge_kernel, merge, 1, {}),
         ("decode merge, cascade", ta._decode_merge_kernel,
          merge | dict(CASCADE=True, TOTAL=32), 1, {}),

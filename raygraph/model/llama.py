@@ -75,15 +75,16 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(positions, x)
-        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.window)
+        q, k, v, rope = self.qkv(positions, x)
+        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.window, rope)
         return self.o_proj(o.reshape(t, -1))
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D]; q and k rotated. Without q/k norms or a LoRA
-        delta the GEMM and rotary are one op (fused for skinny batches on a GPU); with them
-        the norms or the delta must come between the two."""
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ops.Rope]:
+        """q [T, Hq, D], k and v [T, Hkv, D], q and k rotated unless the rotation is left to
+        attention (`ops.rotary_or_defer`; then its tables come last). Without q/k norms or a
+        LoRA delta the GEMM and rotary are one op (fused for skinny batches on a GPU); with
+        them the norms or the delta must come between the two."""
         proj, cos, sin = self.qkv_proj, self.rotary.cos, self.rotary.sin
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None and not lora_active(proj.lora):
@@ -95,8 +96,9 @@ class Attention(nn.Module):
             # one row per head: the fused rms_norm normalises the rows of a 2D tensor
             q = self.q_norm(q.reshape(t * hq, d))
             k = self.k_norm(k.reshape(t * hk, d))
-        q, k = ops.rotary(q.view(t, hq, d), k.view(t, hk, d), cos, sin, positions)
-        return q, k, v.view(t, hk, d)
+        q, k, rope = ops.rotary_or_defer(q.view(t, hq, d), k.view(t, hk, d), cos, sin,
+                                         positions)
+        return q, k, v.view(t, hk, d), rope
 
 
 class MLP(nn.Module):

@@ -3,7 +3,13 @@
 Programs are (sequence, KV head, split); each split walks its share of the sequence's
 tokens up to `seq_lens[b]`, read from device memory, so the launch shape depends only on
 the batch bucket and the block-table width: one captured graph serves every batch that
-fits it. A second kernel merges the splits. Rows with seq_len 0 (padding) produce zeros.
+fits it. A second kernel merges the splits; at one split a sequence's program finishes
+the output itself (no partials, no merge launch). Rows with seq_len 0 (padding) produce
+zeros.
+
+With `rope` tables given, q and the step's K arrive unrotated and the kernels rotate them
+at position seq_len - 1 as they load them (neox, fp32 math, cast back as the rotary kernel
+does): a decode layer launches no rotary kernel of its own.
 
 The query heads of one KV head go through tensor cores together (the group padded to 16
 rows), so K and V are read once per KV head. With `k_new`/`v_new` given, the step's own
@@ -36,39 +42,59 @@ PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (56 B of stack), not 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, ml_ptr, acc_ptr,
-    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kb, stride_ks, stride_ch, stride_bt,
+    out_ptr, cos_ptr, sin_ptr, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, stride_ot, stride_oh, stride_c,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    CASCADE: tl.constexpr, TOTAL: tl.constexpr,
+    CASCADE: tl.constexpr, TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     shared = 0
     if CASCADE:
         shared = tl.load(shared_ptr)
     _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
-               scale, tl.program_id(0), tl.program_id(1), tl.program_id(2), shared,
-               tl.arange(0, D), stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-               stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, GROUP, GROUP_PAD, D, BS,
-               TILE, SPLITS, NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL)
+               out_ptr, cos_ptr, sin_ptr, scale, tl.program_id(0), tl.program_id(1),
+               tl.program_id(2), shared, tl.arange(0, D), stride_qt, stride_qh, stride_kt,
+               stride_kh, stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt,
+               stride_ot, stride_oh, stride_c, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
+               NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL, PREFIX_SPLITS,
+               ROPE)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _decode_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, shared_ptr, ml_ptr, acc_ptr, scale, num_seqs,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_ch,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, ml_ptr, acc_ptr, cos_ptr, sin_ptr,
+    scale, num_seqs, stride_qt, stride_qh, stride_kb, stride_ks, stride_ch, stride_c,
     GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr,
     NUM_HEADS: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, ROPE: tl.constexpr,
 ):
     """The cascade: programs (row block, KV head, prefix split); a kernel of its own, so its
-    wider tiles do not raise the per-sequence kernel's registers."""
-    _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, tl.program_id(0),
-                  tl.program_id(1), tl.program_id(2), tl.load(shared_ptr), num_seqs,
-                  tl.arange(0, D), stride_qt, stride_qh, stride_kb, stride_ks, stride_ch,
-                  GROUP, D, BS, TILE, SPLITS, PREFIX_SPLITS, TOTAL, NUM_HEADS, ROWS,
-                  PRECISION, STAGES)
+    wider tiles do not raise the per-sequence kernel's registers. It runs before the
+    per-sequence kernel, which at one split merges these partials itself."""
+    _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, cos_ptr, sin_ptr,
+                  scale, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                  tl.load(shared_ptr), num_seqs, tl.arange(0, D), stride_qt, stride_qh,
+                  stride_kb, stride_ks, stride_ch, stride_c, GROUP, D, BS, TILE, SPLITS,
+                  PREFIX_SPLITS, TOTAL, NUM_HEADS, ROWS, PRECISION, STAGES, ROPE)
+
+
+@triton.jit
+def _load_rotated(ptr, row_off, mask, pos, cos_ptr, sin_ptr, stride_c, d, D: tl.constexpr,
+                  ROPE: tl.constexpr):
+    """Rows at ptr + row_off, columns d (both broadcast to the rows' shape): as stored, or
+    rotated neox-style at positions `pos`, in fp32 and cast back as the rotary kernel does."""
+    x = tl.load(ptr + row_off + d, mask=mask, other=0.0)
+    if ROPE:
+        partner = tl.load(ptr + row_off + (d + D // 2) % D, mask=mask, other=0.0)
+        partner = partner.to(tl.float32)
+        at = pos * stride_c + d % (D // 2)
+        cos = tl.load(cos_ptr + at)
+        sin = tl.load(sin_ptr + at)
+        x = (x.to(tl.float32) * cos + tl.where(d < D // 2, -partner, partner) * sin).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -127,21 +153,25 @@ def _store_partials(ml_ptr, acc_ptr, row, m, l_sum, acc, mask, d, D: tl.constexp
 
 @triton.jit
 def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
-               scale, b, kvh, split, shared, d, stride_qt, stride_qh, stride_kt, stride_kh,
-               stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt,
+               out_ptr, cos_ptr, sin_ptr, scale, b, kvh, split, shared, d, stride_qt,
+               stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_ks,
+               stride_ch, stride_bt, stride_ot, stride_oh, stride_c,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                NUM_HEADS: tl.constexpr, STORE: tl.constexpr, WINDOW: tl.constexpr,
                PRECISION: tl.constexpr, STAGES: tl.constexpr, CASCADE: tl.constexpr,
-               TOTAL: tl.constexpr):
+               TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr, ROPE: tl.constexpr):
     """One split of one sequence's own keys (after any shared prefix); split 0 stores the
-    step's K/V."""
+    step's K/V. At one split the program writes the output: its own keys merged with the
+    cascade's partials, which the prefix kernel stored before this launch."""
     seq_len = tl.load(lens_ptr + b)
     last = seq_len - 1
+    pos = tl.maximum(last, 0)  # the query's position (a padding row's output is zeros)
     k_last = tl.zeros([D], tl.float32)
     v_last = k_last
     if STORE:
-        k_last = tl.load(kn_ptr + b * stride_kt + kvh * stride_kh + d)
+        k_last = _load_rotated(kn_ptr, b * stride_kt + kvh * stride_kh, d < D, pos, cos_ptr,
+                               sin_ptr, stride_c, d, D, ROPE)
         v_last = tl.load(vn_ptr + b * stride_vt + kvh * stride_vh + d)
         if (split == 0) & (seq_len > 0):  # NOTE: padding rows (seq_len 0) write nothing
             blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
@@ -150,15 +180,15 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
             tl.store(v_ptr + off, v_last)
     start, end = _split_range(_first_key(seq_len, shared, WINDOW, CASCADE), seq_len, split,
                               SPLITS, TILE)
+    g = tl.arange(0, GROUP_PAD)
+    gmask = g < GROUP
+    heads = kvh * GROUP + g
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
     if start < end:  # NOTE: an empty split stores nothing; the merge skips it the same way
-        g = tl.arange(0, GROUP_PAD)
-        gmask = g < GROUP
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None], other=0.0)  # [G, D]
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        q = _load_rotated(q_ptr, b * stride_qt + heads[:, None] * stride_qh, gmask[:, None],
+                          pos, cos_ptr, sin_ptr, stride_c, d[None, :], D, ROPE)  # [G, D]
         cached_end = end
         if STORE:  # the newest key is folded in after the loop, from registers
             cached_end = tl.minimum(end, last)
@@ -176,17 +206,39 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                 l_sum = l_sum * alpha + p_last
                 acc = acc * alpha[:, None] + p_last[:, None] * v_last.to(tl.float32)[None, :]
                 m = m_new
-        _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m, l_sum,
-                        acc, gmask, d, D)
+        if SPLITS > 1:
+            _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m,
+                            l_sum, acc, gmask, d, D)
+    if SPLITS == 1:
+        if CASCADE:  # fold in the prefix's partials (none for a padding row)
+            rows = (b * NUM_HEADS + heads) * TOTAL + SPLITS
+            for p in tl.static_range(PREFIX_SPLITS):
+                p_start, p_end = _split_range(0, shared, p, PREFIX_SPLITS, TILE)
+                if (p_start < p_end) & (seq_len > 0):
+                    m_p = tl.load(ml_ptr + (rows + p) * 2, mask=gmask, other=float("-inf"))
+                    l_p = tl.load(ml_ptr + (rows + p) * 2 + 1, mask=gmask, other=0.0)
+                    acc_p = tl.load(acc_ptr + (rows + p)[:, None] * D + d[None, :],
+                                    mask=gmask[:, None], other=0.0)
+                    m_new = tl.maximum(m, m_p)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m - m_safe)
+                    beta = tl.exp(m_p - m_safe)
+                    l_sum = l_sum * alpha + l_p * beta
+                    acc = acc * alpha[:, None] + acc_p * beta[:, None]
+                    m = m_new
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
-def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, rb, kvh, split,
-                  shared, num_seqs, d, stride_qt, stride_qh, stride_kb, stride_ks, stride_ch,
-                  GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                  TILE: tl.constexpr, SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-                  TOTAL: tl.constexpr, NUM_HEADS: tl.constexpr, ROWS: tl.constexpr,
-                  PRECISION: tl.constexpr, STAGES: tl.constexpr):
+def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, cos_ptr,
+                  sin_ptr, scale, rb, kvh, split, shared, num_seqs, d, stride_qt, stride_qh,
+                  stride_kb, stride_ks, stride_ch, stride_c, GROUP: tl.constexpr,
+                  D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+                  PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  ROWS: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                  ROPE: tl.constexpr):
     """One split of the shared prefix for ROWS (sequence, query head) rows of one KV head:
     each K/V tile is read once for all of them. The prefix's blocks are every row's first
     blocks, so sequence 0's table is read. Partials go after the sequences' own splits."""
@@ -196,8 +248,10 @@ def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, ml_ptr, acc_ptr, scale, rb, k
         seq = r // GROUP
         heads = kvh * GROUP + r % GROUP
         rmask = seq < num_seqs
-        q = tl.load(q_ptr + seq[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=rmask[:, None], other=0.0)  # [ROWS, D]
+        pos = tl.maximum(tl.load(lens_ptr + seq, mask=rmask, other=1) - 1, 0)
+        q = _load_rotated(q_ptr, seq[:, None] * stride_qt + heads[:, None] * stride_qh,
+                          rmask[:, None], pos[:, None], cos_ptr, sin_ptr, stride_c, d[None, :],
+                          D, ROPE)  # [ROWS, D]
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
@@ -256,16 +310,24 @@ def decode_tiles(head_dim: int) -> DecodeTiles:
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
 # large batches split less: programs past ~1024 (8 an SM) mostly find no keys in a wide table
 # and cost launch slots. On an H200 at a 4096-key table, 2 splits beat 16 at 64-256
-# sequences (e.g. 256 x 128: 33.1 vs 48.2 us; 64 x 1152: 45.8 vs 49.7); 1 was not measured
+# sequences (e.g. 256 x 128: 33.1 vs 48.2 us; 64 x 1152: 45.8 vs 49.7)
 MAX_PROGRAMS, MIN_SPLITS = 1024, 2
+# from this many pairs a plain decode batch takes one split: no partials, no merge launch
+# (H200, rotary inside, us a call: 64 x 128 10.6 vs 13.4 at 2 splits, 256 x 512 82.9 vs
+# 89.2, 64 x 1152 level). Not with the cascade: there one split measured level in the
+# kernel alone (22.3 vs 22.1) and slower served (TPOT 1.39-1.49 vs 1.36-1.37 ms)
+ONE_SPLIT_PAIRS = 512
 
 
-def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TILE) -> int:
+def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TILE,
+               cascade: bool = False) -> int:
     """Splits per sequence, from the block-table width and the batch (both static per graph
     bucket): at least 4 tiles a split up to 16 splits, and more (down to one tile a split)
     when the batch's (sequence, KV head) pairs alone leave most SMs idle; fewer when the
-    pairs alone pass MAX_PROGRAMS."""
+    pairs alone pass MAX_PROGRAMS, and one from ONE_SPLIT_PAIRS without the cascade."""
     pairs = max(1, num_seqs * num_kv_heads)
+    if pairs >= ONE_SPLIT_PAIRS and not cascade:
+        return 1
     by_length = max(1, min(16, triton.next_power_of_2(-(-max_tokens // (4 * tile)))))
     fill = triton.next_power_of_2(-(-FILL_PROGRAMS // pairs))
     splits = max(by_length, min(fill, triton.next_power_of_2(-(-max_tokens // tile))))
@@ -278,58 +340,70 @@ def paged_decode_attention(
     v_new: torch.Tensor | None = None, window: int = 0, tiles: DecodeTiles | None = None,
     splits: int | None = None, shared_len: torch.Tensor | None = None,
     prefix_splits: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
     window > 0: the query sees only its sequence's last `window` keys. shared_len [1] int32:
     keys at the start of every real row's table that are the same blocks in every row, all
     before each row's newest key (0: none); cascade programs attend over them once for the
-    batch (not with a window). `tiles`, `splits` and `prefix_splits` override the defaults
-    (the bench's sweep)."""
+    batch (not with a window). rope: the (cos, sin) tables [max_pos, D/2]; q and k_new are
+    then unrotated and are rotated here, at position seq_len - 1. `tiles`, `splits` and
+    `prefix_splits` override the defaults (the bench's sweep)."""
     # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     tile, warps, stages = tiles or decode_tiles(head_dim)
-    splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
-                                  tile)
     cascade = shared_len is not None and window == 0
+    splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
+                                  tile, cascade)
     row_blocks = -(-num_seqs * group // PREFIX_ROWS)
     # the prefix's splits fill the GPU on their own (not tied to the sequences' splits,
     # which large batches keep few); partials: the sequences' splits, then the prefix's
     p_splits = (prefix_splits or triton.next_power_of_2(
         -(-FILL_PROGRAMS // (row_blocks * num_kv_heads)))) if cascade else 0
     total = triton.next_power_of_2(splits + p_splits)
-    ml = torch.empty(num_seqs, num_heads, total, 2, dtype=torch.float32, device=q.device)
-    acc = torch.empty(num_seqs, num_heads, total, head_dim, dtype=torch.float32,
-                      device=q.device)
+    partials = splits > 1 or cascade
+    ml = torch.empty(num_seqs if partials else 1, num_heads, total, 2, dtype=torch.float32,
+                     device=q.device)
+    acc = torch.empty(num_seqs if partials else 1, num_heads, total, head_dim,
+                      dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     store = k_new is not None
     kn, vn = (k_new, v_new) if store else (q, q)
     if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must be contiguous and alike")
+    cos, sin = rope if rope is not None else (seq_lens, seq_lens)  # (not read without rope)
+    if rope is not None and (cos.stride(0) != sin.stride(0) or cos.stride(1) != 1
+                             or cos.shape[1] * 2 != head_dim):
+        raise ValueError("rotary tables must be [max_pos, head_dim / 2], alike")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shared = shared_len if cascade else seq_lens  # (not read without the cascade)
+    if cascade:  # first: at one split the sequences' programs merge its partials
+        _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, shared_len, ml, acc, cos, sin, scale,
+            num_seqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), cos.stride(0), GROUP=group, D=head_dim, BS=block_size,
+            TILE=tile, SPLITS=splits, PREFIX_SPLITS=p_splits, TOTAL=total,
+            NUM_HEADS=num_heads, ROWS=PREFIX_ROWS, PRECISION=precision, STAGES=stages,
+            ROPE=rope is not None, num_warps=PREFIX_WARPS,
+        )
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, scale,
-        q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, out, cos, sin,
+        scale, q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0),
+        vn.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), cos.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
-        PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total, num_warps=warps,
+        PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total,
+        PREFIX_SPLITS=p_splits, ROPE=rope is not None, num_warps=warps,
     )
-    if cascade:
-        _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
-            q, k_cache, v_cache, block_tables, shared_len, ml, acc, scale, num_seqs,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            GROUP=group, D=head_dim, BS=block_size, TILE=tile, SPLITS=splits,
-            PREFIX_SPLITS=p_splits, TOTAL=total, NUM_HEADS=num_heads, ROWS=PREFIX_ROWS,
-            PRECISION=precision, STAGES=stages, num_warps=PREFIX_WARPS,
+    if splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim,
+            SPLITS=splits, NUM_HEADS=num_heads, TILE=tile, WINDOW=window, CASCADE=cascade,
+            PREFIX_SPLITS=p_splits, TOTAL=total, num_warps=1,
         )
-    _decode_merge_kernel[(num_seqs, num_heads)](
-        ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits,
-        NUM_HEADS=num_heads, TILE=tile, WINDOW=window, CASCADE=cascade,
-        PREFIX_SPLITS=p_splits, TOTAL=total, num_warps=1,
-    )
     return out
 
 

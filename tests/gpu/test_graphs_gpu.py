@@ -84,16 +84,11 @@ def test_triton_decode_stores_new_kv_and_skips_padding_rows():
         assert (got[len(lens):] == 0).all()
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_triton_decode_cascade_in_one_graph(head_dim):
-    """A shared 1024-key prefix under 64 sequences: the cascade (graph captured once with
-    the shared-length buffer) matches the reference at that length and at 0, replayed in
-    the same graph; the step's K/V is stored the same way."""
-    from raygraph.model.ops import store_kv
-    from raygraph.model.triton_attention import paged_decode_attention
-
-    torch.manual_seed(head_dim)
-    bs, hkv, group, shared_blocks, b = 16, 8, 4, 64, 64
+def shared_prefix_batch(head_dim: int, b: int, shared_blocks: int, seed: int):
+    """b decode rows behind the same `shared_blocks` blocks (0: none), each with 1-200 keys
+    of its own: metadata (cascade on), bf16 caches, q and the step's K/V."""
+    torch.manual_seed(seed)
+    bs, hkv, group = 16, 8, 4
     lens = [shared_blocks * bs + 1 + random.Random(i).randrange(0, 200) for i in range(b)]
     own = [-(-n // bs) - shared_blocks for n in lens]
     blocks = shared_blocks + sum(own)
@@ -103,11 +98,24 @@ def test_triton_decode_cascade_in_one_graph(head_dim):
         seqs.append(SeqChunk(i, [1], n - 1, prefix + perm[used: used + own[i]], True))
         used += own[i]
     md = prepare_batch(StepPlan(0, seqs), bs, torch.device("cuda"), cascade=True).ctx.attn
-    assert md.shared_len.item() == shared_blocks * bs
     kc = torch.randn(blocks + 1, bs, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     q = torch.randn(b, hkv * group, head_dim, device="cuda", dtype=torch.bfloat16)
     k_new, v_new = torch.randn(2, b, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
+    return md, kc, vc, q, k_new, v_new
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_decode_cascade_in_one_graph(head_dim):
+    """A shared 1024-key prefix under 64 sequences: the cascade (graph captured once with
+    the shared-length buffer) matches the reference at that length and at 0, replayed in
+    the same graph; the step's K/V is stored the same way."""
+    from raygraph.model.ops import store_kv
+    from raygraph.model.triton_attention import paged_decode_attention
+
+    shared_blocks, bs = 64, 16
+    md, kc, vc, q, k_new, v_new = shared_prefix_batch(head_dim, 64, shared_blocks, head_dim)
+    assert md.shared_len.item() == shared_blocks * bs
     ref_k, ref_v = kc.clone(), vc.clone()
     store_kv(k_new, v_new, ref_k, ref_v, md.slot_mapping)
     ref = paged_attention_ref(q, ref_k, ref_v, md, head_dim**-0.5)
@@ -123,6 +131,35 @@ def test_triton_decode_cascade_in_one_graph(head_dim):
         graph.replay()
         assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("splits,shared_blocks,b", [(1, 0, 64), (1, 64, 64), (2, 64, 48),
+                                                    (None, 0, 8), (1, 20, 200)])
+def test_triton_decode_rotates_q_and_k_in_the_kernel(splits, shared_blocks, b):
+    """With the rotary tables, q and the step's K come unrotated and the kernels rotate them
+    at each row's position, in a graph: the output and the stored K equal the rotary op's
+    followed by the reference (one split: the sequences' programs write the output, merging
+    the cascade's partials themselves)."""
+    from raygraph.model.ops import rotary, store_kv
+    from raygraph.model.triton_attention import paged_decode_attention
+
+    d = 64
+    md, kc, vc, q, k_new, v_new = shared_prefix_batch(d, b, shared_blocks, b + shared_blocks)
+    cos, sin = (t.cuda() for t in torch.randn(2, 8192, d // 2))
+    rq, rk = rotary(q.clone(), k_new.clone(), cos, sin, md.seq_lens.long() - 1)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(rk, v_new, ref_k, ref_v, md.slot_mapping)
+    ref = paged_attention_ref(rq, ref_k, ref_v, md, d**-0.5)
+    call = lambda: paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens,  # noqa: E731
+                                          d**-0.5, k_new, v_new, splits=splits,
+                                          shared_len=md.shared_len, rope=(cos, sin))
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.testing.assert_close(kc.float(), ref_k.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("vocab", [1000, 32000, 151936])
