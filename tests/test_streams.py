@@ -130,3 +130,46 @@ def test_packed_prompts_are_checked_like_lists() -> None:
         assert pack_ids(bad) == bad
         with pytest.raises(BadRequest):
             encode_prompt(bad, None, 10)
+
+
+def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
+    """submit_streams hands registered prompts to the step thread each time a step's worth of
+    tokens is registered (the first step starts while the rest register), then the rest;
+    a refused prompt is in none of them, and every request is registered before its
+    sequences leave."""
+    import queue
+    import threading
+    import types
+
+    from raygraph.cluster.coordinator import Coordinator
+    from raygraph.cluster.scheduler import Sequence
+    from raygraph.config import SchedulerConfig, ServeConfig
+
+    c = object.__new__(Coordinator)  # the method's own state only: no workers, no model
+    c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+    c.recovering, c._sinks = False, {}
+    c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
+    registered: dict[int, types.SimpleNamespace] = {}
+
+    def requests(prompt, params, stream):
+        if not prompt:
+            raise BadRequest("empty prompt")
+        seq = Sequence(len(registered), list(prompt), SamplingParams())
+        registered[seq.seq_id] = req = types.SimpleNamespace(seq_id=seq.seq_id, deltas=None)
+        return (req,), [(seq, None)]
+
+    def enqueue(seqs):  # as the coordinator's, checking each request is registered first
+        assert all(registered[s.seq_id].deltas is c._sinks["hub"] for s, _ in seqs)
+        Coordinator._enqueue(c, seqs)
+
+    c._requests, c._enqueue = requests, enqueue
+    burst = [[1] * 1088] * 5 + [[]] + [[2] * 64] * 3
+    out = asyncio.run(c.submit_streams("hub", [(p, None) for p in burst]))
+    assert isinstance(out[5], BadRequest) and out[:5] + out[6:] == list(range(8))
+    items = []
+    while not c._inbox.empty():
+        kind, seqs = c._inbox.get()
+        assert kind == "add"
+        items.append([s.seq_id for s, _ in seqs])
+    assert items == [[0, 1], [2, 3], [4, 5, 6, 7]]  # 2,176 tokens, 2,176, then the rest
+    assert c._wake.is_set()
