@@ -194,7 +194,8 @@ def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8
 def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], heads: int = 32,
                   kv_heads: int = 8, head_dim: int = 64, bs: int = 16, sets: int = 4,
                   shared: int = 0) -> dict:
-    """The decode attention kernel alone (split + merge), replayed in a graph: microseconds
+    """The decode attention kernels alone (as a served decode layer runs them: q and the
+    new key rotated inside, the splits, the merge if any), replayed in a graph: microseconds
     a call and the KV read rate (GB/s, counting every sequence's keys), per config (keys per
     tile, warps, stages[, splits]; "default": the shipped choice). Each call reads its own
     scattered blocks (`sets` disjoint table sets, as different layers would), so small
@@ -215,6 +216,7 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dt)
     k_new = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=dt)
+    rope = tuple(torch.randn(2, 8192, head_dim // 2, device="cuda"))  # any tables
     kv_bytes = batch * context * kv_heads * head_dim * 2 * kc.element_size()
     row: dict = {"batch": batch, "context": context}
     for cfg in [None, *configs]:
@@ -224,7 +226,8 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
             def call(i: int, tiles=tiles, splits=splits, cascade=cascade) -> torch.Tensor:
                 return paged_decode_attention(  # stores the step's K/V, as in a step
                     q, kc, vc, tables[i % sets], lens, head_dim**-0.5, k_new, k_new,
-                    tiles=tiles, splits=splits, shared_len=shared_len if cascade else None)
+                    tiles=tiles, splits=splits, shared_len=shared_len if cascade else None,
+                    rope=rope)
 
             name = str(cfg or "default") + ("+cascade" if cascade else "")
             try:

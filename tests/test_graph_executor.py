@@ -144,8 +144,8 @@ def test_shared_prefix_len_counts_blocks_every_table_starts_with():
 def test_decode_buffers_carry_the_shared_prefix_length():
     """With the cascade on, the graph path writes the batch's shared prefix into the buffers
     (0 for prefill and for a batch without one), and decode metadata asked for the cascade
-    hands the kernel its view; the eager path carries the same value. Off, nothing is
-    computed or handed over."""
+    hands the kernel its view; the eager path carries the same value, or none when nothing
+    is shared. Off, nothing is computed or handed over."""
     plain = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"))
     bufs = InputBuffers(max_tokens=64, max_seqs=16, max_blocks=40, device=torch.device("cpu"),
                         cascade=True)
@@ -162,8 +162,12 @@ def test_decode_buffers_carry_the_shared_prefix_length():
     assert bufs.metadata(16, 16, 10, 1, 430, False, cascade=True).shared_len is None
     assert prepare_batch(plan, 16, torch.device("cpu"), cascade=True).ctx.attn.shared_len.tolist(
     ) == [320]
-    bufs.fill(host_inputs(shared_plan([400] * 10, 0), 16), num_tokens=16, num_seqs=16)
+    nothing = shared_plan([400] * 10, 0)
+    bufs.fill(host_inputs(nothing, 16), num_tokens=16, num_seqs=16)
     assert bufs.shared_len.tolist() == [0]
+    # eager: nothing shared runs the plain kernel (its one split), as the plain graph does
+    assert prepare_batch(nothing, 16, torch.device("cpu"), cascade=True).ctx.attn.shared_len \
+        is None
     bufs.fill(host_inputs(plan, 16), num_tokens=16, num_seqs=16)
     prefill = StepPlan(2, [SeqChunk(0, [5] * 3, 0, [1], True)])
     bufs.fill(host_inputs(prefill, 16), num_tokens=16, num_seqs=16)

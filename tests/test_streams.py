@@ -147,7 +147,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
 
     c = object.__new__(Coordinator)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
-    c.recovering, c._sinks = False, {}
+    c.recovering, c._sinks, c.schedulers = False, {}, [None]  # one DP group
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
     registered: dict[int, types.SimpleNamespace] = {}
 
@@ -173,3 +173,9 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
         items.append([s.seq_id for s, _ in seqs])
     assert items == [[0, 1], [2, 3], [4, 5, 6, 7]]  # 2,176 tokens, 2,176, then the rest
     assert c._wake.is_set()
+    c.schedulers = [None, None]  # two DP groups: a step's worth for each before the first goes
+    asyncio.run(c.submit_streams("hub", [(p, None) for p in burst]))
+    items = []
+    while not c._inbox.empty():
+        items.append([s.seq_id for s, _ in c._inbox.get()[1]])
+    assert items == [[8, 9, 10, 11], [12, 13, 14, 15]]

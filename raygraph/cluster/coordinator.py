@@ -372,18 +372,19 @@ class Coordinator(CaptureControl):
         """Start streamed requests, (prompt, params) each, whose deltas go to subscriber
         `name`: each one's request id, or the exception that refused it (BadRequest and the
         like: nothing of it was scheduled; the others start). One call for a burst: its
-        prompts reach the step thread together (one prefill step, not one per call as calls
-        trickle in), and the burst pays one Ray call, not one each.
+        prompts reach the step thread in step-sized groups (full prefill steps, not one per
+        call as calls trickle in), and the burst pays one Ray call, not one each.
 
-        The prompts go to the step thread a step's worth of tokens at a time, as they are
-        registered: the first step starts while the rest register (a 1,088-token prompt's ids
-        take ~35 us to become a list on the CPU VM, 2-3x that on an H200's host: ~5 ms for a
-        64-prompt burst, which every request's first token waited for)."""
+        Each group goes as soon as it is registered, a step's worth of prompt tokens for
+        every DP group: the first step starts while the rest register (a 1,088-token
+        prompt's ids take ~35 us to become a list on the CPU VM, 2-3x that on an H200's
+        host: ~5 ms for a 64-prompt burst, which every first token used to wait for)."""
         await self._wait_serving()
         # nothing is emitted before this returns: deltas come from this loop, which does not
         # yield below
         sink = self._sinks.setdefault(name, asyncio.Queue())
-        step_tokens = self.cfg.scheduler.max_num_batched_tokens
+        # a step's worth for every DP group: each scheduler's first step fills
+        step_tokens = self.cfg.scheduler.max_num_batched_tokens * len(self.schedulers)
         out: list[int | Exception] = []
         added: list[tuple[Sequence, str | None]] = []
         tokens = 0

@@ -168,8 +168,8 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device,
 
 
 def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Batch:
-    """`cascade`: a decode batch carries its shared prefix's length (GraphConfig.
-    decode_cascade)."""
+    """`cascade`: a decode batch that shares a prefix carries its length (GraphConfig.
+    decode_cascade); one that shares none runs the plain kernel, as graphs do."""
     def t(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
@@ -178,7 +178,8 @@ def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Ba
     tables = np.array(_padded_tables(h.tables, width))
     shared = None
     if cascade and h.decode and h.num_seqs >= CASCADE_MIN_SEQS:
-        shared = t([shared_prefix_len(tables, h.seq_lens, h.block_size)], torch.int32)
+        n = shared_prefix_len(tables, h.seq_lens, h.block_size)
+        shared = t([n], torch.int32) if n else None
     slots = h.slots if h.slots is not None else slot_mapping(
         tables, h.token_seq, h.positions, h.block_size).tolist()
     md = AttentionMetadata(

@@ -39,8 +39,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """The neox-style rotary tables, precomputed in fp32: q|k|v's GEMM (ops.linear_rotary)
-    applies them."""
+    """The neox-style rotary tables, precomputed in fp32: q|k|v's GEMM (ops.linear_rotary),
+    the rotary op or, in decode, the attention kernel applies them."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -3,7 +3,7 @@
 Programs are (sequence, KV head, split); each split walks its share of the sequence's
 tokens up to `seq_lens[b]`, read from device memory, so the launch shape depends only on
 the batch bucket and the block-table width: one captured graph serves every batch that
-fits it. A second kernel merges the splits; at one split a sequence's program finishes
+fits it. A merge kernel then folds the splits; at one split a sequence's program finishes
 the output itself (no partials, no merge launch). Rows with seq_len 0 (padding) produce
 zeros.
 
@@ -21,9 +21,10 @@ derives the same split bounds from `seq_lens` and skips it.
 
 Cascade: when every sequence of the batch starts with the same physical blocks (a shared
 system prompt under prefix caching), `shared_len` [1] says how many keys that prefix holds.
-A third kernel then attends ROWS (sequence, query head) rows of a KV head at a time over
-the prefix, reading each K/V tile once for the whole batch instead of once per sequence;
-the per-sequence splits start after it, and the merge folds both sets of partials. The
+Another kernel, launched first, then attends ROWS (sequence, query head) rows of a KV head
+at a time over the prefix, reading each K/V tile once for the whole batch instead of once
+per sequence; the per-sequence splits start after it, and the merge (or, at one split, the
+sequence's own program) folds both sets of partials. The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
 """
@@ -212,7 +213,7 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
     if SPLITS == 1:
         if CASCADE:  # fold in the prefix's partials (none for a padding row)
             rows = (b * NUM_HEADS + heads) * TOTAL + SPLITS
-            for p in tl.static_range(PREFIX_SPLITS):
+            for p in tl.range(0, PREFIX_SPLITS):
                 p_start, p_end = _split_range(0, shared, p, PREFIX_SPLITS, TILE)
                 if (p_start < p_end) & (seq_len > 0):
                     m_p = tl.load(ml_ptr + (rows + p) * 2, mask=gmask, other=float("-inf"))

@@ -134,12 +134,14 @@ def test_triton_decode_cascade_in_one_graph(head_dim):
 
 
 @pytest.mark.parametrize("splits,shared_blocks,b", [(1, 0, 64), (1, 64, 64), (2, 64, 48),
-                                                    (None, 0, 8), (1, 20, 200)])
+                                                    (None, 0, 8), (1, 20, 200), (None, 0, 64),
+                                                    (None, 20, 200)])
 def test_triton_decode_rotates_q_and_k_in_the_kernel(splits, shared_blocks, b):
     """With the rotary tables, q and the step's K come unrotated and the kernels rotate them
     at each row's position, in a graph: the output and the stored K equal the rotary op's
     followed by the reference (one split: the sequences' programs write the output, merging
-    the cascade's partials themselves)."""
+    the cascade's partials themselves). No shared prefix: the plain kernel, as a served
+    plain decode graph runs it (64 x 8 KV heads: its default of one split)."""
     from raygraph.model.ops import rotary, store_kv
     from raygraph.model.triton_attention import paged_decode_attention
 
@@ -152,7 +154,8 @@ def test_triton_decode_rotates_q_and_k_in_the_kernel(splits, shared_blocks, b):
     ref = paged_attention_ref(rq, ref_k, ref_v, md, d**-0.5)
     call = lambda: paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens,  # noqa: E731
                                           d**-0.5, k_new, v_new, splits=splits,
-                                          shared_len=md.shared_len, rope=(cos, sin))
+                                          shared_len=md.shared_len if shared_blocks else None,
+                                          rope=(cos, sin))
     call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
