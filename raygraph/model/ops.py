@@ -225,9 +225,7 @@ def attention(
     hook, the hook runs attention (eagerly, between captured pieces) instead.
     """
     ctx = get_forward_context()
-    if ctx.split is not None:
-        if rope is not None:  # (rotary_or_defer does not defer under a split hook)
-            q, k = rotary(q, k, *rope, ctx.attn.positions)
+    if ctx.split is not None:  # rope is None here: rotary_or_defer never defers under one
         return ctx.split(q, k, v, k_cache, v_cache, scale, window)
     return paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window,
                            rope=rope)
