@@ -59,3 +59,26 @@ def test_share_must_be_a_fraction():
     for bad in (0, -0.5, 1.5):
         with pytest.raises(ValueError, match="share"):
             BackgroundCapture(D, share=bad)
+
+
+def test_a_failed_background_capture_makes_requests_wait_for_the_restart():
+    """A background capture that fails (a rank died) tears the group down, and the step
+    thread then restarts it: requests arriving meanwhile must wait (`recovering`), not be
+    refused as "not serving". A failed capture at start (no restart follows) does not."""
+    import types
+
+    from raygraph.cluster.coordinator import Coordinator
+    from raygraph.cluster.lockstep import CaptureError
+
+    def failing(key, call):
+        raise CaptureError(f"capture of {key} failed on rank 0: ActorDiedError")
+
+    for recover in (True, False):
+        c = object.__new__(Coordinator)  # the capture's own state only
+        c.lockstep = types.SimpleNamespace(capture=failing)
+        c.healthy, c.recovering, c.group, c.workers, c.core = True, False, None, [], None
+        c.loop = None
+        with pytest.raises(CaptureError):
+            c._capture_key(BucketKey("decode", 2), recover=recover)
+        assert not c.healthy and c.recovering is recover
+        assert "failed on rank 0" in c.unhealthy_reason

@@ -109,6 +109,10 @@ def test_stop_token_ids(ray_session, coord, tiny_llama):
 def test_dead_worker_fails_requests_in_flight_then_recovers(ray_session, coord):
     from raygraph.cluster.coordinator import WorkerFailure
 
+    deadline = time.time() + 120  # a background capture meeting the dead worker first
+    while not ray_session.get(coord.capture_progress.remote())["done"]:  # restarts the group
+        assert time.time() < deadline, "the capture schedule did not finish"
+        time.sleep(0.1)
     (worker,) = ray_session.get(coord.worker_handles.remote())
     ray_session.kill(worker)
     deadline = time.time() + 60  # ray.kill is asynchronous: wait until the worker is gone

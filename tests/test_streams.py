@@ -179,3 +179,41 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
     while not c._inbox.empty():
         items.append([s.seq_id for s, _ in c._inbox.get()[1]])
     assert items == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
+    """A worker group fails while a burst's sequences wait in the inbox: every registered
+    request is failed, and those sequences are dropped when the restarted group drains them
+    (they would compute for requests already told of the failure). Sequences registered
+    after the failure are admitted."""
+    import itertools
+    import queue
+    import threading
+    import types
+
+    from raygraph.cluster.coordinator import Coordinator
+    from raygraph.cluster.scheduler import Sequence
+
+    c = object.__new__(Coordinator)  # the inbox's own state only: no workers, no model
+    c._ids, c._stale_below, c.lora = itertools.count(), 0, None
+    c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
+    c.healthy, c.core, c.sleeper = True, object(), types.SimpleNamespace(asleep=False)
+    failed: list[str] = []
+    c.clients = types.SimpleNamespace(fail=failed.append)
+    admitted: list[int] = []
+    c._add = lambda seqs: admitted.extend(s.seq_id for s in seqs)
+
+    def burst(n: int) -> None:
+        Coordinator._enqueue(c, [(Sequence(next(c._ids), [1, 2], SamplingParams()), None)
+                                 for _ in range(n)])
+
+    burst(3)
+    burst(2)
+    c._fail_in_flight("step 7 failed on a worker")  # as _on_failure schedules it
+    burst(2)  # registered after the restart
+    assert Coordinator._drain_inbox(c) is True
+    assert failed == ["step 7 failed on a worker"]
+    assert admitted == [6, 7]  # ids 0-4 were failed; 5 is the mark itself
+    burst(1)
+    Coordinator._drain_inbox(c)
+    assert admitted == [6, 7, 8]

@@ -148,7 +148,7 @@ class CaptureControl:
             bg.captured_key(key, 0.0)
         else:
             t0 = time.perf_counter()
-            report = self._capture_key(key)
+            report = self._capture_key(key, recover=True)
             bg.captured_key(key, time.perf_counter() - t0)
             log.debug("background capture %d/%d %s: %.3fs", bg.captured, bg.total, key,
                       report.seconds)
@@ -173,11 +173,14 @@ class CaptureControl:
                 "complete_after_s": None if bg.finished_at is None
                 else round(bg.finished_at - bg.started, 3)}
 
-    def _capture_key(self, key: BucketKey) -> KeyReport:
+    def _capture_key(self, key: BucketKey, recover: bool = False) -> KeyReport:
+        """recover: the step thread restarts the group after this fails (a background
+        capture), so requests arriving during the teardown wait for it, not fail."""
         try:
             return self.lockstep.capture(key, self._capture_call)
         except CaptureError as e:
             log.error("%s; stopping the worker group", e)
+            self.recovering = self.recovering or recover
             self.healthy = False
             self.unhealthy_reason = str(e)
             self._clear_serving()

@@ -93,6 +93,8 @@ class Coordinator(CaptureControl):
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self.lora = self._lora_admission() if cfg.lora.enabled else None
         self._ids = itertools.count()
+        # sequences with smaller ids were failed with a worker group (_fail_in_flight)
+        self._stale_below = 0
         self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
         self._wake = threading.Event()
@@ -504,8 +506,11 @@ class Coordinator(CaptureControl):
             if kind == "add":
                 if not self.healthy or self.core is None:
                     continue  # failed with the group; its request was told
-                self._add([seq for seq, _ in item[1]] if self.lora is None
-                          else self.lora.admit(item[1]))
+                # items queued before a failure reach here after the restart: drop them
+                live = [(seq, name) for seq, name in item[1]
+                        if seq.seq_id >= self._stale_below]
+                self._add([seq for seq, _ in live] if self.lora is None
+                          else self.lora.admit(live))
             elif kind == "finish":
                 entry = self._seqs.pop(item[1], None)
                 if entry is not None:
@@ -623,16 +628,24 @@ class Coordinator(CaptureControl):
         msg = f"step {self.core.step_id if self.core else 0} failed on a worker: " \
               f"{type(e).__name__}: {last_line(e)}"
         log.error(msg)
+        self.recovering = True  # first: a request meeting `healthy` False then waits
         self.healthy = False
-        self.recovering = True
         self.unhealthy_reason = msg
         self._seqs.clear()
-        if self.lora is not None:
-            self.lora.reset()
         self.core = None
         self.loop.call_soon_threadsafe(self._serving.clear)
-        self.loop.call_soon_threadsafe(self.clients.fail, msg)
+        self.loop.call_soon_threadsafe(self._fail_in_flight, msg)
         asyncio.run_coroutine_threadsafe(self._restart(msg), self.loop).result()
+
+    def _fail_in_flight(self, msg: str) -> None:
+        """On the event loop, in order with registrations: every request registered so far
+        fails, and its sequences still in the inbox are dropped when the restarted group
+        drains them (ids below the mark). The adapters' users reset here too, so a request
+        registered later counts from zero. The step thread is waiting for the restart."""
+        self.clients.fail(msg)
+        if self.lora is not None:
+            self.lora.reset()
+        self._stale_below = next(self._ids)
 
     async def _restart(self, msg: str) -> None:
         self._stop_workers()
