@@ -24,12 +24,15 @@ system prompt under prefix caching), `shared_len` [1] says how many keys that pr
 Another kernel, launched first, then attends ROWS (sequence, query head) rows of a KV head
 at a time over the prefix, reading each K/V tile once for the whole batch instead of once
 per sequence; the per-sequence splits start after it, and the merge (or, at one split, the
-sequence's own program) folds both sets of partials. The
+sequence's own program) folds both sets of partials. With splits to merge, the two kernels
+run side by side on two streams (two branches of a captured graph). The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -297,6 +300,17 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The cascade's second stream on `device` (one a device, made on first use)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 DecodeTiles = tuple[int, int, int]  # keys per tile, warps, pipeline stages
 DECODE_TILES: DecodeTiles = (TILE, 2, 3)  # bench.decode_profile --attention, H200
 
@@ -380,15 +394,22 @@ def paged_decode_attention(
         raise ValueError("rotary tables must be [max_pos, head_dim / 2], alike")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shared = shared_len if cascade else seq_lens  # (not read without the cascade)
-    if cascade:  # first: at one split the sequences' programs merge its partials
-        _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, shared_len, ml, acc, cos, sin, scale,
-            num_seqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), cos.stride(0), GROUP=group, D=head_dim, BS=block_size,
-            TILE=tile, SPLITS=splits, PREFIX_SPLITS=p_splits, TOTAL=total,
-            NUM_HEADS=num_heads, ROWS=PREFIX_ROWS, PRECISION=precision, STAGES=stages,
-            ROPE=rope is not None, num_warps=PREFIX_WARPS,
-        )
+    # the prefix programs and the sequences' splits are independent until the merge: on a
+    # GPU they run side by side on two streams (in a graph: two branches). At one split
+    # the sequences' programs merge the prefix's partials, so it runs first, on this stream
+    side = _side_stream(q.device) if cascade and splits > 1 and q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if cascade:
+            _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
+                q, k_cache, v_cache, block_tables, seq_lens, shared_len, ml, acc, cos, sin,
+                scale, num_seqs, q.stride(0), q.stride(1), k_cache.stride(0),
+                k_cache.stride(1), k_cache.stride(2), cos.stride(0), GROUP=group, D=head_dim,
+                BS=block_size, TILE=tile, SPLITS=splits, PREFIX_SPLITS=p_splits, TOTAL=total,
+                NUM_HEADS=num_heads, ROWS=PREFIX_ROWS, PRECISION=precision, STAGES=stages,
+                ROPE=rope is not None, num_warps=PREFIX_WARPS,
+            )
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, out, cos, sin,
         scale, q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0),
@@ -399,6 +420,8 @@ def paged_decode_attention(
         PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total,
         PREFIX_SPLITS=p_splits, ROPE=rope is not None, num_warps=warps,
     )
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim,
