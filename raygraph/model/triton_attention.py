@@ -32,8 +32,6 @@ cascade's programs exit at once) and any other length.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -398,10 +396,11 @@ def paged_decode_attention(
     # GPU they run side by side on two streams (in a graph: two branches). At one split
     # the sequences' programs merge the prefix's partials, so it runs first, on this stream
     side = _side_stream(q.device) if cascade and splits > 1 and q.is_cuda else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if cascade:
+        side.wait_stream(main)
+    if cascade:
+        with torch.cuda.stream(side):  # None: this stream
             _decode_prefix_kernel[(row_blocks, num_kv_heads, p_splits)](
                 q, k_cache, v_cache, block_tables, seq_lens, shared_len, ml, acc, cos, sin,
                 scale, num_seqs, q.stride(0), q.stride(1), k_cache.stride(0),
@@ -421,7 +420,7 @@ def paged_decode_attention(
         PREFIX_SPLITS=p_splits, ROPE=rope is not None, num_warps=warps,
     )
     if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+        main.wait_stream(side)
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim,
