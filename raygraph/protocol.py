@@ -14,18 +14,32 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # generation_config.json defaults: greedy, no top-k / top-p filter
 SAMPLING_FALLBACK: dict[str, float | int] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
 
+# Bounds of what the workers accept: messages are msgpack (ints within int64/uint64) and the
+# sampler keeps temperature and top_k in float32 rows, so every field is checked where a
+# request enters and a value past them is a 400, never a failed step.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_TEMPERATURE = 1e4  # float32-safe; a softmax is uniform long before this
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+
+
+def nth_seed(seed: int, i: int) -> int:
+    """The i-th of n samples' seed: seed + i, wrapped into int64 (so n > 1 never overflows)."""
+    return (seed + i - INT64_MIN) % 2**64 + INT64_MIN
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters.
     None: not given; the coordinator fills it from the model's generation_config.json
     (`resolved`), else from SAMPLING_FALLBACK."""
 
-    max_tokens: Annotated[int, Meta(ge=1)] = 64
-    temperature: Annotated[float, Meta(ge=0.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 64
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None  # >= vocab: off
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
-    stop_token_ids: list[int] = []
+    seed: Seed | None = None
+    stop_token_ids: list[TokenId] = []
     stop: list[str] = []
     ignore_eos: bool = False
     # return each output token's logprob and this many top alternatives (0: the token's only)
@@ -67,10 +81,13 @@ class GenerateResult(msgspec.Struct, frozen=True):
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
     timing: RequestTiming | None = None
+    # what ended a "stop": the stop string or stop token id; None for EOS (vLLM's field)
+    stop_reason: str | int | None = None
 
 
 class StreamDelta(msgspec.Struct, frozen=True):
-    """One step's new output for a streamed request; the last one carries finish_reason."""
+    """One step's new output for a streamed request; the last one carries finish_reason
+    (and, for "error", the error: never in `text`, which is output only)."""
 
     request_id: int
     token_ids: list[int]
@@ -78,6 +95,8 @@ class StreamDelta(msgspec.Struct, frozen=True):
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
     timing: RequestTiming | None = None  # on the last delta
+    stop_reason: str | int | None = None  # on the last delta: GenerateResult.stop_reason
+    error: str | None = None  # finish_reason "error": why
 
 
 class BucketKey(msgspec.Struct, frozen=True, order=True):

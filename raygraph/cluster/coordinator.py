@@ -330,7 +330,12 @@ class Coordinator(CaptureControl):
         """
         await self._wait_serving()
         reqs = self._submit(prompts, params)
-        return list(await asyncio.gather(*(self.clients.result(r) for r in reqs)))
+        try:
+            return list(await asyncio.gather(*(self.clients.result(r) for r in reqs)))
+        finally:  # cancelled (`ray.cancel`: the client went away): stop computing the rest
+            for r in reqs:
+                if r.finish_reason is None:
+                    self._abort(r.seq_id)
 
     async def generate_stream(self, prompt: Any, params: Any = None) -> AsyncIterator[StreamDelta]:
         """Yield each step's new tokens for one prompt; the last delta has finish_reason.
@@ -356,7 +361,7 @@ class Coordinator(CaptureControl):
         """Every delta of the streams submitted under `name` (`submit_stream`), as they come,
         batched: one Ray message per batch instead of one per request and step (each costs
         the coordinator ~0.2 ms). A delta with finish_reason "error" carries the error as
-        its text. Call with num_returns="streaming"; closing it cancels its streams."""
+        its `error`. Call with num_returns="streaming"; closing it cancels its streams."""
         sink = self._sinks.setdefault(name, asyncio.Queue())
         try:
             while True:
@@ -416,8 +421,8 @@ class Coordinator(CaptureControl):
                 req.deltas.put_nowait(StreamDelta(seq_id, [], None, "abort"))
 
     def _abort(self, seq_id: int) -> None:
-        self.clients.requests.pop(seq_id, None)
-        self._finish_on_stop_string(seq_id)  # frees it as a stop string would
+        if self.clients.abort(seq_id):
+            self._finish_on_stop_string(seq_id)  # frees it as a stop string would
 
     async def _wait_serving(self) -> None:
         """While the worker group restarts, new requests wait for it instead of failing."""

@@ -137,24 +137,24 @@ class Detokenizer:
         self.prefix = 0  # window start: text before it is final
         self.read = 0  # tokens already turned into self.text
 
-    def update(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Feed the whole output so far; returns (new text, whether a stop string ended it)."""
+    def update(self, token_ids: list[int]) -> tuple[str, str | None]:
+        """Feed the whole output so far; returns (new text, the stop string that ended it)."""
         if self.tokenizer is None:
-            return "", False
+            return "", None
         decode = self.tokenizer.decode
         before = decode(token_ids[self.prefix : self.read], skip_special_tokens=True)
         after = decode(token_ids[self.prefix :], skip_special_tokens=True)
         # an unfinished UTF-8 sequence (or a token with no text): wait for more tokens
         if after.endswith("\ufffd") or len(after) <= len(before):
-            return "", False
+            return "", None
         self.prefix, self.read = self.read, len(token_ids)
         old = self.text
         text = old + after[len(before) :]
-        hit = False
+        hit = None
         for s in self.stop:
             at = text.find(s, max(0, len(old) - len(s)))
             if at >= 0:
-                text, hit = text[:at], True
+                text, hit = text[:at], s
         self.text = text
         return text[len(old) :], hit
 
@@ -177,6 +177,8 @@ class Request:
     scheduled: float = 0.0
     first_token: float = 0.0
     timing: RequestTiming | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_reason: str | int | None = None  # GenerateResult.stop_reason
 
 
 def take_deltas(queue: asyncio.Queue[StreamDelta], first: StreamDelta) -> StreamDelta:
@@ -191,7 +193,7 @@ def take_deltas(queue: asyncio.Queue[StreamDelta], first: StreamDelta) -> Stream
             None if delta.text is None else delta.text + (more.text or ""),
             more.finish_reason,
             None if delta.logprobs is None else delta.logprobs + (more.logprobs or []),
-            more.timing)
+            more.timing, more.stop_reason, more.error)
     return delta
 
 
@@ -214,7 +216,8 @@ class RequestTable:
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
             stream: bool) -> Request:
         req = Request(seq_id, prompt, Detokenizer(self.tokenizer, params.stop), stream,
-                      params.logprobs is not None)
+                      params.logprobs is not None,
+                      stop_token_ids=frozenset(params.stop_token_ids))
         self.requests[seq_id] = req
         return req
 
@@ -235,15 +238,17 @@ class RequestTable:
                 req.logprobs += logprobs
             if not req.stream and reason is None and not req.detok.stop:
                 continue  # nothing to tell yet; the text is decoded once, at the end
-            text, stopped = req.detok.update(req.token_ids)
-            if stopped and reason is None:
-                reason = "stop"
+            text, stop_string = req.detok.update(req.token_ids)
+            if stop_string is not None and reason is None:
+                reason, req.stop_reason = "stop", stop_string
                 self.on_stop_string(seq_id)
+            elif reason == "stop" and req.token_ids[-1] in req.stop_token_ids:
+                req.stop_reason = req.token_ids[-1]
             if reason is not None:
                 self._finish(req, reason)
             req.deltas.put_nowait(StreamDelta(
                 seq_id, tokens, text if self.tokenizer else None, reason,
-                logprobs if req.want_logprobs else None, req.timing))
+                logprobs if req.want_logprobs else None, req.timing, req.stop_reason))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         now = time.perf_counter()
@@ -255,13 +260,22 @@ class RequestTable:
         self.finished[reason] += 1
         del self.requests[req.seq_id]
 
+    def abort(self, seq_id: int) -> bool:
+        """Forget a request whose client went away (counted as "abort"); whether it ran."""
+        req = self.requests.pop(seq_id, None)
+        if req is None:
+            return False
+        req.finish_reason = "abort"
+        self.finished["abort"] += 1
+        return True
+
     def fail(self, msg: str, seq_ids: list[int] | None = None) -> None:
         """Every request in flight (or those of `seq_ids`) ends with the error."""
         ids = list(self.requests) if seq_ids is None else seq_ids
         for req in [self.requests.pop(i) for i in ids if i in self.requests]:
             req.error = msg
             req.finish_reason = "error"
-            req.deltas.put_nowait(StreamDelta(req.seq_id, [], msg, "error"))
+            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error", error=msg))
 
     async def result(self, req: Request) -> GenerateResult:
         """The whole result once the request ends (WorkerFailure if it failed)."""
@@ -274,4 +288,4 @@ class RequestTable:
         return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
                               req.detok.text if self.tokenizer else None, req.finish_reason,
                               logprobs=req.logprobs if req.want_logprobs else None,
-                              timing=req.timing)
+                              timing=req.timing, stop_reason=req.stop_reason)

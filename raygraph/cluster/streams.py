@@ -49,7 +49,7 @@ class StreamHub:
         except Exception as e:  # the coordinator is gone: every open stream ends with it
             why = f"the stream subscription failed: {last_line(e)}"
         for rid, q in self.queues.items():
-            q.put_nowait(StreamDelta(rid, [], why, "error"))
+            q.put_nowait(StreamDelta(rid, [], None, "error", error=why))
 
     async def open(self, prompt: list[int], params: SamplingParams) -> int:
         """Start a stream; its request id. Opens made while a call is on its way go together
@@ -91,7 +91,7 @@ class StreamHub:
             self.queues.pop(request_id, None)
             self._ended.discard(request_id)
         if delta.finish_reason == "error":
-            raise WorkerFailure(delta.text or "the request failed")
+            raise WorkerFailure(delta.error or "the request failed")
         return delta
 
     def cancel(self, request_ids: list[int]) -> None:
