@@ -117,6 +117,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"tier), GiB (default: {D.lora.warm_budget_bytes / 2**30:g})")
     p.add_argument("--max-lora-rank", type=int, default=None,
                    help=f"the largest adapter rank served (default: {D.lora.max_lora_rank})")
+    p.add_argument("--lora-allowed-dir", action="append", default=None, metavar="DIR",
+                   help="directories adapters loaded at run time (POST /v1/load_lora_adapter "
+                        "with --enable-lora-updates) must lie under; repeatable (default: "
+                        "none: run-time loading refused)")
+    p.add_argument("--max-lora-adapters", type=int, default=None,
+                   help="registered adapters at most, at start and at run time "
+                        f"(default: {D.lora.max_adapters})")
     p.add_argument("--lora-target-modules", nargs="+", choices=LORA_MODULES, default=None,
                    help="the modules adapters may target: only their projections get adapter "
                         "slots and kernels; an adapter loaded later that targets another is "
@@ -145,8 +152,11 @@ def lora_config(a: argparse.Namespace, lora: LoRAConfig) -> LoRAConfig:
     targets = tuple(a.lora_target_modules or lora.target_modules)
     warm = (lora.warm_budget_bytes if a.lora_warm_budget is None
             else int(a.lora_warm_budget * 2**30))
+    dirs = tuple(a.lora_allowed_dir) if a.lora_allowed_dir else lora.allowed_dirs
+    cap = lora.max_adapters if a.max_lora_adapters is None else a.max_lora_adapters
     return msgspec.structs.replace(lora, modules=modules, max_loras=max_loras,
                                    max_lora_rank=rank, target_modules=targets,
+                                   allowed_dirs=dirs, max_adapters=cap,
                                    warm_budget_bytes=warm)
 
 
@@ -229,10 +239,28 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def listen_port(host: str, port: int) -> int:
+    """The HTTP port, checked in the driver before Ray starts: a busy one is one line (exit
+    2) at once. Port 0 picks a free one here, so an API server restarted after its process
+    died binds the same port."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        return s.getsockname()[1]
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import ray
     from ray.exceptions import RayActorError
 
+    if not a.no_http:
+        a.port = listen_port(a.host, a.port)
     cfg = serve_config(a)
     check_startup(cfg)  # a bad model or layout fails here, before Ray starts
     template = None
@@ -273,7 +301,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         report_capture = cfg.graph.capture == "background" and cfg.graph.mode == "graph"
         while True:
-            time.sleep(0.5 if report_capture else 10)
+            time.sleep(0.5 if report_capture else 2)
             ray.get(coord.ping.remote())
             if report_capture:
                 p = ray.get(coord.capture_progress.remote())
@@ -286,7 +314,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if not a.no_http:
             stop_http(cfg.coordinator_name, cfg.namespace)
         ray.get(coord.shutdown.remote())
-    except RayActorError:  # `raygraph stop` from another shell
+    except RayActorError as e:
+        if "killed by `ray.kill`" not in str(e):  # not `raygraph stop` from another shell
+            raise ClusterError(f"the coordinator died: {first_line(e)}") from None
         print("coordinator stopped")
     return 0
 

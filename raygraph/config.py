@@ -440,8 +440,14 @@ class LoRAConfig(msgspec.Struct, frozen=True):
     # and kernels. Empty: inferred at `resolved` from the adapters in `modules` (all seven
     # when there are none)
     target_modules: tuple[str, ...] = ()
+    # adapters loaded at run time must lie under one of these directories (none: run-time
+    # loading is refused); `modules` named at start are the operator's and are not limited
+    allowed_dirs: tuple[str, ...] = ()
+    max_adapters: int = 64  # registered adapters at most (hot, warm and cold together)
 
     def __post_init__(self) -> None:
+        if self.max_adapters < 1:
+            raise ConfigError(f"max_adapters must be >= 1, got {self.max_adapters}")
         unknown = [m for m in self.target_modules if m not in LORA_MODULES]
         if unknown:
             raise ConfigError(f"unknown LoRA target modules {unknown}; supported: "

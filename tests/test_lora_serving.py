@@ -174,9 +174,10 @@ def expected(adapters) -> dict[str | None, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def coord(ray_session, adapters):
+def coord(ray_session, adapters, tmp_path_factory):
     modules = tuple((n, str(p)) for n, p in zip(NAMES, adapters))
-    cfg = config(max_loras=2, modules=modules)
+    cfg = config(max_loras=2, modules=modules,
+                 allowed_dirs=(str(tmp_path_factory.getbasetemp()),))
     handle = start_coordinator(msgspec.structs.replace(cfg, coordinator_name="lora-test"))
     yield handle
     ray_session.get(handle.shutdown.remote())
@@ -235,8 +236,34 @@ def test_load_and_unload_at_run_time(ray_session, coord, adapters, expected, tmp
     with pytest.raises(Exception, match="'late' does not exist"):
         ray_session.get(coord.generate.remote([[5, 6]], greedy("late")))
     (tmp_path / "bad").mkdir()
-    with pytest.raises(Exception, match="missing adapter_config.json"):
+    (tmp_path / "bad" / "adapter_config.json").write_text('{"r": "SECRET"}')
+    with pytest.raises(Exception, match="'bad' cannot be loaded") as e:
         ray_session.get(coord.load_lora_adapter.remote("bad", str(tmp_path / "bad")))
+    assert "SECRET" not in str(e.value) and str(tmp_path) not in str(e.value)
+
+
+@pytest.mark.parametrize("path", ["/etc", "/no/such/dir", "{tmp}/../../../etc"])
+def test_run_time_loads_only_from_the_allowed_dirs_and_say_nothing_of_other_paths(
+        ray_session, coord, tmp_path, path):
+    with pytest.raises(Exception, match="limited to the directories named by "
+                                        "--lora-allowed-dir") as e:
+        ray_session.get(coord.load_lora_adapter.remote("x", path.format(tmp=tmp_path)))
+    assert "exist" not in str(e.value) and "not a directory" not in str(e.value)
+
+
+def test_the_registry_is_capped_and_untrusted_paths_are_checked_before_reading(tmp_path):
+    reads = []
+    r = LoRARegistry(2, lambda p: reads.append(p) or 8, max_adapters=2)
+    r.register("a", "/adapters/a")
+    r.register_untrusted("b", str(tmp_path / "b"), (str(tmp_path),))
+    with pytest.raises(LoRAError, match="2 LoRA adapters are registered"):
+        r.register_untrusted("c", str(tmp_path / "c"), (str(tmp_path),))
+    r.unregister("a")
+    with pytest.raises(LoRAError, match="run-time LoRA loading is off"):
+        r.register_untrusted("d", str(tmp_path / "d"), ())
+    with pytest.raises(LoRAError, match="limited to the directories"):
+        r.register_untrusted("e", str(tmp_path / ".." / "e"), (str(tmp_path),))
+    assert reads == ["/adapters/a", str(tmp_path / "b")]  # refused paths were never read
 # ---- HTTP ---------------------------------------------------------------------------------
 
 def post(url: str, body: dict) -> tuple[int, dict]:
@@ -269,7 +296,7 @@ def test_http_model_field_models_list_and_routes(coord, adapters, expected):
         assert "extra" in {m.id for m in client.models.list().data}
         status, body = post(url + "/v1/load_lora_adapter",
                             {"lora_name": "bad", "lora_path": "/no/such/dir"})
-        assert status == 400 and "not a directory" in body["error"]["message"]
+        assert status == 400 and "--lora-allowed-dir" in body["error"]["message"]
         assert post(url + "/v1/unload_lora_adapter", {"lora_name": "extra"})[0] == 200
         assert post(url + "/v1/unload_lora_adapter", {"lora_name": "extra"})[0] == 404
         with urllib.request.urlopen(url + "/metrics", timeout=60) as r:

@@ -60,11 +60,21 @@ BAD = [
     ([[5, "x"]], {}, "list of ints"),
     ([5, 999], {}, "outside the vocabulary"),
     ("text prompt", {}, "no tokenizer"),
+    # past what msgpack or the sampler's float32 rows carry: refused, never a failed step
+    ([5, 6], {"seed": 2**70}, "seed"),
+    ([5, 6], {"seed": -(2**63) - 1}, "seed"),
+    ([5, 6], {"seed": 2**64 - 1}, "seed"),
+    ([5, 6], {"top_k": 2**64}, "top_k"),
+    ([5, 6], {"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ([5, 6], {"temperature": 1e300}, "temperature"),
+    ([5, 6], {"temperature": float("nan")}, "temperature"),
+    ([5, 6], {"max_tokens": 2**63}, "max_tokens"),
 ]
 
 
 @pytest.mark.parametrize("prompt,params,msg", BAD)
 def test_bad_request_is_refused_while_others_finish(ray_session, coord, prompt, params, msg):
+    restarts = ray_session.get(coord.stats.remote())["restarts"]
     good = [coord.generate.remote([7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
             for _ in range(3)]
     with pytest.raises(BadRequest, match=msg):
@@ -72,6 +82,7 @@ def test_bad_request_is_refused_while_others_finish(ray_session, coord, prompt, 
     for ref in good:
         (r,) = ray_session.get(ref)
         assert len(r.token_ids) == 8
+    assert ray_session.get(coord.stats.remote())["restarts"] == restarts
 
 
 def test_stream_equals_generate(ray_session, coord):

@@ -70,9 +70,12 @@ def start_http(coord: Any, cfg: HttpConfig, coordinator_name: str, namespace: st
     handles: list[Any] = []
 
     def start(replica: int, replica_cfg: HttpConfig) -> str:
+        # a server whose process dies is started again by Ray, on the same port (the
+        # driver picked it: cli.listen_port), while the others keep serving
         opts: dict[str, Any] = {
             "name": http_actor_name(coordinator_name, replica), "namespace": namespace,
-            "num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+            "num_cpus": 0, "max_restarts": -1,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         if detached:
             opts["lifetime"] = "detached"
         handles.append(ray.remote(HttpServer).options(**opts).remote(coord, replica_cfg))

@@ -114,8 +114,8 @@ def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool =
     check_startup(cfg)
     opts: dict[str, Any] = {"name": cfg.coordinator_name, "namespace": cfg.namespace,
                             "num_cpus": 0}
-    if detached:
-        opts["lifetime"] = "detached"
+    if detached:  # nothing watches it: Ray restarts it, and it starts itself again
+        opts.update(lifetime="detached", max_restarts=-1)
     try:
         handle = ray.remote(Coordinator).options(**opts).remote(cfg)
     except ValueError as e:  # the name is taken

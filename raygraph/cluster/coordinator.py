@@ -122,6 +122,12 @@ class Coordinator(CaptureControl):
         self.background: BackgroundCapture | None = None  # graph.capture == "background"
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
         self._progress = StartupProgress()
+        self._recovery: Any = None
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # a detached service whose process died: Ray restarted it, nobody calls start()
+            self.unhealthy_reason = "the coordinator's process died; starting it again"
+            log.error(self.unhealthy_reason)
+            self._recovery = ray.get_runtime_context().current_actor.recover.remote()
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -135,11 +141,22 @@ class Coordinator(CaptureControl):
                                             daemon=True)
             self._thread.start()
         self.healthy = True
+        self.unhealthy_reason = None
         self._serving.set()
         self._wake.set()  # a background capture starts at once, traffic or not
         freeze_heap()
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
         return self.describe()
+
+    async def recover(self) -> None:
+        """`start` after Ray restarted this actor; a failure stays in /health and the log."""
+        try:
+            await self.start()
+            log.info("the coordinator serves again after its process died")
+        except Exception as e:
+            self.unhealthy_reason = (f"the coordinator's process died and it could not start "
+                                     f"again: {type(e).__name__}: {last_line(e)}")
+            log.error(self.unhealthy_reason)
 
     async def _start_workers(self) -> None:
         cfg = self.cfg
@@ -264,7 +281,8 @@ class Coordinator(CaptureControl):
         lc = self.cfg.lora
         registry = LoRARegistry(
             lc.max_loras,
-            lambda path: read_adapter(path, self.model_cfg, lc.max_lora_rank, lc.targets).rank)
+            lambda path: read_adapter(path, self.model_cfg, lc.max_lora_rank, lc.targets).rank,
+            lc.max_adapters)
         for name, path in lc.modules:
             registry.register(name, path)
         return LoRAAdmission(registry)
@@ -285,11 +303,13 @@ class Coordinator(CaptureControl):
             self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
 
     async def load_lora_adapter(self, name: str, path: str) -> dict:
-        """Register an adapter (read and checked now; loaded into a slot on first use);
-        LoRAError with the reason if it cannot be served."""
+        """Register an adapter from a client (read and checked now; loaded into a slot on
+        first use): only from under `LoRAConfig.allowed_dirs`; LoRAError if it cannot be
+        served, which names no file and echoes nothing read from one."""
         registry = self._lora_registry()
-        a = await asyncio.to_thread(registry.register, name, path)
-        return {"name": a.name, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank}
+        a = await asyncio.to_thread(registry.register_untrusted, name, path,
+                                    self.cfg.lora.allowed_dirs)
+        return {"name": a.name, "adapter_id": a.adapter_id, "rank": a.rank}
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Forget an idle adapter; LoRAError while requests use it."""

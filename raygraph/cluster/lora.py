@@ -13,6 +13,8 @@ release), so every method takes the lock.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -25,12 +27,18 @@ from raygraph.lora.adapter import LoRAError
 from raygraph.protocol import LoRALoad
 
 # upper bounds (seconds) of the load-time histogram /metrics exports
+log = logging.getLogger("raygraph.coordinator")
+
 LOAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 Tier = str  # "hot" (in a slot), "warm" (the workers' host copy), "cold" (files)
 
 
 class UnknownAdapter(BadRequest, LoRAError):
     """A request named an adapter that is not registered (HTTP: 404 model_not_found)."""
+
+
+class NoRoom(LoRAError):
+    """The name is taken or the registry is full: nothing was read."""
 
 
 @dataclass
@@ -51,12 +59,25 @@ class Grant:
     evicted: str | None = None  # the adapter demoted to make room
 
 
+def allowed_path(path: str, roots: tuple[str, ...]) -> str | None:
+    """`path` with links resolved if it lies under one of `roots`, else None. Nothing is read
+    or opened: the answer says nothing of what exists."""
+    real = os.path.realpath(path)
+    for root in roots:
+        top = os.path.realpath(root)
+        if os.path.commonpath([real, top]) == top:
+            return real
+    return None
+
+
 class LoRARegistry:
-    def __init__(self, max_loras: int, read_rank: Callable[[str], int]) -> None:
+    def __init__(self, max_loras: int, read_rank: Callable[[str], int],
+                 max_adapters: int = 64) -> None:
         """`read_rank(path)`: read and check an adapter, its rank; raises LoRAError."""
         if max_loras < 1:
             raise LoRAError("LoRA is off (max_loras = 0): no adapter can be served")
         self.max_loras = max_loras
+        self.max_adapters = max_adapters
         self._read_rank = read_rank
         self._lock = threading.RLock()
         self._adapters: dict[str, Adapter] = {}
@@ -76,16 +97,42 @@ class LoRARegistry:
         for a bad adapter or a name in use."""
         if not name:
             raise LoRAError("a LoRA adapter needs a name")
-        with self._lock:
-            if name in self._adapters:
-                raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        self._check_room(name)
         rank = self._read_rank(path)  # outside the lock: reads files
         with self._lock:
-            if name in self._adapters:
-                raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+            self._check_room(name)
             self._ids += 1
             self._adapters[name] = a = Adapter(name, self._ids, str(path), rank)
             return a
+
+    def register_untrusted(self, name: str, path: str, roots: tuple[str, ...]) -> Adapter:
+        """`register` for a path from a client (run-time loading): only under `roots`, and
+        every failure past that says only that the adapter cannot be loaded, so a client
+        learns nothing of the server's files (the reason goes to the log)."""
+        if len(name) > 256 or not name.isprintable():
+            raise LoRAError("a LoRA adapter name must be 1-256 printable characters")
+        self._check_room(name)
+        real = allowed_path(path, roots) if roots else None
+        if real is None:
+            raise LoRAError(f"LoRA adapter {name!r}: run-time loading is limited to the "
+                            "directories named by --lora-allowed-dir" if roots else
+                            "run-time LoRA loading is off: start with --lora-allowed-dir DIR")
+        try:
+            return self.register(name, real)
+        except NoRoom:
+            raise
+        except LoRAError as e:
+            log.warning("run-time LoRA load of %r from %s failed: %s", name, real, e)
+            raise LoRAError(f"LoRA adapter {name!r} cannot be loaded: not a PEFT LoRA "
+                            "adapter this model can serve (the server's log says why)") from None
+
+    def _check_room(self, name: str) -> None:
+        with self._lock:
+            if name in self._adapters:
+                raise NoRoom(f"LoRA adapter {name!r} is already loaded")
+            if len(self._adapters) >= self.max_adapters:
+                raise NoRoom(f"{len(self._adapters)} LoRA adapters are registered, the "
+                                "most allowed (--max-lora-adapters): unload one first")
 
     def unregister(self, name: str) -> None:
         """Forget an idle adapter (its slot, if hot, becomes free); LoRAError while a

@@ -1,0 +1,67 @@
+"""Whatever a request may carry, it is refused where it enters or the workers accept it:
+every sampling field that passes `parse_params` survives the step messages (msgpack) and
+the sampler's rows, so no value of one request can fail a step for the others."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raygraph.cluster.requests import BadRequest, parse_params
+from raygraph.protocol import INT64_MAX, INT64_MIN, NewSeq, SeqChunk, nth_seed
+from raygraph.worker.sampler import SamplingRows
+
+ints = st.one_of(st.integers(), st.integers(min_value=-(2**70), max_value=2**70),
+                 st.sampled_from([0, -1, 1, INT64_MAX, INT64_MIN, INT64_MAX + 1, 2**64 - 1,
+                                  2**64, -(2**63) - 1, 2**31 - 1, 2**31]))
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                   st.sampled_from([0.0, -0.0, 1e-45, 1e4, 1e4 + 1, 3.5e38, 1e300]))
+anything = st.one_of(ints, floats, st.none(), st.text(max_size=4), st.booleans(),
+                     st.lists(ints, max_size=3))
+fields = st.fixed_dictionaries({}, optional={
+    "max_tokens": st.one_of(ints, anything), "temperature": st.one_of(floats, anything),
+    "top_k": st.one_of(ints, anything), "top_p": st.one_of(floats, anything),
+    "seed": st.one_of(ints, anything), "stop_token_ids": st.lists(ints, max_size=3),
+    "logprobs": st.one_of(ints, anything), "stop": st.one_of(st.lists(st.text(max_size=3),
+                                                                       max_size=2), anything),
+    "ignore_eos": anything})
+ENCODE = msgspec.msgpack.Encoder().encode
+
+
+@settings(max_examples=400, deadline=None)
+@given(fields, st.integers(min_value=1, max_value=16))
+def test_accepted_params_reach_the_workers_intact(params, n):
+    try:
+        sp = parse_params(params).resolved()
+    except BadRequest:
+        return
+    seeds = [None if sp.seed is None else nth_seed(sp.seed, i) for i in range(n)]
+    for seed in seeds:  # what the scheduler and the step message carry
+        new = NewSeq(1, sp.temperature, sp.top_k, sp.top_p, seed)
+        assert msgspec.msgpack.decode(ENCODE(new), type=NewSeq) == new
+        chunk = SeqChunk(1, [1], 0, [0], True, sp.temperature, sp.top_k, sp.top_p, seed)
+        rows = SamplingRows(1, torch.device("cpu"))
+        _, temp, top_k, top_p = rows.upload([chunk], [0])
+        assert math.isfinite(temp.item()) and top_k.item() >= 0 and 0 < top_p.item() <= 1
+    assert all(ENCODE(s) for s in sp.stop_token_ids)
+
+
+def test_nth_seed_wraps_into_int64_and_keeps_samples_apart():
+    assert nth_seed(INT64_MAX, 1) == INT64_MIN
+    assert [nth_seed(5, i) for i in range(3)] == [5, 6, 7]
+    assert len({nth_seed(INT64_MAX - 1, i) for i in range(16)}) == 16
+
+
+@pytest.mark.parametrize("field,value", [("seed", 2**63), ("seed", -(2**63) - 1),
+                                         ("top_k", 2**64), ("max_tokens", 2**40),
+                                         ("temperature", float("inf")),
+                                         ("temperature", float("nan")),
+                                         ("top_p", float("nan")), ("stop_token_ids", [-1])])
+def test_values_past_the_workers_bounds_are_bad_requests(field, value):
+    with pytest.raises(BadRequest, match=field):
+        parse_params({field: value})
