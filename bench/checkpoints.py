@@ -26,6 +26,14 @@ PRESETS = {
                           rope_type="llama3", rope_theta=500000.0, factor=32.0,
                           low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
+    # Llama-3.1-8B's shape (8.03 B params, 16.1 GB in bf16): the figure of merit's model
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192,
+                      rope_parameters=dict(
+                          rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                          low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)),
     # a Qwen3-style ~1B (Qwen3-1.7B's widths, 16 of its 28 layers): q/k norms, head_dim 128
     # with 16 heads on a 2048 hidden size, 151936 vocabulary, tied embeddings (1.1 B params)
     "qwen3-1b": dict(arch="Qwen3", hidden_size=2048, intermediate_size=6144,

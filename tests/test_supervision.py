@@ -11,7 +11,6 @@ import urllib.request
 
 import msgspec
 import psutil
-import pytest
 
 from raygraph.cluster.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ServeConfig
