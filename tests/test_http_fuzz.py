@@ -71,6 +71,12 @@ def check_answer(status: int, body: bytes) -> None:
     assert isinstance(err["message"], str) and err["message"]
 
 
+def pick(*options: st.SearchStrategy) -> st.SearchStrategy:
+    """One of `options`, each as likely (st.one_of flattens nested choices: a field's
+    structured values would be lost among the many kinds of wrong ones)."""
+    return st.integers(0, len(options) - 1).flatmap(lambda i: options[i])
+
+
 EXTREME_INTS = [0, -1, 1, 2, 16, 17, 20, 21, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63,
                 -(2**63), -(2**63) - 1, 2**64 - 1, 2**64, 2**70, -(2**70), 10**30]
 ints = st.sampled_from(EXTREME_INTS) | st.integers(-10, 8)
@@ -79,42 +85,52 @@ floats = (st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324,
           | st.floats(allow_nan=True, allow_infinity=True))
 wrong = (st.none() | st.booleans() | st.text(max_size=8) | st.just([]) | st.just({})
          | st.lists(ints, max_size=3) | st.just([[]]) | st.just({"a": [1, {"b": None}]}))
-value = ints | floats | wrong
+value = pick(ints, floats, wrong)
 token_ids = st.lists(ints, min_size=0, max_size=6)
+texts = st.text(max_size=8)
 
 COMMON = {
-    "model": st.text(max_size=10) | st.just(MODEL) | wrong,
-    "max_tokens": ints | floats | wrong,
-    "temperature": floats | ints | wrong,
-    "top_p": floats | ints | wrong,
-    "n": ints | wrong,
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=4) | value,
-    "seed": ints | wrong,
-    "user": st.text(max_size=8) | value,
-    "stream": st.booleans() | value,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | value}) | value,
-    "top_k": ints | wrong,
-    "ignore_eos": st.booleans() | value,
-    "stop_token_ids": token_ids | value,
+    "model": pick(st.just(MODEL), texts, value),
+    "max_tokens": pick(ints, value),
+    "temperature": pick(floats, value),
+    "top_p": pick(floats, value),
+    "n": pick(ints, value),
+    "stop": pick(texts, st.lists(texts, max_size=4), value),
+    "seed": pick(ints, value),
+    "user": pick(texts, value),
+    "stream": pick(st.booleans(), value),
+    "stream_options": pick(st.fixed_dictionaries({"include_usage": pick(st.booleans(),
+                                                                          value)}), value),
+    "top_k": pick(ints, value),
+    "ignore_eos": pick(st.booleans(), value),
+    "stop_token_ids": pick(token_ids, value),
 }
 COMPLETION = {
     **COMMON,
-    "prompt": (st.text(max_size=20) | token_ids | st.lists(token_ids, max_size=3)
-               | st.lists(st.text(max_size=6), max_size=3) | value),
-    "logprobs": ints | wrong,
+    "prompt": pick(st.text(max_size=20), token_ids, st.lists(token_ids, max_size=3),
+                   st.lists(texts, max_size=3), value),
+    "logprobs": pick(ints, value),
 }
-part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | value,
-                              "text": st.text(max_size=8) | value})
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"])
-                                 | value,
-                                 "content": st.text(max_size=12) | st.lists(part, max_size=2)
-                                 | value})
+# messages are valid but for at most one leaf each, so a bad leaf deep inside is what the
+# server meets (with several, the first wrong one answers for all)
+part = st.fixed_dictionaries({"type": st.just("text"), "text": texts})
+good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                      "content": pick(texts, st.lists(part, max_size=2))})
+bad_message = pick(
+    st.fixed_dictionaries({"role": value, "content": texts}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": value}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
+        st.fixed_dictionaries({"type": value, "text": texts}), min_size=1, max_size=1)}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
+        st.fixed_dictionaries({"type": st.just("text"), "text": value}), min_size=1,
+        max_size=1)}))
+messages = st.lists(pick(good_message, bad_message), min_size=1, max_size=2)
 CHAT = {
     **COMMON,
-    "messages": st.lists(message, max_size=3) | value,
-    "max_completion_tokens": ints | wrong,
-    "logprobs": st.booleans() | value,
-    "top_logprobs": ints | wrong,
+    "messages": pick(messages, value),
+    "max_completion_tokens": pick(ints, value),
+    "logprobs": pick(st.booleans(), value),
+    "top_logprobs": pick(ints, value),
 }
 BASE = {
     "/v1/completions": {"model": MODEL, "prompt": "A class", "max_tokens": 2},
@@ -146,6 +162,14 @@ def test_fuzzed_completions_get_200_or_an_openai_4xx(server, body):
 @given(body=bodies(CHAT, BASE["/v1/chat/completions"]))
 def test_fuzzed_chats_get_200_or_an_openai_4xx(server, body):
     answer_stays_safe(server[1], "/v1/chat/completions", body)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(messages=messages)
+def test_fuzzed_chat_messages_get_200_or_an_openai_4xx(server, messages):
+    """Messages alone (their structure is deep: one field among many rarely reaches it)."""
+    answer_stays_safe(server[1], "/v1/chat/completions",
+                      {**BASE["/v1/chat/completions"], "messages": messages})
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
