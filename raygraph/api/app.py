@@ -16,38 +16,23 @@ from raygraph.api.errors import ApiError, install_handlers, translate
 from raygraph.api.front import Front, HttpConfig
 from raygraph.api.middleware import FrontDoor
 from raygraph.api.schemas import (
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     LoadLoRARequest,
     UnloadLoRARequest,
-    check_params,
     envelope,
     finish_reason,
     json_text,
     new_id,
     usage,
 )
-from raygraph.protocol import GenerateResult, SamplingParams, StreamDelta
+from raygraph.protocol import GenerateResult, StreamDelta
 
 __all__ = ["HttpConfig", "build_app"]
 
 
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json_text(obj)}\n\n"
-
-
-def chat_prompt(front: Front, messages: list[ChatMessage]) -> list[int]:
-    """The chat template's token ids, checked as a prompt (run off the loop)."""
-    (ids,) = front.encode([front.chat.render([m.text() for m in messages])])
-    return ids
-
-
-def params(fields: dict[str, Any], lora: str | None) -> SamplingParams:
-    try:
-        return check_params({**fields, "lora": lora})
-    except ValueError as e:  # BadRequest
-        raise translate(e) from None
 
 
 def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = None) -> FastAPI:
@@ -92,22 +77,16 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     async def completions(body: CompletionRequest, request: Request) -> Response:
         lora = front.adapter(body.model)
         name = lora or front.name
-        try:
-            prompts = await front.off_loop(front.encode, body.prompt)
-        except ValueError as e:  # BadRequest
-            raise translate(e) from None
-        sp = params(body.params(body.max_tokens, body.logprobs), lora)
-        front.check_context(prompts, body.given_max_tokens)
-        choices = front.choices(prompts, sp, body.n)
+        prompts = await front.tokenize(front.encode, body.prompt)
+        choices = front.request(prompts, {**body.params(body.max_tokens, body.logprobs),
+                                          "lora": lora}, body.n, body.given_max_tokens)
         rid, kind = new_id("cmpl"), "text_completion"
         prompt_tokens = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
         if not body.stream:
             results = await front.generate(choices, request.receive)
-            lps = [None] * len(results)
-            if want_lp:
-                lps = await front.off_loop(lambda: [front.logprobs.completion(
-                    r.token_ids, r.logprobs or []) for r in results])
+            lps = await front.result_logprobs(results, front.logprobs.completion
+                                              if want_lp else None)
             out = [{"index": i, "text": r.text or "", "logprobs": lp, **ending(r)}
                    for i, (r, lp) in enumerate(zip(results, lps))]
             n = sum(len(r.token_ids) for r in results)
@@ -136,22 +115,17 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     async def chat(body: ChatRequest, request: Request) -> Response:
         lora = front.adapter(body.model)
         name = lora or front.name
-        try:
-            prompt = await front.off_loop(chat_prompt, front, body.messages)
-        except ValueError as e:  # BadRequest
-            raise translate(e) from None
+        (prompt,) = await front.tokenize(front.render, [m.text() for m in body.messages])
         top = body.top_logprobs or 0
         max_tokens = body.given_max_tokens or front.max_model_len
-        sp = params(body.params(max_tokens, top if body.logprobs else None), lora)
-        front.check_context([prompt], body.given_max_tokens)
-        choices = front.choices([prompt], sp, body.n)
+        choices = front.request([prompt], {**body.params(max_tokens, top if body.logprobs
+                                                         else None), "lora": lora},
+                                body.n, body.given_max_tokens)
         rid, kind = new_id("chatcmpl"), "chat.completion"
         if not body.stream:
             results = await front.generate(choices, request.receive)
-            lps = [None] * len(results)
-            if body.logprobs:
-                lps = await front.off_loop(lambda: [front.logprobs.chat(
-                    r.token_ids, r.logprobs or []) for r in results])
+            lps = await front.result_logprobs(results, front.logprobs.chat
+                                              if body.logprobs else None)
             out = [{"index": i, "message": {"role": "assistant", "content": r.text or ""},
                     "logprobs": lp, **ending(r)}
                    for i, (r, lp) in enumerate(zip(results, lps))]
@@ -163,7 +137,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         async def events() -> AsyncIterator[str]:
             for i in range(len(choices)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}
+                         "logprobs": None, "finish_reason": None, "stop_reason": None}
                 yield sse(envelope(kind, rid, name, [first], None, body.include_usage))
             n = 0
             async for i, d in deltas:

@@ -16,15 +16,23 @@ import msgspec
 from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
-from raygraph.api.schemas import Logprobs
+from raygraph.api.schemas import Logprobs, check_params
 from raygraph.cluster.requests import encode_prompt, split_prompts
 from raygraph.cluster.streams import StreamHub
 from raygraph.config import ModelConfig
-from raygraph.protocol import GenerateResult, SamplingParams, StreamDelta, nth_seed
+from raygraph.protocol import (
+    GenerateResult,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprobs,
+    nth_seed,
+)
 from raygraph.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict]]
+# Logprobs.completion or Logprobs.chat
+Shape = Callable[[list[int], list[TokenLogprobs]], dict]
 
 
 class HttpConfig(msgspec.Struct, frozen=True):
@@ -97,6 +105,29 @@ class Front:
         """Every prompt's token ids (BadRequest if one is bad); run it off the loop."""
         return [encode_prompt(p, self.tokenizer, self.vocab_size) for p in split_prompts(prompts)]
 
+    def render(self, messages: list[dict[str, str]]) -> list[list[int]]:
+        """The chat template's token ids, checked as a prompt; run it off the loop."""
+        return self.encode([self.chat.render(messages)])
+
+    async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any
+                       ) -> list[list[int]]:
+        """`encode` or `render` on the CPU pool; a bad prompt is a 400."""
+        try:
+            return await self.off_loop(fn, arg)
+        except ValueError as e:  # BadRequest
+            raise translate(e) from None
+
+    def request(self, prompts: list[list[int]], fields: dict[str, Any], n: int,
+                given_max_tokens: int | None) -> list[Choice]:
+        """The choices of a request: its sampling fields checked (400s) and its prompts
+        checked against the context."""
+        try:
+            sp = check_params(fields)
+        except ValueError as e:  # BadRequest
+            raise translate(e) from None
+        self.check_context(prompts, given_max_tokens)
+        return self.choices(prompts, sp, n)
+
     def check_context(self, prompts: list[list[int]], max_tokens: int | None) -> None:
         """Each prompt must leave room for a token and, where the client gave max_tokens,
         for all of them (not given: generation stops where the context ends)."""
@@ -157,6 +188,15 @@ class Front:
                 results[c[0]] = r
                 self.metrics.finished(r.timing, len(r.token_ids))
         return [results[c[0]] for c in choices]
+
+    async def result_logprobs(self, results: list[GenerateResult], shape: Shape | None
+                              ) -> list[dict | None]:
+        """Each result's logprobs in OpenAI's `shape` (None: not asked for), built on the CPU
+        pool: a token string each, for long outputs."""
+        if shape is None:
+            return [None] * len(results)
+        return await self.off_loop(
+            lambda: [shape(r.token_ids, r.logprobs or []) for r in results])
 
     async def open_streams(self, choices: list[Choice]
                            ) -> AsyncIterator[tuple[int, StreamDelta]]:
