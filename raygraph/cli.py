@@ -166,8 +166,16 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000,
                    help="HTTP port; 0 picks a free one (default: 8000)")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1, /sleep and /wake_up "
-                        "(default: none)")
+                   help="require `Authorization: Bearer KEY` on every route but /health and "
+                        "/metrics, checked before the body is read (default: none)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, metavar="N",
+                   help="a larger request body is refused with 413 before it is read "
+                        "(default: 16 MiB)")
+    p.add_argument("--enable-sleep-routes", action="store_true",
+                   help="serve POST /sleep and /wake_up (default: off, 404)")
+    p.add_argument("--enable-lora-updates", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(default: off, 404)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint's directory "
                         "name)")
@@ -285,8 +293,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from raygraph.api.app import HttpConfig
         from raygraph.api.server import start_http, stop_http
 
-        http = HttpConfig(a.host, a.port, a.api_key, a.served_model_name, template,
-                          replicas=a.api_server_count)
+        http = HttpConfig(host=a.host, port=a.port, api_key=a.api_key,
+                          served_model_name=a.served_model_name, chat_template=template,
+                          replicas=a.api_server_count, max_request_bytes=a.max_request_bytes,
+                          enable_sleep_routes=a.enable_sleep_routes,
+                          enable_lora_updates=a.enable_lora_updates)
         try:
             servers, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace,
                                       a.detach)  # kept: they live while serve runs

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
+import socket
+import statistics
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection, HTTPResponse
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -17,10 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from raygraph.api.app import HttpConfig
 from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError
+from raygraph.api.schemas import LOGPROB_FLOOR, Logprobs, json_text
 from raygraph.api.server import start_http, stop_http
 from raygraph.cluster.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import SamplingParams, TokenLogprobs
 from raygraph.tokenizer import load_tokenizer
 
 KEY = "test-key"
@@ -33,8 +40,8 @@ def server(ray_session):
     cfg = ServeConfig(device="cpu", coordinator_name="http-test", step_timeout_s=60,
                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
     coord = start_coordinator(cfg)
-    handles, url = start_http(coord, HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
-                              cfg.namespace)
+    handles, url = start_http(coord, HttpConfig(port=0, api_key=KEY, enable_sleep_routes=True),
+                              cfg.coordinator_name, cfg.namespace)
     yield coord, url
     stop_http(cfg.coordinator_name, cfg.namespace)
     try:
@@ -57,6 +64,27 @@ def http(url: str, method: str = "GET", body: bytes | None = None,
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def raw(url: str, head: str, body: bytes = b"", timeout: float = 10) -> tuple[int, dict, float]:
+    """Send `head` (request line and headers) and `body` on a fresh socket, whatever the
+    server does meanwhile; (status, JSON body, seconds until the answer)."""
+    u = urlsplit(url)
+    t0 = time.monotonic()
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        try:
+            s.sendall(head.encode() + b"\r\n" + body)
+        except OSError:
+            pass  # the server answered and closed before taking the rest: read its answer
+        r = HTTPResponse(s)
+        r.begin()
+        return r.status, json.loads(r.read()), time.monotonic() - t0
+
+
+def headers(path: str, *lines: str, key: str | None = KEY) -> str:
+    auth = [f"Authorization: Bearer {key}"] if key else []
+    return "".join(f"{ln}\r\n" for ln in (f"POST {path} HTTP/1.1", "Host: x",
+                                            "Content-Type: application/json", *auth, *lines))
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -186,11 +214,28 @@ def test_stop_strings(server, client):
     r = client.completions.create(model=MODEL, prompt="The import statement", max_tokens=24,
                                   stop=stop, **GREEDY)
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop
     chunks = list(client.completions.create(model=MODEL, prompt="The import statement",
                                             max_tokens=24, stop=[stop, "zzz"], stream=True,
                                             **GREEDY))
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].stop_reason == stop
+    assert all(c.choices[0].stop_reason is None for c in chunks[:-1])
+
+
+def test_stop_reason_names_the_stop_token_and_is_none_otherwise(ray_session, server, client):
+    (ref,) = ray_session.get(server[0].generate.remote([5, 6, 7], SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True)))
+    stop_id = next(t for i, t in enumerate(ref.token_ids) if i and t not in ref.token_ids[:i])
+    kw = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0.0)
+    full = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert full.choices[0].stop_reason is None and full.choices[0].finish_reason == "length"
+    for stream in (False, True):
+        r = client.completions.create(**kw, stream=stream, extra_body={
+            "ignore_eos": True, "stop_token_ids": [stop_id]})
+        last = list(r)[-1].choices[0] if stream else r.choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason == stop_id, last
 
 
 BAD = [
@@ -199,7 +244,7 @@ BAD = [
     ({"temperature": -1.0}, "temperature"),
     ({"prompt": []}, "empty prompt"),
     ({"prompt": [5, 99999]}, "outside the vocabulary"),
-    ({"prompt": [5] * 600}, "context holds"),
+    ({"prompt": [5] * 600}, "maximum context length is"),
     ({"logprobs": 50}, "logprobs"),
 ]
 
@@ -314,6 +359,7 @@ def test_a_client_that_goes_away_stops_its_stream(ray_session, server, client):
     stats = ray_session.get(coord.stats.remote())
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["tokens_generated"] - before < 400  # aborted, not run to max_tokens
+    assert scrape(server[1])["raygraph:request_success_total{finished_reason=abort}"] >= 1
 
 
 def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
@@ -350,6 +396,26 @@ def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
     assert hub._cancelled == set() and hub.queues == {} and hub._ended == set()
 
 
+def test_tokens_before_a_stream_failure_go_out_before_the_error():
+    """A failure queued behind tokens not read yet: the tokens come first, then the error
+    alone (the hub never hands out generated text with the failure)."""
+    from raygraph.cluster.requests import WorkerFailure
+    from raygraph.cluster.streams import StreamHub
+    from raygraph.protocol import StreamDelta
+
+    async def run() -> tuple[StreamDelta, str]:
+        hub = StreamHub(None)
+        for d in (StreamDelta(7, [4], "ab"), StreamDelta(7, [], None, "error", error="boom")):
+            hub._queue(7).put_nowait(d)
+        first = await hub.next(7)
+        with pytest.raises(WorkerFailure) as e:
+            await hub.next(7)
+        return first, str(e.value)
+
+    first, error = asyncio.run(run())
+    assert first == StreamDelta(7, [4], "ab") and error == "boom"
+
+
 def test_a_burst_of_opens_with_a_bad_prompt_serves_the_others(server):
     """One submit_streams call for the burst: the prompt longer than the context is refused
     with BadRequest, alone; the others stream all their tokens."""
@@ -380,7 +446,8 @@ def test_a_burst_of_opens_with_a_bad_prompt_serves_the_others(server):
 def test_sleep_and_wake_endpoints(server, client):
     url = server[1]
     auth = {"Authorization": f"Bearer {KEY}"}
-    status, body = http(url + "/is_sleeping")
+    assert http(url + "/is_sleeping")[0] == 401
+    status, body = http(url + "/is_sleeping", headers=auth)
     assert status == 200 and json.loads(body) == {"is_sleeping": False}
     assert http(url + "/sleep?level=3", "POST", b"", auth)[0] == 400
     assert http(url + "/sleep", "POST", b"")[0] == 401
@@ -394,7 +461,7 @@ def test_sleep_and_wake_endpoints(server, client):
     if status != 200:
         pytest.skip(f"the coordinator cannot sleep on this machine: {status} {body}")
     try:
-        assert json.loads(http(url + "/is_sleeping")[1]) == {"is_sleeping": True}
+        assert json.loads(http(url + "/is_sleeping", headers=auth)[1]) == {"is_sleeping": True}
         status, body = http(url + "/health")
         assert status == 503 and "asleep" in json.loads(body)["reason"]
         with pytest.raises(openai.APIStatusError) as e:
@@ -405,6 +472,149 @@ def test_sleep_and_wake_endpoints(server, client):
     assert status == 200, body
     assert http(url + "/health")[0] == 200
     assert client.completions.create(model=MODEL, prompt="A class", max_tokens=2).usage
+
+
+def test_the_key_is_checked_before_the_body_is_read(server):
+    """A client without the key is refused from its headers: a 100 MB body announced (and
+    started) gets its 401 at once, and so does a malformed body (not a 400)."""
+    url = server[1]
+    head = headers("/v1/completions", f"Content-Length: {100 * 2**20}", key=None)
+    status, body, seconds = raw(url, head, b"x" * 2**16)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key" and seconds < 1
+    status, body, _ = raw(url, headers("/v1/completions", "Transfer-Encoding: chunked",
+                                       key="wrong"), b"10000\r\n" + b"x" * 2**16)
+    assert status == 401
+    status, text = http(url + "/v1/completions", "POST", b'{"prompt": ',
+                        {"Content-Type": "application/json"})
+    assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+
+
+def test_a_body_over_max_request_bytes_is_413(server):
+    """Announced: refused before it is read; chunked: refused once what was read passes the
+    limit (16 MiB by default)."""
+    url = server[1]
+    status, body, seconds = raw(url, headers("/v1/completions", f"Content-Length: {10**8}"),
+                                b"x" * 2**16)
+    assert status == 413 and body["error"]["code"] == "request_too_large" and seconds < 1
+    chunk = b"x" * 2**20
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(17))
+    status, body, _ = raw(url, headers("/v1/completions", "Transfer-Encoding: chunked"),
+                          chunks, timeout=30)
+    assert status == 413 and "max-request-bytes" in body["error"]["message"]
+    status, text = http(url + "/v1/completions", "POST", json.dumps(
+        {"model": MODEL, "prompt": "A class", "max_tokens": 2}).encode(),
+        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert status == 200, text  # an ordinary body passes
+
+
+def test_keep_alive_requests_are_not_held_by_nagle(server):
+    """Responses go out in two writes (headers, body): without TCP_NODELAY on the accepted
+    socket the second waits for the client's delayed ACK (~40 ms) on a reused connection."""
+    u = urlsplit(server[1])
+    conn = HTTPConnection(u.hostname, u.port, timeout=10)
+    seconds = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        conn.request("GET", "/is_sleeping", headers={"Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read()) == {"is_sleeping": False}
+        seconds.append(time.perf_counter() - t0)
+    conn.close()
+    assert statistics.median(seconds[5:]) < 0.010, seconds
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """A 2 MB text prompt is tokenized on the app's worker thread: /health answers in the
+    meantime (the prompt is then over the context: 400)."""
+    url = server[1]
+    body = json.dumps({"model": MODEL, "prompt": "The import statement. " * 95_000,
+                       "max_tokens": 2}).encode()
+    out: list = []
+    sender = threading.Thread(target=lambda: out.append(http(
+        url + "/v1/completions", "POST", body,
+        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})))
+    sender.start()
+    probes = []
+    while sender.is_alive():
+        t0 = time.perf_counter()
+        assert http(url + "/health")[0] == 200
+        probes.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+    sender.join()
+    status, text = out[0]
+    assert status == 400 and "maximum context length" in json.loads(text)["error"]["message"]
+    assert len(probes) >= 3 and max(probes) < 0.5, probes
+
+
+def test_a_client_that_goes_away_aborts_its_whole_response(ray_session, server):
+    """Non-streaming: the connection closes while the response is computed; the
+    coordinator call is cancelled, its request counted as an abort, and generation stops."""
+    coord, url = server
+    before = ray_session.get(coord.stats.remote())
+    u = urlsplit(url)
+    body = json.dumps({"model": MODEL, "prompt": "A class", "max_tokens": 400,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(headers("/v1/completions", f"Content-Length: {len(body)}").encode()
+                  + b"\r\n" + body)
+        deadline = time.monotonic() + 20
+        while (ray_session.get(coord.stats.remote())["tokens_generated"]
+               == before["tokens_generated"] and time.monotonic() < deadline):
+            time.sleep(0.02)
+    deadline = time.monotonic() + 20
+    while ray_session.get(coord.stats.remote())["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = ray_session.get(coord.stats.remote())
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["finished"].get("abort", 0) == before["finished"].get("abort", 0) + 1
+    time.sleep(0.3)
+    after = ray_session.get(coord.stats.remote())["tokens_generated"]
+    assert after == stats["tokens_generated"] < before["tokens_generated"] + 400
+
+
+def test_context_length_is_checked_when_max_tokens_is_given(server, client):
+    """Prompt plus a given max_tokens over the context: OpenAI's context_length_exceeded;
+    without max_tokens a chat generates until the context ends."""
+    for call in (lambda: client.completions.create(model=MODEL, prompt="A class",
+                                                   max_tokens=2**31 - 1),
+                 lambda: client.chat.completions.create(
+                     model=MODEL, messages=[{"role": "user", "content": "A class"}],
+                     max_completion_tokens=100_000)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        err = e.value.body
+        assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+        assert "maximum context length is" in err["message"]
+
+
+def test_unknown_routes_methods_and_bodies_get_openai_errors(server):
+    url = server[1]
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for (method, path, body), want in [(("GET", "/v1/nope", None), 404),
+                                       (("GET", "/v1/completions", None), 405),
+                                       (("POST", "/v1/completions", b"[1, 2]"), 400),
+                                       (("POST", "/v1/completions", b"\xff\xfe"), 400),
+                                       (("POST", "/v1/chat/completions", b"{}"), 400)]:
+        status, text = http(url + path, method, body, auth)
+        err = json.loads(text)["error"]
+        assert status == want and set(err) == {"message", "type", "param", "code"}, text
+
+
+def test_logprobs_are_finite_json():
+    """-inf (a filtered token) and NaN become vLLM's -9999.0: the JSON stays valid."""
+    nan, inf = float("nan"), float("inf")
+    lps = [TokenLogprobs(nan, [3, 4], [-inf, nan]), TokenLogprobs(-inf), TokenLogprobs(-0.5)]
+    out = Logprobs(None).completion([1, 2, 3], lps)
+    assert out["token_logprobs"] == [LOGPROB_FLOOR, LOGPROB_FLOOR, -0.5]
+    assert out["top_logprobs"][0] == {"token_id:3": LOGPROB_FLOOR, "token_id:4": LOGPROB_FLOOR,
+                                      "token_id:1": LOGPROB_FLOOR}
+    chat = Logprobs(None).chat([1, 2, 3], lps)
+    values = [e["logprob"] for e in chat["content"]]
+    values += [t["logprob"] for e in chat["content"] for t in e["top_logprobs"]]
+    assert all(math.isfinite(v) for v in values)
+    assert json.loads(json_text(out)) == out and json.loads(json_text(chat)) == chat
+    with pytest.raises(ValueError):
+        json_text({"logprob": nan})
 
 
 def test_api_servers_share_one_port(ray_session, server):
@@ -424,6 +634,37 @@ def test_api_servers_share_one_port(ray_session, server):
     assert stop_http(name, ns)
     with pytest.raises(ValueError):
         ray_session.get_actor(f"{name}-http-1", namespace=ns)
+
+
+def test_a_stream_that_fails_after_its_200_ends_with_one_error_event(ray_session, server):
+    """A worker step raises mid-stream: the tokens sent so far stay, then one OpenAI error
+    event carrying the error alone (no generated text), then [DONE]; the group restarts."""
+    coord, url = server
+    u = urlsplit(url)
+    conn = HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "A class", "max_tokens": 400, "ignore_eos": True,
+         "stream": True}), {"Authorization": f"Bearer {KEY}",
+                            "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    events = [r.readline(), r.readline()]  # the first chunk and its blank line
+    ray_session.get(coord.inject_fault.remote(0, "raise", "step"))
+    events += r.readlines()
+    conn.close()
+    data = [e[len(b"data: "):].strip() for e in events if e.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]"
+    chunks, (error,) = [json.loads(d) for d in data[:-1] if b'"error"' not in d], [
+        json.loads(d)["error"] for d in data[:-1] if b'"error"' in d]
+    assert data[-2] == json_text({"error": error}).encode()  # the last event before [DONE]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text and text not in error["message"] and "injected fault" in error["message"]
+    assert error["type"] == "server_error" and error["code"] == "worker_failure"
+    deadline = time.monotonic() + 120
+    while http(url + "/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_session.get(coord.stats.remote())["restarts"] == 1
+    assert http(url + "/health")[0] == 200
 
 
 def test_health_is_503_once_the_coordinator_stops(ray_session, server, client):

@@ -277,7 +277,8 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_http_model_field_models_list_and_routes(coord, adapters, expected):
-    _, url = start_http(coord, HttpConfig(port=0), "lora-test", "raygraph")
+    _, url = start_http(coord, HttpConfig(port=0, enable_lora_updates=True), "lora-test",
+                        "raygraph")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         out = client.completions.create(model="attn8", prompt=PROMPTS["attn8"][1],
@@ -290,6 +291,7 @@ def test_http_model_field_models_list_and_routes(coord, adapters, expected):
         models = {m.id: m for m in client.models.list().data}
         base = MODEL.name
         assert set(models) == {base, *NAMES} and models["attn8"].parent == base
+        assert models["attn8"].root == "attn8"  # its name, not a path on the server
         status, body = post(url + "/v1/load_lora_adapter",
                             {"lora_name": "extra", "lora_path": str(adapters[0])})
         assert status == 200

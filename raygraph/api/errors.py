@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 
 class ApiError(Exception):
@@ -19,8 +24,51 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def http_error(request: Request, e: HTTPException) -> ApiError:
+    """Starlette's and FastAPI's own errors (no route, wrong method, an unreadable body)."""
+    if e.status_code == 404:
+        return ApiError(404, f"Invalid URL ({request.method} {request.url.path})",
+                        code="not_found")
+    if e.status_code == 405:
+        return ApiError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                        code="method_not_allowed")
+    return ApiError(e.status_code, str(e.detail))
+
+
+def validation_error(e: RequestValidationError) -> ApiError:
+    """pydantic's first complaint as a 400; `param` is the top-level field it is about."""
+    errors: list[dict[str, Any]] = list(e.errors())
+    err = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON: {err.get('msg')}")
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    where = ".".join(loc)
+    return ApiError(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")),
+                    loc[0] if loc else None)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error the app answers has OpenAI's body, never FastAPI's {"detail": ...}."""
+
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        return error_response(http_error(request, e), e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(e))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        return error_response(ApiError(500, f"{type(e).__name__}: {e}", type="server_error"))
 
 
 def translate(err: BaseException) -> ApiError:

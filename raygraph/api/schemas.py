@@ -3,39 +3,59 @@ OpenAI's 400s) and the response pieces built from the coordinator's results."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool, StrictStr
 
-from raygraph.protocol import SamplingParams, TokenLogprobs
+from raygraph.protocol import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    TokenLogprobs,
+)
 from raygraph.tokenizer import TextTokenizer
+
+# Every number is strict (no "5", no true for 1) and bounded to what SamplingParams and the
+# workers accept, so an extreme value is pydantic's 400 here and never reaches a worker.
+Count = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+Seed = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
+TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=20)]
+# finite floats (NaN and infinities are 400s; ints are accepted)
+Temperature = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0,
+                                     le=MAX_TEMPERATURE)]
+TopP = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share; unknown fields are ignored, as OpenAI's own server does
-    for fields it does not know. Value ranges are checked by `SamplingParams` (400s)."""
+    for fields it does not know."""
 
-    model: str | None = None
-    max_tokens: int | None = None
+    model: StrictStr | None = None
+    max_tokens: Count | None = None
     # None: not given; the model's generation_config.json defaults apply, else greedy
-    temperature: float | None = None
-    top_p: float | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    stream: bool = False
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=16)] = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: Seed | None = None
+    user: StrictStr | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # extras (vLLM's names)
-    top_k: int | None = None  # 0 or -1: off
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=INT32_MAX)] | None = None  # 0, -1: off
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
 
     def params(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields for the coordinator (validated there, and by `check`)."""
@@ -56,37 +76,54 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None  # top alternatives per token
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16  # OpenAI's default for completions
+    logprobs: TopLogprobs | None = None  # top alternatives per token
+
+    @property
+    def given_max_tokens(self) -> int | None:
+        """The completion's length limit, when the client gave one (not the default)."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
 
 class LoadLoRARequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    lora_name: StrictStr
+    lora_path: StrictStr
 
 
 class UnloadLoRARequest(BaseModel):
-    lora_name: str
+    lora_name: StrictStr
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are read (others are ignored)."""
+
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
 
     def text(self) -> dict[str, str]:
         """The message for the chat template: content parts joined into one string."""
         c = self.content
         if isinstance(c, list):
-            c = "".join(p.get("text", "") for p in c if p.get("type") == "text")
+            c = "".join(p.text or "" for p in c if p.type == "text")
         return {"role": self.role, "content": c or ""}
 
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None
+
+    @property
+    def given_max_tokens(self) -> int | None:
+        """The completion's length limit, when the client gave one."""
+        return self.max_completion_tokens or self.max_tokens
 
 
 def check_params(fields: dict[str, Any]) -> SamplingParams:
@@ -115,8 +152,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# vLLM's floor: -inf (a token the sampler's filters removed) and NaN would make invalid JSON
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(v: float) -> float:
+    return v if math.isfinite(v) and v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 class Logprobs:
-    """OpenAI's two logprob shapes from TokenLogprobs; token strings from the tokenizer."""
+    """OpenAI's two logprob shapes from TokenLogprobs; token strings from the tokenizer.
+    Values are clamped to LOGPROB_FLOOR, so the JSON is always valid."""
 
     def __init__(self, tokenizer: TextTokenizer | None) -> None:
         self.tokenizer = tokenizer
@@ -136,22 +182,29 @@ class Logprobs:
             offset += len(t)
         top = []
         for t, lp in zip(token_ids, lps):
-            alts = {self.token(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
-            alts.setdefault(self.token(t), lp.logprob)
+            alts = {self.token(i): finite_logprob(v)
+                    for i, v in zip(lp.top_ids, lp.top_logprobs)}
+            alts.setdefault(self.token(t), finite_logprob(lp.logprob))
             top.append(alts)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+        return {"tokens": tokens, "token_logprobs": [finite_logprob(lp.logprob) for lp in lps],
                 "top_logprobs": top, "text_offset": offsets}
 
     def chat(self, token_ids: list[int], lps: list[TokenLogprobs]) -> dict:
         """`logprobs` of a chat choice."""
         def entry(token_id: int, logprob: float) -> dict:
             s = self.token(token_id)
-            return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+            return {"token": s, "logprob": finite_logprob(logprob), "bytes": list(s.encode())}
 
         return {"content": [
             {**entry(t, lp.logprob),
              "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
             for t, lp in zip(token_ids, lps)]}
+
+
+def json_text(obj: Any) -> str:
+    """JSON as every response and SSE event is written: NaN and infinities are refused (they
+    are not JSON), as Starlette's JSONResponse refuses them."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def finish_reason(reason: str | None) -> str | None:

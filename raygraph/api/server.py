@@ -22,7 +22,10 @@ class HttpServer:
         app = build_app(coord, cfg)
         # bind here, not in uvicorn: port 0 then gives the real port, and a port in use is
         # this actor's start-up error rather than a thread's log line
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets of that proto
+        # (a response's headers and body go in two writes; Nagle would hold the second)
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if cfg.replicas > 1:  # only then: one server alone still fails on a port in use
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

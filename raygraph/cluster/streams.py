@@ -7,6 +7,8 @@ import asyncio
 import secrets
 from typing import Any
 
+import msgspec
+
 from raygraph.cluster.lockstep import last_line
 from raygraph.cluster.requests import WorkerFailure, pack_ids, take_deltas
 from raygraph.protocol import SamplingParams, StreamDelta
@@ -84,9 +86,14 @@ class StreamHub:
                     fut.set_result(r)
 
     async def next(self, request_id: int) -> StreamDelta:
-        """The request's deltas queued so far, as one (WorkerFailure if it failed)."""
+        """The request's deltas queued so far, as one (WorkerFailure if it failed: tokens
+        that came before the failure are returned first, the error on the next call)."""
         q = self._queue(request_id)
         delta = take_deltas(q, await q.get())
+        if delta.finish_reason == "error" and delta.token_ids:
+            q.put_nowait(StreamDelta(request_id, [], None, "error", error=delta.error))
+            return msgspec.structs.replace(delta, finish_reason=None, timing=None,
+                                           stop_reason=None, error=None)
         if delta.finish_reason is not None:
             self.queues.pop(request_id, None)
             self._ended.discard(request_id)
