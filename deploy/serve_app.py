@@ -9,7 +9,9 @@ over the coordinator found by name; replicas share it: the global counters come 
 the request histograms are each replica's own. Settings from the environment:
 RAYGRAPH_COORDINATOR (default raygraph-coordinator), RAYGRAPH_API_KEY,
 RAYGRAPH_SERVED_MODEL_NAME, RAYGRAPH_CHAT_TEMPLATE (a file on the replicas' nodes),
-RAYGRAPH_HTTP_REPLICAS (default 1).
+RAYGRAPH_HTTP_REPLICAS (default 1), RAYGRAPH_MAX_REQUEST_BYTES (default 16 MiB),
+RAYGRAPH_ENABLE_SLEEP_ROUTES=1 and RAYGRAPH_ENABLE_LORA_UPDATES=1 (the operator routes, off
+by default as in `raygraph serve`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def build():  # runs on each replica
     template = env("RAYGRAPH_CHAT_TEMPLATE")
     cfg = HttpConfig(api_key=env("RAYGRAPH_API_KEY"),
                      served_model_name=env("RAYGRAPH_SERVED_MODEL_NAME"),
-                     chat_template=Path(template).read_text() if template else None)
+                     chat_template=Path(template).read_text() if template else None,
+                     max_request_bytes=int(env("RAYGRAPH_MAX_REQUEST_BYTES",
+                                               str(HttpConfig().max_request_bytes))),
+                     enable_sleep_routes=env("RAYGRAPH_ENABLE_SLEEP_ROUTES") == "1",
+                     enable_lora_updates=env("RAYGRAPH_ENABLE_LORA_UPDATES") == "1")
     return build_app(get_coordinator(env("RAYGRAPH_COORDINATOR", "raygraph-coordinator")), cfg)
 
 
