@@ -27,7 +27,7 @@ from raygraph.protocol import (
     TokenLogprobs,
     nth_seed,
 )
-from raygraph.tokenizer import load_tokenizer
+from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict]]
@@ -81,15 +81,37 @@ class Front:
         model_dir = info["model"]
         self.name = cfg.served_model_name or Path(model_dir).name
         self.max_model_len = info["max_model_len"]
-        self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
-        self.logprobs = Logprobs(self.tokenizer)
-        self.chat = ChatTemplate(self.tokenizer, model_dir, cfg.chat_template)
         self.metrics = Metrics(self.name)
         self.streams = StreamHub(coord)
         # per-request CPU work (tokenizing, chat templates, logprob strings) runs here, so
         # a long prompt never holds up the event loop's other requests and probes
         self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raygraph-http-cpu")
+        # transformers takes seconds to import: the tokenizer loads while the server already
+        # answers probes and token-id routes (a server restarted after a crash serves at once)
+        self._text = self.cpu.submit(self._load_text, model_dir, cfg.chat_template)
+
+    @staticmethod
+    def _load_text(model_dir: str, template: str | None
+                   ) -> tuple[TextTokenizer | None, Logprobs, ChatTemplate]:
+        tokenizer = load_tokenizer(model_dir)
+        return tokenizer, Logprobs(tokenizer), ChatTemplate(tokenizer, model_dir, template)
+
+    def text_ready(self) -> None:
+        """Wait for the tokenizer (ValueError if it does not load)."""
+        self._text.result()
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        return self._text.result()[0]
+
+    @property
+    def logprobs(self) -> Logprobs:
+        return self._text.result()[1]
+
+    @property
+    def chat(self) -> ChatTemplate:
+        return self._text.result()[2]
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -112,6 +134,7 @@ class Front:
     async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any
                        ) -> list[list[int]]:
         """`encode` or `render` on the CPU pool; a bad prompt is a 400."""
+        await asyncio.wrap_future(self._text)  # the tokenizer, and what uses it after
         try:
             return await self.off_loop(fn, arg)
         except ValueError as e:  # BadRequest

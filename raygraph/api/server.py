@@ -19,7 +19,7 @@ class HttpServer:
         import uvicorn
 
         setup_logging()
-        app = build_app(coord, cfg)
+        self.app = app = build_app(coord, cfg)
         # bind here, not in uvicorn: port 0 then gives the real port, and a port in use is
         # this actor's start-up error rather than a thread's log line
         # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets of that proto
@@ -50,6 +50,9 @@ class HttpServer:
         freeze_heap()  # SSE streams must not wait on a full collection of the app's start-up
 
     def url(self) -> str:
+        """The URL, once the tokenizer is loaded: a first start reports a tokenizer that does
+        not load (a restart by Ray calls only __init__, and serves probes while it loads)."""
+        self.app.state.front.text_ready()
         return self._url
 
     def shutdown(self) -> None:
