@@ -12,6 +12,7 @@ A reader on another node than the writer cannot hear the bell and keeps Ray's po
 
 from __future__ import annotations
 
+import logging
 import math
 import select
 import socket
@@ -24,6 +25,8 @@ from ray.exceptions import RayChannelTimeoutError
 from ray.experimental.channel.common import ChannelInterface
 from ray.experimental.channel.shared_memory_channel import SharedMemoryType
 from ray.experimental.channel.utils import get_actor_node
+
+log = logging.getLogger("raygraph.worker")
 
 SPIN_S = 0.01  # how long a reader polls after a read before it sleeps
 
@@ -69,9 +72,15 @@ class DoorbellChannel(ChannelInterface):
         self._inner.ensure_registered_as_reader()
         name = self._bells.get(ray.get_runtime_context().get_actor_id() or "")
         if name is not None:
-            self._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._bell.bind(name)
-            self._bell.setblocking(False)
+            bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                bell.bind(name)
+            except OSError as e:  # this reader keeps Ray's polling
+                log.warning("no doorbell for the step graph's input (%s): the worker polls", e)
+                bell.close()
+            else:
+                bell.setblocking(False)
+                self._bell = bell
         self._reader_ready = True
 
     def write(self, value: Any, timeout: float | None = None) -> None:
