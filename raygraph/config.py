@@ -166,9 +166,33 @@ class ModelConfig(msgspec.Struct, frozen=True):
             bos_token_id=hf.get("bos_token_id"),
             # config.json's, generation_config.json's and the tokenizer's: each one stops
             eos_token_ids=eos_token_ids(path, hf.get("eos_token_id")),
-            checkpoint_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            checkpoint_dtype=_torch_dtype(hf),
             **_moe_fields(hf, arch),
         )
+
+
+def _torch_dtype(hf: dict) -> str:
+    """The dtype config.json says the weights were saved in (transformers 5 writes `dtype`)."""
+    return str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
+
+
+def checkpoint_dtype(path: str) -> str:
+    """`_torch_dtype` of the checkpoint at `path`; float32 when its config.json cannot be read
+    (ModelConfig.from_pretrained reports that)."""
+    try:
+        hf = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    return _torch_dtype(hf) if isinstance(hf, dict) else "float32"
+
+
+def auto_dtype(device: str, checkpoint: str) -> str:
+    """What `--dtype auto` runs weights in. On cuda a half-precision checkpoint keeps its own
+    dtype (float16 weights cast to bfloat16 would lose 3 mantissa bits; bfloat16 ones cast to
+    float16 could overflow) and anything else runs in bfloat16; the cpu runs float32."""
+    if device != "cuda":
+        return "float32"
+    return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
 
 
 def _check_math_fields(arch: str, hf: dict, rope: dict, cfg_file: Path) -> None:
@@ -539,16 +563,20 @@ class ServeConfig(msgspec.Struct, frozen=True):
         """The GraphConfig the executor is built from (eager whenever graphs are not used)."""
         return self.graph if self.uses_graphs else msgspec.structs.replace(self.graph, mode="eager")
 
+    def weights_dtype(self, device: str) -> str:
+        """The dtype the weights run in on `device`: the one asked for, or for "auto"
+        `auto_dtype` of the checkpoint's. The one place it is decided."""
+        if self.dtype != "auto":
+            return self.dtype
+        return auto_dtype(device, checkpoint_dtype(self.model) if device == "cuda" else "")
+
     def resolved(self, num_gpus: float) -> ServeConfig:
         """Pin 'auto' device and dtype given the GPUs the cluster offers, and the LoRA target
         modules (every worker builds the same layers from it)."""
         device = self.device
         if device == "auto":
             device = "cuda" if num_gpus >= self.parallel.world_size else "cpu"
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else "float32"
-        return msgspec.structs.replace(self, device=device, dtype=dtype,
+        return msgspec.structs.replace(self, device=device, dtype=self.weights_dtype(device),
                                        lora=self.lora.resolved())
 
 

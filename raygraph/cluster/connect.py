@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from raygraph.config import ConfigError, ModelConfig, ServeConfig
+from raygraph.model.checkpoint import read_headers
 from raygraph.protocol import StartupProgress
 
 # Ray settings of a private instance (a cluster of `ray start` takes them as --system-config).
@@ -94,10 +95,15 @@ def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygra
 
 
 def check_startup(cfg: ServeConfig) -> ModelConfig:
-    """The checks that need no worker, run in the driver: a bad model path, config.json or
-    layout is reported at once, not as an actor that died."""
+    """The checks that need no worker, run in the driver: a bad model path, config.json,
+    layout or checkpoint file (damaged, a tensor missing or of the wrong shape or dtype) is
+    reported at once, by name, not as an actor that died."""
     model = ModelConfig.from_pretrained(cfg.model)
     cfg.parallel.check_model(model)
+    headers = read_headers(cfg.model)  # a damaged file fails before torch is imported
+    from raygraph.model.loader import check_checkpoint  # torch: not for every client
+
+    check_checkpoint(model, headers)
     return model
 
 

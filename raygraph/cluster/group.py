@@ -5,6 +5,7 @@ A plain actor call per step costs ~1-2 ms (DESIGN.md); a compiled graph moves th
 over shared-memory channels in ~0.1 ms. Steps, flushes and method calls (lockstep capture,
 stats) all travel on it, so nothing is torn down to capture a key first seen at run time.
 While the graph is up the actors run its loop: plain `.remote()` calls to them would wait.
+Its input channels ring a doorbell (cluster/doorbell.py), so an idle worker sleeps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raygraph.cluster.doorbell import DoorbellType
 from raygraph.config import ParallelConfig, ServeConfig
 from raygraph.protocol import StepOutput, WorkerCall, WorkerInfo
 from raygraph.worker.worker import Worker
@@ -98,6 +100,8 @@ class WorkerGroup:
     def _compiled(self) -> Any:
         if self._dag is None:
             with InputNode() as inp:
+                for g in range(self.parallel.dp):
+                    inp[g].type_hint = DoorbellType()
                 outs = [w.run.bind(inp[self.parallel.dp_rank(r)])
                         for r, w in enumerate(self.workers)]
                 dag = MultiOutputNode(outs)

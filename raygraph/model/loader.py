@@ -1,43 +1,28 @@
 """HF checkpoint loading: config.json + *.safetensors (single file or sharded index),
-each rank reading only its own slice of every tensor."""
+each rank reading only its own slice of every tensor, and the same checkpoint checked from
+its headers alone in the driver before any worker starts (`check_checkpoint`)."""
 
 from __future__ import annotations
 
-import json
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from raygraph.config import ModelConfig, check_ep
+from raygraph.model.checkpoint import CheckpointError, StoredTensor, read_headers
 from raygraph.model.llama import LlamaForCausalLM
 from raygraph.model.moe import MoeForCausalLM
 from raygraph.model.parallel import Comm, load_shard
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config, with the tensor named."""
-
-
-def checkpoint_files(path: str) -> list[Path]:
-    root = Path(path)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [root / n for n in names]
-    else:
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {path!r}")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint files listed in the index are missing: {missing}")
-    return files
-
 
 def build_model(
     cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.device,
@@ -48,18 +33,55 @@ def build_model(
     `comm` is the TP group (attention, dense MLPs, shared experts; experts too without EP);
     `ep_comm`, for MoE models, the expert-parallel group that owns the experts between it.
     """
-    check_ep(cfg, ep_comm.world_size if ep_comm else 1, comm.world_size)
     with torch.device(device):
-        if cfg.num_experts:
-            model: nn.Module = MoeForCausalLM(cfg, comm, ep_comm)
-        else:
-            model = LlamaForCausalLM(cfg, comm)
+        model = _new_model(cfg, comm, ep_comm)
     model.to(dtype=dtype)
     for module in model.modules():  # rotary tables stay fp32
         if hasattr(module, "cos"):
             module.float()
     load_weights(model, cfg.path, comm, progress)
     return model.eval()
+
+
+def _new_model(cfg: ModelConfig, comm: Comm, ep_comm: Comm | None = None) -> nn.Module:
+    check_ep(cfg, ep_comm.world_size if ep_comm else 1, comm.world_size)
+    if cfg.num_experts:
+        return MoeForCausalLM(cfg, comm, ep_comm)
+    return LlamaForCausalLM(cfg, comm)
+
+
+def check_checkpoint(cfg: ModelConfig,
+                     headers: list[tuple[Path, dict[str, StoredTensor]]] | None = None) -> None:
+    """Check the checkpoint against the model `cfg` describes from its headers alone (no tensor
+    data is read; `headers`: read_headers(cfg.path) if read already), in the driver before any
+    worker starts: every tensor the model needs present, with its full (unsharded) shape."""
+    headers = read_headers(cfg.path) if headers is None else headers
+    # no parameter shape depends on the positions: rotary tables of one position will do
+    with _ParametersOnMeta():
+        model = _new_model(msgspec.structs.replace(cfg, max_position_embeddings=1), Comm())
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, Part]] = set()
+    for file, tensors in headers:
+        for ckpt_name, stored in tensors.items():
+            slot = _slot(model, params, 1, ckpt_name, file)
+            if slot is not None:
+                _check_shape(ckpt_name, file, stored, slot.shape)
+                loaded.add((slot.name, slot.part))
+    _check_complete(model, params, loaded, cfg.path)
+
+
+class _ParametersOnMeta(TorchFunctionMode):
+    """A model's shapes without its memory: tensors made by torch.empty or torch.ones with no
+    device (its parameters) are made on meta, the rest (its rotary tables) where asked.
+    Building it all on meta would load torch's Python meta kernels for the rotary math, a
+    second or more: longer than the whole check."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: tuple[type, ...],
+                           args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.empty, torch.ones) and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
 
 
 # HF projections that raygraph stacks into one GEMM: name -> (merged name, part)
@@ -115,49 +137,106 @@ def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[st
     return out
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where a checkpoint tensor goes: a parameter (a part of it when merged), the dim this
+    rank's shard is cut along, and the full shape the tensor must have."""
+
+    name: str
+    part: Part
+    dim: int | None
+    shape: tuple[int, ...]
+
+
+def _slot(model: nn.Module, params: dict[str, nn.Parameter], world: int, ckpt_name: str,
+          file: Path) -> _Slot | None:
+    """None for a tensor this rank skips: rotary tables, a tied head, another EP rank's expert."""
+    if ckpt_name.endswith(IGNORED_SUFFIXES):
+        return None
+    name, part = _target(ckpt_name)
+    if name not in params:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            return None  # tied: the embedding already holds it
+        raise CheckpointError(f"{file.name}: unexpected tensor {ckpt_name!r}")
+    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(part, tuple) and not owner.owns(part):
+        return None
+    dim, shape = _full_shape(model, name, params[name], world, part)
+    return _Slot(name, part, dim, shape)
+
+
+def _check_shape(ckpt_name: str, file: Path, stored: StoredTensor,
+                 expect: tuple[int, ...]) -> None:
+    if stored.shape != expect:
+        raise CheckpointError(f"{ckpt_name} in {file.name}: shape {stored.shape}, the config "
+                              f"implies {expect}")
+
+
+def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],
+                    loaded: set[tuple[str, Part]], path: str) -> None:
+    missing = sorted(_expected(model, params) - loaded, key=str)
+    if missing:
+        names = [_hf_name(n, p) for n, p in missing[:8]]
+        raise CheckpointError(f"checkpoint {path!r} lacks tensors: {names}")
+
+
 def load_weights(model: nn.Module, path: str, comm: Comm,
                  progress: Callable[[int, int], None] | None = None) -> None:
     """`progress(tensors read, tensors in the checkpoint)` is called after each tensor."""
     params = dict(model.named_parameters())  # tied weights appear once
     loaded: set[tuple[str, Part]] = set()
-    files = checkpoint_files(path)
-    names: list[list[str]] = []
-    for file in files:  # headers only: the total for progress
+    sources: dict[str, list[tuple[str, Path]]] = defaultdict(list)  # parameter -> its tensors
+    headers = read_headers(path)  # a damaged file fails here, by name
+    total, done = sum(len(h) for _, h in headers), 0
+    for file, tensors in headers:
         with safe_open(str(file), framework="pt") as f:
-            names.append(list(f.keys()))
-    total, done = sum(len(n) for n in names), 0
-    for file, keys in zip(files, names):
-        with safe_open(str(file), framework="pt") as f:
-            for ckpt_name in keys:
+            for ckpt_name, stored in tensors.items():
                 done += 1
                 if progress is not None:
                     progress(done, total)
-                if ckpt_name.endswith(IGNORED_SUFFIXES):
+                slot = _slot(model, params, comm.world_size, ckpt_name, file)
+                if slot is None:
                     continue
-                name, part = _target(ckpt_name)
-                if name not in params:
-                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue  # tied: the embedding already holds it
-                    raise CheckpointError(f"{file.name}: unexpected tensor {ckpt_name!r}")
-                owner = model.get_submodule(name.rsplit(".", 1)[0])
-                if isinstance(part, tuple) and not owner.owns(part):
-                    continue  # another EP rank's expert: not even read
+                _check_shape(ckpt_name, file, stored, slot.shape)
                 full = f.get_tensor(ckpt_name)
-                dim, expect = _full_shape(model, name, params[name], comm.world_size, part)
-                if tuple(full.shape) != expect:
-                    raise CheckpointError(
-                        f"{file.name}: tensor {ckpt_name!r} has shape {tuple(full.shape)}, "
-                        f"the config implies {expect}"
-                    )
-                if part is None:
-                    load_shard(params[name], full, dim, comm)
+                if slot.part is None:
+                    load_shard(params[slot.name], full, slot.dim, comm)
                 else:
-                    owner.load_part(params[name], full, part)
-                loaded.add((name, part))
-    missing = sorted(_expected(model, params) - loaded, key=str)
-    if missing:
-        names = [_hf_name(n, p) for n, p in missing[:8]]
-        raise CheckpointError(f"checkpoint {path!r} lacks tensors: {names}")
+                    owner = model.get_submodule(slot.name.rsplit(".", 1)[0])
+                    owner.load_part(params[slot.name], full, slot.part)
+                loaded.add((slot.name, slot.part))
+                sources[slot.name].append((ckpt_name, file))
+    _check_complete(model, params, loaded, path)
+    _check_finite(params, sources)
+
+
+def _check_finite(params: dict[str, nn.Parameter],
+                  sources: dict[str, list[tuple[str, Path]]]) -> None:
+    """Refuse NaN or infinite weights, as loaded: after the cast to the model's dtype (a
+    float32 value past float16's range is inf there). One reduction per parameter where it
+    lives and one host sync for all; only on a failure are the checkpoint tensors of the
+    failing parameters read again, to name the culprit."""
+    names = [n for n, p in params.items() if p.numel()]
+    flags = []
+    for name in names:
+        lo, hi = torch.aminmax(params[name])  # NaN propagates to both
+        flags.append(~(lo.isfinite() & hi.isfinite()))
+    if not flags or not torch.stack(flags).any().item():
+        return
+    for name, bad in zip(names, torch.stack(flags).tolist()):
+        if not bad:
+            continue
+        dtype = params[name].dtype
+        for ckpt_name, file in sources[name]:
+            with safe_open(str(file), framework="pt") as f:
+                full = f.get_tensor(ckpt_name)
+            stored, cast = (int((~t.isfinite()).sum()) for t in (full, full.to(dtype)))
+            if stored:
+                raise CheckpointError(f"{ckpt_name} in {file.name}: {stored} non-finite values")
+            if cast:
+                raise CheckpointError(f"{ckpt_name} in {file.name}: {cast} values out of the "
+                                      f"range of {str(dtype).removeprefix('torch.')}")
+        raise CheckpointError(f"{name}: non-finite values after loading")
 
 
 def _hf_name(name: str, part: Part) -> str:

@@ -130,8 +130,7 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(int(os.environ.get("RAYGRAPH_CPU_THREADS", "1")))
-        auto = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = DTYPES[auto if cfg.dtype == "auto" else cfg.dtype]
+        self.dtype = DTYPES[cfg.weights_dtype(self.device.type)]
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.seed)
         self.model_cfg: ModelConfig | None = None
