@@ -63,7 +63,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help=f"auto: cuda when the cluster has a GPU per rank (default: {D.device})")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                   help=f"auto: bfloat16 on cuda, float32 on cpu (default: {D.dtype})")
+                   help="auto: on cuda a float16 or bfloat16 checkpoint's own torch_dtype, "
+                        f"else bfloat16; float32 on cpu (default: {D.dtype})")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default: {D.cache.block_size})")
     p.add_argument("--num-kv-blocks", type=int, default=None,

@@ -94,7 +94,7 @@ class CaptureControl:
     loop call these): the whole schedule in lockstep, or one key at a time between steps
     (BackgroundCapture). Reads the coordinator's `cfg`, `buckets`, `lockstep`, `background`,
     `group`, `workers`, `healthy`, `_progress`, and calls its `_call`, `_flush`,
-    `_on_step_thread`, `_clear_serving` and `_stop_workers`."""
+    `_on_step_thread` and `_stop_workers`."""
 
     async def capture_schedule(self) -> list[KeyReport]:
         """Capture the whole schedule in lockstep, largest first; returns the per-key table.
@@ -183,7 +183,6 @@ class CaptureControl:
             self.recovering = self.recovering or recover
             self.healthy = False
             self.unhealthy_reason = str(e)
-            self._clear_serving()
             self._stop_workers()
             raise
 

@@ -104,7 +104,6 @@ class Coordinator(CaptureControl):
         self.healthy = False
         self.unhealthy_reason: str | None = None
         self.recovering = False
-        self._serving = asyncio.Event()  # set while healthy; requests wait on it in recovery
         self.restarts = 0
         self.steps = 0
         self.tokens_generated = 0
@@ -142,7 +141,6 @@ class Coordinator(CaptureControl):
             self._thread.start()
         self.healthy = True
         self.unhealthy_reason = None
-        self._serving.set()
         self._wake.set()  # a background capture starts at once, traffic or not
         freeze_heap()
         log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
@@ -445,12 +443,10 @@ class Coordinator(CaptureControl):
             self._finish_on_stop_string(seq_id)  # frees it as a stop string would
 
     async def _wait_serving(self) -> None:
-        """While the worker group restarts, new requests wait for it instead of failing."""
-        if self.recovering:
-            try:
-                await asyncio.wait_for(self._serving.wait(), timeout=self.cfg.step_timeout_s)
-            except asyncio.TimeoutError:
-                pass  # _submit reports why
+        """While the worker group restarts, new requests wait for it (as long as the model
+        takes to load) instead of failing; if the restart fails, _submit reports why."""
+        while self.recovering:
+            await asyncio.sleep(0.05)
 
     def _submit(self, prompts: Any, params: Any, stream: bool = False) -> list[Request]:
         reqs, seqs = self._requests(prompts, params, stream)
@@ -658,7 +654,6 @@ class Coordinator(CaptureControl):
         self.unhealthy_reason = msg
         self._seqs.clear()
         self.core = None
-        self.loop.call_soon_threadsafe(self._serving.clear)
         self.loop.call_soon_threadsafe(self._fail_in_flight, msg)
         asyncio.run_coroutine_threadsafe(self._restart(msg), self.loop).result()
 
@@ -679,17 +674,12 @@ class Coordinator(CaptureControl):
             self.healthy = True
             self.unhealthy_reason = None
             self.restarts += 1
-            self._serving.set()
             log.info("worker group restarted after failure")
         except Exception as restart_error:
             self.unhealthy_reason = f"{msg}; restart failed: {restart_error}"
             log.error(self.unhealthy_reason)
         finally:
             self.recovering = False
-
-    def _clear_serving(self) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._serving.clear)
 
     def _stop_workers(self) -> None:
         if self.group is not None:
