@@ -3,9 +3,8 @@ request pays for waking it.
 
 Starts a coordinator, serves a few requests, then: each worker's CPU (share of one core)
 over --idle-s seconds of idleness, and the latency of a 1-token request sent right after
-another one (hot) or after --idle-s of idleness (woken). Run it on two commits to compare
-(idle workers polled their input channel, a full core each, before the doorbell of
-cluster/doorbell.py); bench.serving checks the busy steps.
+another one (hot) or after --idle-s of idleness (woken). Run it on two commits to compare;
+bench.serving checks the busy steps.
 
     python -m bench.idle_cpu [--model DIR | --preset llama-1b] [--tp N] [--device auto|cpu|cuda]
                              [--idle-s 3] [--repeats 5]
