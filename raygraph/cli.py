@@ -11,6 +11,7 @@ import traceback
 
 import msgspec
 
+from raygraph import __version__
 from raygraph.cluster.connect import (
     ClusterError,
     auth_token_available,
@@ -18,22 +19,14 @@ from raygraph.cluster.connect import (
     connect,
     first_line,
     get_coordinator,
+    remote_cause,
     start_coordinator,
 )
 from raygraph.cluster.requests import Asleep, BadRequest, Busy
-from raygraph.config import (
-    LORA_MODULES,
-    ConfigError,
-    LoRAConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    ServeConfig,
-    load_toml,
-    parse_bytes,
-)
-from raygraph.hub import resolve_model
+from raygraph.config import LORA_MODULES, ConfigError, ServeConfig, parse_bytes
 from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams
+from raygraph.serve_options import DEFAULT_MAX_LORAS, SERVE_OPTIONS, build_config
 
 DEMO_PROMPTS = ["The import statement", "A class definition", "The for statement",
                 "Exceptions can be raised"]
@@ -69,7 +62,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV block (default: {D.cache.block_size})")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per rank (default: sized from free memory)")
-    p.add_argument("--no-prefix-caching", action="store_true",
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=None,
                    help="do not keep full KV blocks cached for requests that share a prompt "
                         "prefix (default: prefix caching on)")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -79,7 +73,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {D.scheduler.max_num_batched_tokens})")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--eager", action="store_true",
+    p.add_argument("--eager", action="store_true", default=None,
                    help="run every step eagerly (no graphs): the reference path, for debugging")
     p.add_argument("--graph-pool", choices=["vmm", "torch", "private"], default=None,
                    help="graph memory: vmm (a virtual range per capture over shared physical "
@@ -118,7 +112,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"tier), GiB (default: {D.lora.warm_budget_bytes / 2**30:g})")
     p.add_argument("--max-lora-rank", type=int, default=None,
                    help=f"the largest adapter rank served (default: {D.lora.max_lora_rank})")
-    p.add_argument("--lora-allowed-dir", action="append", default=None, metavar="DIR",
+    p.add_argument("--lora-allowed-dir", dest="lora_allowed_dirs", action="append",
+                   default=None, metavar="DIR",
                    help="directories adapters loaded at run time (POST /v1/load_lora_adapter "
                         "with --enable-lora-updates) must lie under; repeatable (default: "
                         "none: run-time loading refused)")
@@ -132,33 +127,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "seven without any)")
 
 
-DEFAULT_MAX_LORAS = 4  # slots when adapters are named but --max-loras is not
-
-
 def lora_module(text: str) -> tuple[str, str]:
     """NAME=PATH -> (name, path)."""
     name, sep, path = text.partition("=")
     if not (sep and name and path):
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
     return name, path
-
-
-def lora_config(a: argparse.Namespace, lora: LoRAConfig) -> LoRAConfig:
-    """The config's LoRA section with the flags applied."""
-    modules = tuple(a.lora_modules) if a.lora_modules else lora.modules
-    max_loras = a.max_loras if a.max_loras is not None else lora.max_loras
-    if modules and not max_loras:
-        max_loras = DEFAULT_MAX_LORAS
-    rank = a.max_lora_rank if a.max_lora_rank is not None else lora.max_lora_rank
-    targets = tuple(a.lora_target_modules or lora.target_modules)
-    warm = (lora.warm_budget_bytes if a.lora_warm_budget is None
-            else int(a.lora_warm_budget * 2**30))
-    dirs = tuple(a.lora_allowed_dir) if a.lora_allowed_dir else lora.allowed_dirs
-    cap = lora.max_adapters if a.max_lora_adapters is None else a.max_lora_adapters
-    return msgspec.structs.replace(lora, modules=modules, max_loras=max_loras,
-                                   max_lora_rank=rank, target_modules=targets,
-                                   allowed_dirs=dirs, max_adapters=cap,
-                                   warm_budget_bytes=warm)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -190,42 +164,13 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="no HTTP server: clients reach the coordinator through Ray only")
 
 
+def serve_options(a: argparse.Namespace) -> dict:
+    """The serve flags as `serve_options.build_config` keywords (each flag's dest is one)."""
+    return {name: getattr(a, name) for name in SERVE_OPTIONS}
+
+
 def serve_config(a: argparse.Namespace) -> ServeConfig:
-    cfg = load_toml(a.config) if a.config else ServeConfig()
-
-    def pick(value, default):
-        return default if value is None else value
-
-    c, s = cfg.cache, cfg.scheduler
-    return msgspec.structs.replace(
-        cfg,
-        model=resolve_model(a.model or cfg.model, a.revision, a.download_dir),
-        device=pick(a.device, cfg.device),
-        dtype=pick(a.dtype, cfg.dtype),
-        parallel=ParallelConfig(tp=pick(a.tp, cfg.parallel.tp), dp=pick(a.dp, cfg.parallel.dp),
-                                ep=pick(a.ep, cfg.parallel.ep)),
-        graph=msgspec.structs.replace(cfg.graph, mode="eager" if a.eager else cfg.graph.mode,
-                                      pool=pick(a.graph_pool, cfg.graph.pool),
-                                      prefill_graph=pick(a.prefill_graph,
-                                                         cfg.graph.prefill_graph),
-                                      capture=pick(a.capture, cfg.graph.capture),
-                                      decode_cascade=pick(a.decode_cascade,
-                                                          cfg.graph.decode_cascade)),
-        cache=msgspec.structs.replace(
-            c, block_size=pick(a.block_size, c.block_size),
-            num_blocks=pick(a.num_kv_blocks, c.num_blocks),
-            enable_prefix_caching=c.enable_prefix_caching and not a.no_prefix_caching,
-        ),
-        offload=msgspec.structs.replace(
-            cfg.offload, budget_bytes=pick(a.offload_budget, cfg.offload.budget_bytes),
-            mode=pick(a.offload_mode, cfg.offload.mode)),
-        lora=lora_config(a, cfg.lora),
-        scheduler=SchedulerConfig(
-            max_num_seqs=pick(a.max_num_seqs, s.max_num_seqs),
-            max_num_batched_tokens=pick(a.max_num_batched_tokens, s.max_num_batched_tokens),
-            max_model_len=pick(a.max_model_len, s.max_model_len),
-        ),
-    )
+    return build_config(serve_options(a))
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -453,10 +398,9 @@ BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError,
 
 def explain(err: BaseException) -> tuple[int, str]:
     """(exit code, one line) for an error, looking through Ray's wrappers to the cause."""
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import RayActorError
 
-    while isinstance(err, RayTaskError) and err.cause is not None and err.cause is not err:
-        err = err.cause
+    err = remote_cause(err)
     if isinstance(err, RayActorError):  # the cause survives only as its traceback text
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
         causes = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
@@ -470,6 +414,7 @@ def explain(err: BaseException) -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="raygraph", description="LLM serving on GPUs with Ray, in graph mode.")
+    parser.add_argument("--version", action="version", version=f"raygraph {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show tracebacks and the workers' logs")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

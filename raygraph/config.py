@@ -581,10 +581,41 @@ class ServeConfig(msgspec.Struct, frozen=True):
 
 
 def load_toml(path: str | os.PathLike[str]) -> ServeConfig:
-    """A ServeConfig from a TOML file (same field names as the Structs)."""
+    """A ServeConfig from a TOML file (same field names as the Structs). A key no Struct has
+    is refused rather than ignored: a misspelled or misplaced setting would otherwise leave
+    its default in force without a word."""
     try:
-        return msgspec.toml.decode(Path(path).read_bytes(), type=ServeConfig)
+        table = msgspec.toml.decode(Path(path).read_bytes())
+        _check_keys(table, ServeConfig)
+        return msgspec.convert(table, ServeConfig)
     except OSError as e:
         raise ConfigError(f"cannot read the config file {str(path)!r}: {e.strerror}") from None
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, ConfigError) as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _sections(struct: type[msgspec.Struct]) -> dict[str, type[msgspec.Struct]]:
+    """The fields of `struct` that are Structs themselves: its TOML tables."""
+    return {f.encode_name: f.type for f in msgspec.structs.fields(struct)
+            if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct)}
+
+
+def _check_keys(table: object, struct: type[msgspec.Struct], where: str = "") -> None:
+    """ConfigError naming the first key of `table` that `struct` has no field for, with the
+    valid keys and, for a flat key that is a section's, the section it belongs in."""
+    if not isinstance(table, dict):
+        return  # not a table: msgspec.convert names the type it wanted
+    sections = _sections(struct)
+    keys = [f.encode_name for f in msgspec.structs.fields(struct) if f.encode_name not in sections]
+    for key, value in table.items():
+        if key in sections:
+            _check_keys(value, sections[key], f"{where}{key}.")
+            continue
+        if key in keys:
+            continue
+        home = [name for name, sub in sections.items()
+                if key in (f.encode_name for f in msgspec.structs.fields(sub))]
+        hint = f" (it belongs in [{where}{home[0]}])" if home else ""
+        place = f"in [{where[:-1]}]" if where else "at the top level"
+        valid = ", ".join(keys) + "".join(f", [{where}{name}]" for name in sections)
+        raise ConfigError(f"unknown key {key!r} {place}{hint}; valid: {valid}")

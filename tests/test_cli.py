@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from raygraph.config import DEFAULT_MODEL
+import raygraph as raygraph_package
+from raygraph.config import DEFAULT_MODEL, ConfigError, load_toml
 
 RAYGRAPH = str(Path(sys.executable).parent / "raygraph")
 
@@ -73,3 +74,37 @@ def test_help_lists_every_command_and_shows_defaults():
     gen = raygraph("generate", "--help").stdout
     for flag in ("--top-p", "--top-k", "--stop", "--seed", "--stream"):
         assert flag in gen
+
+
+def test_version():
+    p = raygraph("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"raygraph {raygraph_package.__version__}\n"
+
+
+TOP_LEVEL = ("valid: model, device, dtype, seed, coordinator_name, namespace, step_timeout_s, "
+             "[parallel], [cache], [scheduler], [graph], [offload], [lora]")
+
+
+@pytest.mark.parametrize("text, cause", [
+    ("max_num_seqs = 8\n",
+     f"unknown key 'max_num_seqs' at the top level (it belongs in [scheduler]); {TOP_LEVEL}"),
+    ("[scheduler]\nmax_num_seqs = 8\nmax_num_seq = 8\n",
+     "unknown key 'max_num_seq' in [scheduler]; valid: max_num_seqs, max_num_batched_tokens, "
+     "max_model_len"),
+    ('[grpah]\nmode = "eager"\n', f"unknown key 'grpah' at the top level; {TOP_LEVEL}"),
+])
+def test_config_file_refuses_unknown_keys(tmp_path, text, cause):
+    toml = tmp_path / "serve.toml"
+    toml.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_toml(toml)
+    assert str(e.value) == f"{toml}: {cause}"
+
+
+def test_config_file_with_an_unknown_key_is_one_line_exit_2(tmp_path):
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[cache]\nblock_size = 8\n[scheduler]\nmax_num_seq = 8\n")
+    p = raygraph("serve", "--config", str(toml), "--port", "0")
+    assert p.returncode == 2, p.stderr
+    assert "unknown key 'max_num_seq' in [scheduler]" in one_error_line(p)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from raygraph.cli import add_serve_args, lora_config
+from raygraph.cli import add_serve_args, serve_config
 from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
 from raygraph.cluster.lora import LoRAAdmission, LoRARegistry
 from raygraph.cluster.scheduler import Sequence
@@ -450,10 +450,10 @@ def test_target_modules_are_inferred_from_the_adapters_at_start(adapters, qv_ada
     p = argparse.ArgumentParser()
     add_serve_args(p)
     a = p.parse_args(["--lora-target-modules", "q_proj", "down_proj"])
-    assert lora_config(a, LoRAConfig()).target_modules == ("q_proj", "down_proj")
+    assert serve_config(a).lora.target_modules == ("q_proj", "down_proj")
     # the issue's names for the tiers' budgets: hot slots, warm host memory
     a = p.parse_args(["--lora-hot-budget", "32", "--lora-warm-budget", "0.5"])
-    cfg = lora_config(a, LoRAConfig())
+    cfg = serve_config(a).lora
     assert (cfg.max_loras, cfg.warm_budget_bytes) == (32, 2**29)
 
 

@@ -56,12 +56,13 @@ def _enable_token_auth() -> None:
 def connect(address: str | None, namespace: str = "raygraph", num_cpus: int | None = None,
             log_to_driver: bool = True) -> str:
     """Join the cluster at `address` ("auto": the local one), or start a private instance
-    when None. Returns the GCS address reached, the one clients pass as --address."""
+    when None (never a `ray start` cluster found on the machine, nor RAY_ADDRESS's).
+    Returns the GCS address reached, the one clients pass as --address."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     if address is None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  log_to_driver=log_to_driver, _system_config=SYSTEM_CONFIG)
     else:
         _enable_token_auth()
@@ -81,6 +82,16 @@ def first_line(err: BaseException) -> str:
     """The message of an error without Ray's traceback."""
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
     return lines[0] if lines else type(err).__name__
+
+
+def remote_cause(err: BaseException) -> BaseException:
+    """The error a remote call raised, as its own type and message: Ray's RayTaskError
+    wrappers (one per actor the error crossed) removed, their tracebacks with them."""
+    from ray.exceptions import RayTaskError
+
+    while isinstance(err, RayTaskError) and err.cause is not None and err.cause is not err:
+        err = err.cause
+    return err
 
 
 def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygraph") -> Any:
