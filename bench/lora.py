@@ -1,4 +1,4 @@
-"""Many LoRA adapters against the base model on the same load (issue 20's acceptance).
+"""Many LoRA adapters against the base model on the same load.
 
 N registered rank-R adapters (default 1000, rank 16) over `--distinct` random PEFT
 directories (names round-robin over them, to keep disk and set-up small: each name is still

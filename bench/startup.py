@@ -1,5 +1,5 @@
 """Start-up: how soon a fresh coordinator serves, and how it serves while the capture
-schedule runs in the background (issue 21).
+schedule runs in the background.
 
     python -m bench.startup [--preset llama-1b] [--capture background at_start]
                             [--streams 64] [--seconds 20]

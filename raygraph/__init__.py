@@ -37,8 +37,7 @@ def setup_logging() -> None:
 def freeze_heap() -> None:
     """Start-up's objects never need collecting: move them out of the collector's reach, so a
     full collection walks only what serving allocated since. In a process holding torch and
-    Ray one takes ~100 ms, and every step or stream the process serves waits for it (the
-    bench client's did, once a run, until it froze its heap: bench/RESULTS.md, session 11).
+    Ray one takes ~100 ms, and every step or stream the process serves waits for it.
     Called by the coordinator, each worker and each HTTP server once start-up is over."""
     gc.collect()
     gc.freeze()

@@ -152,8 +152,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         "(default: off, 404)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the checkpoint's directory "
-                        "name)")
+                   help="the model name clients send (default: the hub id of a hub "
+                        "--model, else the checkpoint's directory name)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (default: the checkpoint's "
                         "tokenizer_config.json chat_template)")
@@ -239,8 +239,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from raygraph.api.app import HttpConfig
         from raygraph.api.server import start_http, stop_http
 
+        # a hub id is the name clients know the model by, not its snapshot's directory
+        hub_id = a.model if a.model and not os.path.isdir(a.model) else None
         http = HttpConfig(host=a.host, port=a.port, api_key=a.api_key,
-                          served_model_name=a.served_model_name, chat_template=template,
+                          served_model_name=a.served_model_name or hub_id,
+                          chat_template=template,
                           replicas=a.api_server_count, max_request_bytes=a.max_request_bytes,
                           enable_sleep_routes=a.enable_sleep_routes,
                           enable_lora_updates=a.enable_lora_updates)

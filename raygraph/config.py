@@ -357,8 +357,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 
 
 class GraphConfig(msgspec.Struct, frozen=True):
-    """`graph`: bucketed full (decode) and piecewise (prefill) graphs, eager above the
-    largest bucket; `eager`: the reference path only. backend `eager` runs the graph
+    """`graph`: bucketed graphs (decode: full; prefill: full or piecewise, `prefill_graph`),
+    eager above the largest bucket; `eager`: the reference path only. backend `eager` runs the graph
     executor's logic without capture (what CPUs always do).
 
     prefill_graph: how a prefill bucket is captured. `piecewise`: graphs between the
@@ -389,9 +389,8 @@ class GraphConfig(msgspec.Struct, frozen=True):
     # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs
     # it (that step waits)
     capture: Literal["background", "at_start", "lazy"] = "background"
-    # background, under load: the step thread's time captures may take. At 0.3 the 44
-    # keys of llama-1b (~22 ms each on an H200) are all captured ~3.3 s after serving
-    # started, and the steps keep ~70% of the time (bench/RESULTS.md, issue 21)
+    # background, under load: the share of the step thread's time captures may take (the
+    # steps keep the rest)
     capture_share: float = 0.3
     capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
     pool: Literal["vmm", "torch", "private"] = "vmm"

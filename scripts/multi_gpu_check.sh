@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The multi-GPU acceptance runs (issues 5, 6, 8), for a 4-GPU machine (2-GPU parts run on 2):
+# The multi-GPU runs (tests, lockstep capture, benchmarks), for a 4-GPU machine (2-GPU parts
+# run on 2); on the lent GPU machines, after `cp ../shared/device/prelude.sh .device/`:
 #   source .device/prelude.sh && bash scripts/multi_gpu_check.sh tests     # logs under $OUT
 #   source .device/prelude.sh && bash scripts/multi_gpu_check.sh capture bench
 # Stages: tests (~4 min), capture (~1.5 min), bench (~5 min); each command has its own time

@@ -1,4 +1,5 @@
-"""What one bucket runs: a full graph (decode) or a piecewise graph (prefill).
+"""What one bucket runs: a full graph (decode, and prefill by default) or a piecewise graph
+(prefill with `prefill_graph = "piecewise"`).
 
 Each comes in two backends with the same inputs and outputs: CUDA (captured graphs,
 replayed) and eager (the same steps run live, on CPU or for debugging), so bucketing,
@@ -81,7 +82,8 @@ def abort_capture(graph: torch.cuda.CUDAGraph) -> None:
 
 
 class FullGraph:
-    """Decode: the whole step, attention included, as one graph over the input buffers."""
+    """The whole step, attention included, as one graph over the input buffers (decode, and
+    full prefill)."""
 
     def __init__(self, forward: Forward, md: AttentionMetadata, cuda: bool, pool: Any) -> None:
         self.forward = forward
