@@ -3,7 +3,8 @@
 Eager is the reference and is always available. The graph executor buckets each step,
 fills the persistent input buffers, and replays (or first captures) the bucket's graph:
 a full graph for decode, and for prefill a full graph (the default) or a piecewise one
-(`GraphConfig.prefill_graph`); above the largest bucket it runs eagerly. On CPU the same executor runs with the eager backend (no capture).
+(`GraphConfig.prefill_graph`); above the largest bucket it runs eagerly. On CPU the same
+executor runs with the eager backend (no capture).
 """
 
 from __future__ import annotations
