@@ -34,6 +34,16 @@ PRESETS = {
                           rope_type="llama3", rope_theta=500000.0, factor=8.0,
                           low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
+    # Qwen2.5-7B's shape (7.6 B params: q/k/v biases, 152064 vocabulary, untied)
+    "qwen2.5-7b": dict(arch="Qwen2", hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       vocab_size=152064, max_position_embeddings=32768,
+                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    # Qwen3-8B's shape (8.2 B params: per-head q/k norms, head_dim 128, untied)
+    "qwen3-8b": dict(arch="Qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
     # a Qwen3-style ~1B (Qwen3-1.7B's widths, 16 of its 28 layers): q/k norms, head_dim 128
     # with 16 heads on a 2048 hidden size, 151936 vocabulary, tied embeddings (1.1 B params)
     "qwen3-1b": dict(arch="Qwen3", hidden_size=2048, intermediate_size=6144,
