@@ -263,9 +263,9 @@ class ParallelConfig(msgspec.Struct, frozen=True):
     either TP-split inside each group (ep = 1) or spread over every rank (ep = tp x dp),
     with tokens dispatched across DP groups at a shared size (num_comm_tokens)."""
 
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
+    tp: int = 1  # tensor-parallel ranks in a DP group
+    dp: int = 1  # attention data-parallel groups (MoE models)
+    ep: int = 1  # expert-parallel ranks: 1 (experts TP-split) or tp * dp
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "ep"):
@@ -314,13 +314,13 @@ class CacheConfig(msgspec.Struct, frozen=True):
     stay free. 1.0 / 1.0 evicts only on demand (with prefix caching off nothing is cached,
     and the watermarks do nothing)."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_bytes: int = 64 << 20
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
+    block_size: int = 16  # tokens per KV block (page)
+    num_blocks: int | None = None  # KV blocks per rank; None: sized from memory
+    kv_cache_bytes: int | None = None  # KV bytes per rank; None: gpu_memory_utilization
+    gpu_memory_utilization: float = 0.85  # share of the GPU the worker may fill, KV included
+    cpu_kv_cache_bytes: int = 64 << 20  # KV bytes per rank on CPU
+    high_watermark: float = 0.95  # pool use past which cached pages are evicted
+    low_watermark: float = 0.90  # pool use eviction brings it back to
     # full KV blocks stay cached by content (a hash chain of their tokens) after their
     # sequence ends; a request whose prompt starts with cached blocks computes only the rest
     enable_prefix_caching: bool = True
@@ -328,7 +328,7 @@ class CacheConfig(msgspec.Struct, frozen=True):
     # up to a chunk per K/V tensor) and serves at once; the rest map in the background and
     # the scheduler gains them as they come. False: wake maps the whole cache first
     staged_wake: bool = True
-    wake_first_bytes: int = 2 << 30
+    wake_first_bytes: int = 2 << 30  # KV bytes a staged wake maps before serving
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -347,8 +347,10 @@ class CacheConfig(msgspec.Struct, frozen=True):
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    """Continuous batching: how many sequences run, and a step's token budget."""
+
+    max_num_seqs: int = 64  # running sequences at most (the largest decode batch)
+    max_num_batched_tokens: int = 512  # tokens a step computes at most (chunked prefill)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
@@ -357,9 +359,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 
 
 class GraphConfig(msgspec.Struct, frozen=True):
-    """`graph`: bucketed graphs (decode: full; prefill: full or piecewise, `prefill_graph`),
-    eager above the largest bucket; `eager`: the reference path only. backend `eager` runs the graph
-    executor's logic without capture (what CPUs always do).
+    """How steps run: mode `graph` replays bucketed graphs (decode: full; prefill: full or
+    piecewise, `prefill_graph`), eager above the largest bucket; `eager` is the reference
+    path only. backend `eager` runs the graph executor's logic without capture (what CPUs
+    always do).
 
     prefill_graph: how a prefill bucket is captured. `piecewise`: graphs between the
     attention calls, attention run eagerly in between; `full`: one graph, attention (the
@@ -370,12 +373,12 @@ class GraphConfig(msgspec.Struct, frozen=True):
     can sleep); `torch`: torch's one shared graph pool; `private`: a torch pool per capture
     (the baseline: sum over captures)."""
 
-    mode: Literal["graph", "eager"] = "graph"
-    backend: Literal["auto", "eager"] = "auto"
+    mode: Literal["graph", "eager"] = "graph"  # eager: no graphs (the reference path)
+    backend: Literal["auto", "eager"] = "auto"  # eager: the graph logic without capture
     decode_sizes: list[int] | None = None  # None: the default schedule up to max_decode
-    prefill_sizes: list[int] | None = None
-    max_decode: int = 256
-    max_prefill: int = 2048
+    prefill_sizes: list[int] | None = None  # None: the default schedule up to max_prefill
+    max_decode: int = 256  # the largest decode bucket (sequences)
+    max_prefill: int = 2048  # the largest prefill bucket (tokens)
     prefill_graph: Literal["piecewise", "full"] = "full"  # measured faster: bench/RESULTS.md
     # decode batches of 8+ sequences that all start with the same cached blocks (a shared
     # system prompt under prefix caching, 256+ keys) attend over them once for the batch (the
@@ -393,7 +396,7 @@ class GraphConfig(msgspec.Struct, frozen=True):
     # steps keep the rest)
     capture_share: float = 0.3
     capture_timeout_s: float = 600.0  # per key and phase; a rank slower than this has failed
-    pool: Literal["vmm", "torch", "private"] = "vmm"
+    pool: Literal["vmm", "torch", "private"] = "vmm"  # where graphs keep their memory
     vmm_chunk_bytes: int = 2 << 20  # rounded up to the driver's granularity
     # the VMM budget is the largest buckets' capture times (1 + this): a smaller bucket can
     # need more (the caching allocator rounds 1-10 MiB blocks up to 20 MiB segments), and
@@ -434,9 +437,9 @@ class OffloadConfig(msgspec.Struct, frozen=True):
     before its kernel (the baseline). check_floor=False is for tests and the floor sweep.
     """
 
-    budget_bytes: int | None = None
-    mode: Literal["ring", "lru", "sync"] = "ring"
-    check_floor: bool = True
+    budget_bytes: int | None = None  # weight bytes on the GPU at most; None: no offload
+    mode: Literal["ring", "lru", "sync"] = "ring"  # how weights reach the GPU
+    check_floor: bool = True  # refuse a budget below what one layer needs
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.budget_bytes < 1:
@@ -452,8 +455,8 @@ class LoRAConfig(msgspec.Struct, frozen=True):
     <= max_lora_rank; a step mixes tokens of any slots and of the base model. 0 slots: off
     (no buffers, no kernels: the graphs of the plain model)."""
 
-    max_loras: int = 0
-    max_lora_rank: int = 64
+    max_loras: int = 0  # adapter slots on every rank (hot adapters); 0: LoRA off
+    max_lora_rank: int = 64  # the largest adapter rank served
     # adapters registered at start: (name, PEFT directory) pairs
     modules: tuple[tuple[str, str], ...] = ()
     # each worker keeps recently loaded adapters in (pinned) host memory up to this many
@@ -512,18 +515,23 @@ class LoRAConfig(msgspec.Struct, frozen=True):
 
 
 class ServeConfig(msgspec.Struct, frozen=True):
-    model: str = DEFAULT_MODEL
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Everything `raygraph serve` serves with, one section per concern."""
+
+    model: str = DEFAULT_MODEL  # a checkpoint directory (the CLI also takes a hub id)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda with a GPU per rank
+    # auto: on cuda a float16 or bfloat16 checkpoint's own torch_dtype, else bfloat16;
+    # float32 on cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int = 0
+    seed: int = 0  # the workers' sampling generator (a request's own seed overrides it)
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     graph: GraphConfig = GraphConfig()
     offload: OffloadConfig = OffloadConfig()
     lora: LoRAConfig = LoRAConfig()
-    coordinator_name: str = "raygraph-coordinator"
-    namespace: str = "raygraph"
+    coordinator_name: str = "raygraph-coordinator"  # the named Ray actor clients find
+    namespace: str = "raygraph"  # its Ray namespace
+    # a step (or worker call) not answered in this long fails the group, which restarts
     step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
