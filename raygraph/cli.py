@@ -248,7 +248,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           enable_sleep_routes=a.enable_sleep_routes,
                           enable_lora_updates=a.enable_lora_updates)
         try:
-            servers, url = start_http(coord, http, cfg.coordinator_name, cfg.namespace,
+            servers, url = start_http(http, cfg.coordinator_name, cfg.namespace,
                                       a.detach)  # kept: they live while serve runs
         except BaseException:  # no coordinator left behind that was asked to serve HTTP
             ray.get(coord.shutdown.remote())

@@ -40,7 +40,7 @@ def server(ray_session):
     cfg = ServeConfig(device="cpu", coordinator_name="http-test", step_timeout_s=60,
                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
     coord = start_coordinator(cfg)
-    handles, url = start_http(coord, HttpConfig(port=0, api_key=KEY, enable_sleep_routes=True),
+    handles, url = start_http(HttpConfig(port=0, api_key=KEY, enable_sleep_routes=True),
                               cfg.coordinator_name, cfg.namespace)
     yield coord, url
     stop_http(cfg.coordinator_name, cfg.namespace)
@@ -622,7 +622,7 @@ def test_api_servers_share_one_port(ray_session, server):
     requests on fresh connections all succeed; stop_http stops both."""
     coord, _ = server
     name, ns = "replica-test", "raygraph"
-    handles, url = start_http(coord, HttpConfig(port=0, replicas=2), name, ns)
+    handles, url = start_http(HttpConfig(port=0, replicas=2), "http-test", ns, name=name)
     assert len(handles) == 2
     ray_session.get_actor(f"{name}-http-1", namespace=ns)  # the second replica is there
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3,

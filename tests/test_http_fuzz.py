@@ -29,7 +29,7 @@ def server(ray_session):
     cfg = ServeConfig(device="cpu", coordinator_name="http-fuzz", step_timeout_s=60,
                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
     coord = start_coordinator(cfg)
-    _, url = start_http(coord, HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
+    _, url = start_http(HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
                         cfg.namespace)
     yield coord, url
     stop_http(cfg.coordinator_name, cfg.namespace)

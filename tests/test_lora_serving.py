@@ -277,7 +277,7 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_http_model_field_models_list_and_routes(coord, adapters, expected):
-    _, url = start_http(coord, HttpConfig(port=0, enable_lora_updates=True), "lora-test",
+    _, url = start_http(HttpConfig(port=0, enable_lora_updates=True), "lora-test",
                         "raygraph")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

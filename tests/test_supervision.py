@@ -97,18 +97,21 @@ def test_a_detached_coordinator_whose_process_died_starts_itself_again(ray_sessi
         reasons = set()
         t0 = time.monotonic()
         while True:
+            assert time.monotonic() - t0 < 90, reasons
             try:
                 stats = ray_session.get(handle.stats.remote(), timeout=10)
-            except Exception:  # the call met the dying process
+            except Exception as e:  # the call met the dying process
+                reasons.add(type(e).__name__)
                 continue
             if stats["healthy"]:
                 break
             reasons.add(stats["reason"])
-            assert time.monotonic() - t0 < 90, reasons
             time.sleep(0.2)
         (after,) = ray_session.get(handle.generate.remote(["The import statement"], params))
         assert after.token_ids == before.token_ids
-        assert reasons <= {"the coordinator's process died; starting it again"}
+        assert "the coordinator's process died; starting it again" in reasons
+        assert all(r == "the coordinator's process died; starting it again" or
+                   r.endswith("Error") for r in reasons), reasons
     finally:
         ray_session.get(handle.shutdown.remote())
         ray_session.kill(handle)

@@ -15,10 +15,14 @@ from raygraph.api.app import HttpConfig, build_app
 
 
 class HttpServer:
-    def __init__(self, coord: Any, cfg: HttpConfig) -> None:
+    def __init__(self, coordinator_name: str, namespace: str, cfg: HttpConfig) -> None:
+        """The coordinator is found by name, not passed as a handle: Ray restarts a server
+        whose process died with its constructor's arguments, and a handle argument lives in
+        the object store of the driver, which a detached service has left."""
         import uvicorn
 
         setup_logging()
+        coord = ray.get_actor(coordinator_name, namespace=namespace)
         self.app = app = build_app(coord, cfg)
         # bind here, not in uvicorn: port 0 then gives the real port, and a port in use is
         # this actor's start-up error rather than a thread's log line
@@ -64,10 +68,11 @@ def http_actor_name(coordinator_name: str, replica: int = 0) -> str:
     return f"{coordinator_name}-http" + (f"-{replica}" if replica else "")
 
 
-def start_http(coord: Any, cfg: HttpConfig, coordinator_name: str, namespace: str,
-               detached: bool = False) -> tuple[list[Any], str]:
-    """Start the named HTTP actors (cfg.replicas, on one port) on this node (the URL's host
-    is this node's) and wait until they listen; returns (their handles, URL). NOTE: keep the
+def start_http(cfg: HttpConfig, coordinator_name: str, namespace: str,
+               detached: bool = False, name: str | None = None) -> tuple[list[Any], str]:
+    """Start the HTTP actors (cfg.replicas, on one port, named after `name`, by default the
+    coordinator's) in front of the named coordinator, on this node (the URL's host is this
+    node's), and wait until they listen; returns (their handles, URL). NOTE: keep the
     handles: an actor that is not detached dies with its last handle."""
     import msgspec
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -79,12 +84,13 @@ def start_http(coord: Any, cfg: HttpConfig, coordinator_name: str, namespace: st
         # a server whose process dies is started again by Ray, on the same port (the
         # driver picked it: cli.listen_port), while the others keep serving
         opts: dict[str, Any] = {
-            "name": http_actor_name(coordinator_name, replica), "namespace": namespace,
+            "name": http_actor_name(name or coordinator_name, replica), "namespace": namespace,
             "num_cpus": 0, "max_restarts": -1,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         if detached:
             opts["lifetime"] = "detached"
-        handles.append(ray.remote(HttpServer).options(**opts).remote(coord, replica_cfg))
+        handles.append(ray.remote(HttpServer).options(**opts).remote(
+            coordinator_name, namespace, replica_cfg))
         return ray.get(handles[-1].url.remote())
 
     try:
