@@ -176,16 +176,6 @@ def _torch_dtype(hf: dict) -> str:
     return str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
 
 
-def checkpoint_dtype(path: str) -> str:
-    """`_torch_dtype` of the checkpoint at `path`; float32 when its config.json cannot be read
-    (ModelConfig.from_pretrained reports that)."""
-    try:
-        hf = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"
-    return _torch_dtype(hf) if isinstance(hf, dict) else "float32"
-
-
 def auto_dtype(device: str, checkpoint: str) -> str:
     """What `--dtype auto` runs weights in. On cuda a half-precision checkpoint keeps its own
     dtype (float16 weights cast to bfloat16 would lose 3 mantissa bits; bfloat16 ones cast to
@@ -575,7 +565,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
         `auto_dtype` of the checkpoint's. The one place it is decided."""
         if self.dtype != "auto":
             return self.dtype
-        return auto_dtype(device, checkpoint_dtype(self.model) if device == "cuda" else "")
+        if device != "cuda":
+            return auto_dtype(device, "")
+        return auto_dtype(device, ModelConfig.from_pretrained(self.model).checkpoint_dtype)
 
     def resolved(self, num_gpus: float) -> ServeConfig:
         """Pin 'auto' device and dtype given the GPUs the cluster offers, and the LoRA target

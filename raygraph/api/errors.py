@@ -75,17 +75,16 @@ def translate(err: BaseException) -> ApiError:
     """An ApiError for what a coordinator call raised (through Ray's wrappers): 404 for an
     unknown model (LoRA adapter), 400 for a bad request or adapter, 503 while not serving,
     asleep or gone, 409 when busy, else 500."""
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import RayActorError
 
-    from raygraph.cluster.connect import first_line
+    from raygraph.cluster.connect import first_line, remote_cause
     from raygraph.cluster.lora import UnknownAdapter
     from raygraph.cluster.requests import Asleep, BadRequest, Busy, WorkerFailure
     from raygraph.lora import LoRAError
 
     if isinstance(err, ApiError):
         return err
-    while isinstance(err, RayTaskError) and err.cause is not None and err.cause is not err:
-        err = err.cause
+    err = remote_cause(err)
     msg = first_line(err)
     if isinstance(err, UnknownAdapter):
         return ApiError(404, msg, "model", "model_not_found")

@@ -121,12 +121,11 @@ class Coordinator(CaptureControl):
         self.background: BackgroundCapture | None = None  # graph.capture == "background"
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
         self._progress = StartupProgress()
-        self._recovery: Any = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # a detached service whose process died: Ray restarted it, nobody calls start()
             self.unhealthy_reason = "the coordinator's process died; starting it again"
             log.error(self.unhealthy_reason)
-            self._recovery = ray.get_runtime_context().current_actor.recover.remote()
+            ray.get_runtime_context().current_actor.recover.remote()  # runs after __init__
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
