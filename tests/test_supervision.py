@@ -4,6 +4,8 @@ dies, and a detached coordinator restarts itself."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -93,7 +95,12 @@ def test_a_detached_coordinator_whose_process_died_starts_itself_again(ray_sessi
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     try:
         (before,) = ray_session.get(handle.generate.remote(["The import statement"], params))
+        pid = ray_session.get(handle.__ray_call__.remote(lambda self: os.getpid()))
         ray_session.kill(handle, no_restart=False)  # as a crash: Ray restarts it
+        # ray.kill returns before the process dies: a call sent meanwhile may still meet
+        # the old coordinator, healthy
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(30)
         reasons = set()
         t0 = time.monotonic()
         while True:
