@@ -306,9 +306,9 @@ def ray_client(coord: Any) -> Client:
 
 
 def mux_client(coord: Any) -> Client:
-    """Coordinator streams multiplexed over one subscription (raygraph.cluster.streams, what
+    """Coordinator streams multiplexed over one subscription (raygraph.client.streams, what
     an HTTP replica uses): one chunk per merged delta, of len(token_ids)."""
-    from raygraph.cluster.streams import StreamHub
+    from raygraph.client.streams import StreamHub
 
     hub = StreamHub(coord)
 

@@ -51,9 +51,7 @@ import torch
 
 from bench import load
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import connect, start_coordinator
-from raygraph.cluster.engine import Dispatch, EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Sequence
+from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
     CacheConfig,
@@ -63,6 +61,8 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.core import Dispatch, EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.scheduler import Sequence
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 from raygraph.worker.worker import Worker
 

@@ -12,7 +12,7 @@ import traceback
 import msgspec
 
 from raygraph import __version__
-from raygraph.cluster.connect import (
+from raygraph.client.connect import (
     ClusterError,
     auth_token_available,
     check_startup,
@@ -22,8 +22,8 @@ from raygraph.cluster.connect import (
     remote_cause,
     start_coordinator,
 )
-from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.config import LORA_MODULES, ConfigError, ServeConfig, parse_bytes
+from raygraph.errors import Asleep, BadRequest, Busy
 from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams
 from raygraph.serve_options import DEFAULT_MAX_LORAS, SERVE_OPTIONS, build_config
@@ -305,7 +305,7 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     exit non-zero if any key's records disagree (or a rank fails)."""
     import ray
 
-    from raygraph.cluster.lockstep import format_table, last_line
+    from raygraph.engine.lockstep import format_table, last_line
 
     cfg = serve_config(a)
     check_startup(cfg)  # a bad model or layout fails here, before Ray starts

@@ -379,7 +379,7 @@ class GraphConfig(msgspec.Struct, frozen=True):
     decode_cascade: bool = True
     # when the capture schedule runs: `background` serves at once (steps of keys not yet
     # captured run eagerly) and captures between steps, busiest shapes first
-    # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs
+    # (engine/capture.py); `at_start` before serving; `lazy` a key when a step first needs
     # it (that step waits)
     capture: Literal["background", "at_start", "lazy"] = "background"
     # background, under load: the share of the step thread's time captures may take (the

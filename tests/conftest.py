@@ -151,7 +151,7 @@ def loaded_worker(cfg, num_blocks: int, capture: bool = False):
 def serve_in_process(cfg, worker, seqs: list, num_blocks: int) -> list:
     """`seqs` through the served loop's logic (EngineCore: deltas, tokens fed on the device,
     replies a step late) against `worker` called directly; returns them, finished."""
-    from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
+    from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 
     core = EngineCore.from_config(cfg, worker.model_cfg, num_blocks)
     for s in seqs:

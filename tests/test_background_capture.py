@@ -1,9 +1,9 @@
-"""The background capture planner (cluster/capture.py): order and pacing."""
+"""The background capture planner (engine/capture.py): order and pacing."""
 
 import pytest
 
-from raygraph.cluster.capture import BackgroundCapture
 from raygraph.config import GraphConfig
+from raygraph.engine.capture import BackgroundCapture
 from raygraph.protocol import BucketKey
 
 SHARE = GraphConfig().capture_share
@@ -67,8 +67,8 @@ def test_a_failed_background_capture_makes_requests_wait_for_the_restart():
     refused as "not serving". A failed capture at start (no restart follows) does not."""
     import types
 
-    from raygraph.cluster.coordinator import Coordinator
-    from raygraph.cluster.lockstep import CaptureError
+    from raygraph.engine.engine import Coordinator
+    from raygraph.engine.lockstep import CaptureError
 
     def failing(key, call):
         raise CaptureError(f"capture of {key} failed on rank 0: ActorDiedError")

@@ -1,4 +1,4 @@
-"""StreamHub's opens (cluster/streams.py): a burst goes to the coordinator as one call, opens
+"""StreamHub's opens (client/streams.py): a burst goes to the coordinator as one call, opens
 made while a call is out go in the next, and each open gets its own result or error. The
 coordinator here records the calls the hub makes; the real one is in tests/test_http.py."""
 
@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from raygraph.cluster.requests import BadRequest, encode_prompt, pack_ids
-from raygraph.cluster.streams import StreamHub
+from raygraph.client.requests import encode_prompt, pack_ids
+from raygraph.client.streams import StreamHub
+from raygraph.errors import BadRequest
 from raygraph.protocol import SamplingParams
 
 
@@ -141,9 +142,9 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
     import threading
     import types
 
-    from raygraph.cluster.coordinator import Coordinator
-    from raygraph.cluster.scheduler import Sequence
     from raygraph.config import SchedulerConfig, ServeConfig
+    from raygraph.engine.engine import Coordinator
+    from raygraph.engine.scheduler import Sequence
 
     c = object.__new__(Coordinator)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
@@ -191,8 +192,8 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     import threading
     import types
 
-    from raygraph.cluster.coordinator import Coordinator
-    from raygraph.cluster.scheduler import Sequence
+    from raygraph.engine.engine import Coordinator
+    from raygraph.engine.scheduler import Sequence
 
     c = object.__new__(Coordinator)  # the inbox's own state only: no workers, no model
     c._ids, c._stale_below, c.lora = itertools.count(), 0, None

@@ -17,8 +17,8 @@ from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
-from raygraph.cluster.requests import encode_prompt, split_prompts
-from raygraph.cluster.streams import StreamHub
+from raygraph.client.requests import encode_prompt, split_prompts
+from raygraph.client.streams import StreamHub
 from raygraph.config import ModelConfig
 from raygraph.protocol import (
     GenerateResult,

@@ -1,7 +1,7 @@
 """The step loop's logic, without transport or clients: schedule every DP group, turn the
 result into one StepDelta per group, and apply the tokens that come back one step later.
 
-The coordinator drives it over the compiled graph (cluster/group.py); benchmarks and tests
+The coordinator drives it over the compiled graph (engine/group.py); benchmarks and tests
 drive it in one process against Worker.run. Pure Python apart from msgspec.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import msgspec
 
-from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
 from raygraph.config import ModelConfig, ServeConfig
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, SchedulerOutput, Sequence
 from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
-from raygraph.memory.pool import PagePool
 from raygraph.protocol import BucketKey, StepDelta, StepOutput
 
 ENCODER = msgspec.msgpack.Encoder()

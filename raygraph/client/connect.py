@@ -125,7 +125,7 @@ def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool =
     prints one summary line. A failed start removes the coordinator, so a retry can take
     its name.
     """
-    from raygraph.cluster.coordinator import Coordinator
+    from raygraph.engine.engine import Coordinator
 
     cfg = cfg.resolved(ray.cluster_resources().get("GPU", 0))
     check_startup(cfg)

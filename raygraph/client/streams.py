@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
-from raygraph.cluster.lockstep import last_line
-from raygraph.cluster.requests import WorkerFailure, pack_ids, take_deltas
+from raygraph.client.requests import pack_ids, take_deltas
+from raygraph.engine.lockstep import last_line
+from raygraph.errors import WorkerFailure
 from raygraph.protocol import SamplingParams, StreamDelta
 
 

@@ -2,7 +2,7 @@
 run between served steps, busiest shapes first (BackgroundCapture).
 
 The coordinator serves as soon as the weights and the KV cache are ready. Until a key is
-captured on every rank (lockstep, cluster/lockstep.py), steps of that key run eagerly on
+captured on every rank (lockstep, engine/lockstep.py), steps of that key run eagerly on
 every rank: the step message names the eager key, so ranks never disagree about which keys
 replay. Keys are taken in order of the traffic seen so far (the decode batch sizes being
 served before a large prefill bucket nobody asked for), then the rest of the schedule:
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from raygraph.cluster.lockstep import CaptureError, KeyReport, last_line, remote_call_all
+from raygraph.engine.lockstep import CaptureError, KeyReport, last_line, remote_call_all
 from raygraph.protocol import BucketKey
 
 log = logging.getLogger("raygraph.coordinator")

@@ -2,7 +2,7 @@
 
 Clients call `generate` (or `generate_stream`) concurrently on the actor's event loop. The
 step loop runs on its own thread and does only the step: drain new requests, schedule,
-send the deltas over the compiled graph (cluster/group.py), apply the tokens of the step
+send the deltas over the compiled graph (engine/group.py), apply the tokens of the step
 before. Detokenization, stop strings and stream fan-out run on the event loop, beside it.
 """
 
@@ -24,33 +24,24 @@ import msgspec
 import ray
 
 from raygraph import freeze_heap, setup_logging
-from raygraph.cluster.capture import BackgroundCapture, CaptureControl
-from raygraph.cluster.engine import EngineCore
-from raygraph.cluster.group import WorkerGroup
-from raygraph.cluster.kv_cache import merge_stats
-from raygraph.cluster.lockstep import (
+from raygraph.client.requests import encode_prompt, parse_params, split_prompts, take_deltas
+from raygraph.config import ModelConfig, ServeConfig
+from raygraph.engine.capture import BackgroundCapture, CaptureControl
+from raygraph.engine.core import EngineCore
+from raygraph.engine.group import WorkerGroup
+from raygraph.engine.kv_cache import merge_stats
+from raygraph.engine.lockstep import (
     LockstepCapture,
     last_line,
 )
-from raygraph.cluster.lora import LoRAAdmission, LoRARegistry, UnknownAdapter
-from raygraph.cluster.requests import (
-    Asleep,
-    BadRequest,
-    Busy,
-    Request,
-    RequestTable,
-    WorkerFailure,
-    encode_prompt,
-    parse_params,
-    split_prompts,
-    take_deltas,
-)
-from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.cluster.sleep import KV_POLL_S, SleepControl
-from raygraph.config import ModelConfig, ServeConfig
+from raygraph.engine.lora import LoRAAdmission, LoRARegistry
+from raygraph.engine.requests import Request, RequestTable
+from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.sleep import KV_POLL_S, SleepControl
+from raygraph.errors import Asleep, BadRequest, Busy, LoRAError, UnknownAdapter, WorkerFailure
 from raygraph.generation import sampling_defaults
 from raygraph.graph.buckets import IDLE_TOKENS
-from raygraph.lora import LoRAError, read_adapter
+from raygraph.lora import read_adapter
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
     BucketKey,
@@ -238,7 +229,7 @@ class Coordinator(CaptureControl):
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
             "kv_utilization": kv["usage"],  # pinned pages of the fullest DP group
             "prefix_cache_hit_rate": round(kv["prefix_cache_hit_rate"], 4),
-            "kv_cache": kv,  # the pools of every DP group (cluster/kv_cache.merge_stats)
+            "kv_cache": kv,  # the pools of every DP group (engine/kv_cache.merge_stats)
             "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
             "kv_wake_error": self.sleeper.kv_error,  # a staged wake's mapping stopped short
             # counters for /metrics (cumulative; every HTTP replica reads the same)
@@ -273,7 +264,7 @@ class Coordinator(CaptureControl):
                 ray.get(self.workers[rank].inject_fault.remote(kind, phase, key))
         await self._on_step_thread(arm)
 
-    # ---- LoRA adapters (cluster/lora.py) ---------------------------------------------------
+    # ---- LoRA adapters (engine/lora.py) ---------------------------------------------------
     def _lora_admission(self) -> LoRAAdmission:
         lc = self.cfg.lora
         registry = LoRARegistry(
@@ -319,7 +310,7 @@ class Coordinator(CaptureControl):
         return [{"name": a.name, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank,
                  "slot": a.slot, "requests": a.requests} for a in self.lora.registry.adapters()]
 
-    # ---- sleep and wake (cluster/sleep.py) -----------------------------------------------
+    # ---- sleep and wake (engine/sleep.py) -----------------------------------------------
     async def sleep(self, level: int = 1, wait: bool = True) -> dict:
         """Stop admitting requests, let those in flight finish (wait=False: Busy if any),
         then every worker releases its memory: level 1 the graph pool and KV cache, level 2
