@@ -26,3 +26,9 @@ class LoRAError(ValueError):
 
 class UnknownAdapter(BadRequest, LoRAError):
     """A request named an adapter that is not registered (HTTP: 404 model_not_found)."""
+
+
+def last_line(err: BaseException) -> str:
+    """Ray wraps remote errors in long tracebacks; the cause's last line says what happened."""
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else repr(err)

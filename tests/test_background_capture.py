@@ -67,14 +67,14 @@ def test_a_failed_background_capture_makes_requests_wait_for_the_restart():
     refused as "not serving". A failed capture at start (no restart follows) does not."""
     import types
 
-    from raygraph.engine.engine import Coordinator
+    from raygraph.engine.engine import Engine
     from raygraph.engine.lockstep import CaptureError
 
     def failing(key, call):
         raise CaptureError(f"capture of {key} failed on rank 0: ActorDiedError")
 
     for recover in (True, False):
-        c = object.__new__(Coordinator)  # the capture's own state only
+        c = object.__new__(Engine)  # the capture's own state only
         c.lockstep = types.SimpleNamespace(capture=failing)
         c.healthy, c.recovering, c.group, c.workers, c.core = True, False, None, [], None
         c.loop = None

@@ -143,10 +143,10 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
     import types
 
     from raygraph.config import SchedulerConfig, ServeConfig
-    from raygraph.engine.engine import Coordinator
+    from raygraph.engine.engine import Engine
     from raygraph.engine.scheduler import Sequence
 
-    c = object.__new__(Coordinator)  # the method's own state only: no workers, no model
+    c = object.__new__(Engine)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     c.recovering, c._sinks, c.schedulers = False, {}, [None]  # one DP group
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
@@ -161,7 +161,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
 
     def enqueue(seqs):  # as the coordinator's, checking each request is registered first
         assert all(registered[s.seq_id].deltas is c._sinks["hub"] for s, _ in seqs)
-        Coordinator._enqueue(c, seqs)
+        Engine._enqueue(c, seqs)
 
     c._requests, c._enqueue = requests, enqueue
     burst = [[1] * 1088] * 5 + [[]] + [[2] * 64] * 3
@@ -192,10 +192,10 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     import threading
     import types
 
-    from raygraph.engine.engine import Coordinator
+    from raygraph.engine.engine import Engine
     from raygraph.engine.scheduler import Sequence
 
-    c = object.__new__(Coordinator)  # the inbox's own state only: no workers, no model
+    c = object.__new__(Engine)  # the inbox's own state only: no workers, no model
     c._ids, c._stale_below, c.lora = itertools.count(), 0, None
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
     c.healthy, c.core, c.sleeper = True, object(), types.SimpleNamespace(asleep=False)
@@ -205,16 +205,16 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     c._add = lambda seqs: admitted.extend(s.seq_id for s in seqs)
 
     def burst(n: int) -> None:
-        Coordinator._enqueue(c, [(Sequence(next(c._ids), [1, 2], SamplingParams()), None)
+        Engine._enqueue(c, [(Sequence(next(c._ids), [1, 2], SamplingParams()), None)
                                  for _ in range(n)])
 
     burst(3)
     burst(2)
     c._fail_in_flight("step 7 failed on a worker")  # as _on_failure schedules it
     burst(2)  # registered after the restart
-    assert Coordinator._drain_inbox(c) is True
+    assert Engine._drain_inbox(c) is True
     assert failed == ["step 7 failed on a worker"]
     assert admitted == [6, 7]  # ids 0-4 were failed; 5 is the mark itself
     burst(1)
-    Coordinator._drain_inbox(c)
+    Engine._drain_inbox(c)
     assert admitted == [6, 7, 8]

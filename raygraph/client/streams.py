@@ -1,27 +1,31 @@
-"""Client side of the coordinator's multiplexed streams, for any process that serves many
-streams at once (an HTTP replica, the load benchmark)."""
+"""Client side of the engines' multiplexed streams, for any process that serves many streams
+at once (an HTTP server, the load benchmark): one subscription per replica's engine, and a
+router that picks the replica of each new stream."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Any
 
 import msgspec
 
 from raygraph.client.requests import pack_ids, take_deltas
-from raygraph.engine.lockstep import last_line
-from raygraph.errors import WorkerFailure
-from raygraph.protocol import SamplingParams, StreamDelta
+from raygraph.client.router import Router
+from raygraph.config import ReplicaConfig
+from raygraph.errors import WorkerFailure, last_line
+from raygraph.protocol import SamplingParams, StreamDelta, replica_of
 
 
 class StreamHub:
-    """This replica's streams over one coordinator subscription (`Coordinator.subscribe`):
-    one Ray message per batch of deltas, demultiplexed here into a queue per request. A Ray
+    """This process's streams on one engine, over one subscription (`Engine.subscribe`): one
+    Ray message per batch of deltas, demultiplexed here into a queue per request. A Ray
     stream per request cost ~0.2 ms a message on each side and capped 64 streams."""
 
-    def __init__(self, coord: Any) -> None:
-        self.coord = coord
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.failed = False  # the subscription ended: this engine is gone
         self.name = f"http-{secrets.token_hex(6)}"
         # open requests: from open() until their last delta is taken or they are cancelled
         self.queues: dict[int, asyncio.Queue[StreamDelta]] = {}
@@ -37,8 +41,8 @@ class StreamHub:
         return self.queues.setdefault(request_id, asyncio.Queue())
 
     async def _pump(self) -> None:
-        gen = self.coord.subscribe.options(num_returns="streaming").remote(self.name)
-        why = "the coordinator closed this replica's stream subscription"
+        gen = self.engine.subscribe.options(num_returns="streaming").remote(self.name)
+        why = "the engine closed this process's stream subscription"
         try:
             async for ref in gen:
                 for delta in await ref:
@@ -49,8 +53,9 @@ class StreamHub:
                             self._ended.add(rid)
                     elif delta.finish_reason is not None:
                         self._cancelled.discard(rid)
-        except Exception as e:  # the coordinator is gone: every open stream ends with it
+        except Exception as e:  # the engine is gone: every open stream ends with it
             why = f"the stream subscription failed: {last_line(e)}"
+        self.failed = True
         for rid, q in self.queues.items():
             q.put_nowait(StreamDelta(rid, [], None, "error", error=why))
 
@@ -71,7 +76,7 @@ class StreamHub:
         while self._opening:
             batch, self._opening = self._opening, []
             try:
-                results = await self.coord.submit_streams.remote(
+                results = await self.engine.submit_streams.remote(
                     self.name, [(pack_ids(prompt), params) for prompt, params, _ in batch])
             except Exception as e:  # the call itself failed: every open in it fails
                 results = [e] * len(batch)
@@ -114,4 +119,88 @@ class StreamHub:
             running.append(rid)
         self._cancelled.update(running)
         if running:
-            self.coord.cancel.remote(running)
+            self.engine.cancel.remote(running)
+
+
+class ReplicaStreams:
+    """Streams over every replica: a StreamHub per engine, the replica of each new stream
+    picked by a Router. The engines come from the coordinator (`replica_states`), asked
+    again at most every REFRESH_S when one is not serving, so a replica started again is
+    used once it serves. A request id names its replica (protocol.replica_of)."""
+
+    REFRESH_S = 1.0
+
+    def __init__(self, coord: Any, cfg: ReplicaConfig, block_size: int) -> None:
+        self.coord = coord
+        self.router = Router(cfg.replicas, cfg, block_size)
+        self.hubs: list[StreamHub | None] = [None] * cfg.replicas
+        self.costs: dict[int, int] = {}  # open request -> its tokens on the router
+        self._checked = -1e9
+        self._all_up = False
+
+    @staticmethod
+    def from_info(coord: Any, info: dict) -> ReplicaStreams:
+        """Over the coordinator whose `describe()` is `info`."""
+        return ReplicaStreams(coord, msgspec.convert(info["replica_config"], ReplicaConfig),
+                              info["block_size"])
+
+    async def _refresh(self) -> None:
+        now = time.monotonic()
+        if self._all_up and all(h is not None and not h.failed for h in self.hubs):
+            return
+        if now - self._checked < self.REFRESH_S and any(self.router.up):
+            return
+        self._checked = now
+        states = await self.coord.replica_states.remote()
+        for s in states:
+            hub = self.hubs[s.replica]
+            if s.state != "serving":
+                self.router.set_up(s.replica, False)
+                continue
+            if hub is None or hub.failed or \
+                    hub.engine._actor_id != s.engine._actor_id:
+                self.hubs[s.replica] = StreamHub(s.engine)
+            self.router.set_up(s.replica, True)
+        self._all_up = all(s.state == "serving" for s in states)
+
+    async def open(self, prompt: list[int], params: SamplingParams) -> int:
+        """Start a stream on the replica the router picks; its request id."""
+        await self._refresh()
+        cost = len(prompt) + params.max_tokens
+        try:
+            replica = self.router.pick(prompt, cost)
+        except ValueError:
+            raise WorkerFailure("no replica is serving") from None
+        try:
+            rid = await self.hubs[replica].open(prompt, params)
+        except BaseException:
+            self.router.done(replica, cost)
+            raise
+        self.costs[rid] = cost
+        return rid
+
+    def _ended(self, rid: int) -> None:
+        cost = self.costs.pop(rid, None)
+        if cost is not None:
+            self.router.done(replica_of(rid), cost)
+
+    async def next(self, request_id: int) -> StreamDelta:
+        """StreamHub.next on the request's replica."""
+        try:
+            delta = await self.hubs[replica_of(request_id)].next(request_id)
+        except BaseException:
+            self._ended(request_id)
+            raise
+        if delta.finish_reason is not None:
+            self._ended(request_id)
+        return delta
+
+    def cancel(self, request_ids: list[int]) -> None:
+        by_replica: dict[int, list[int]] = {}
+        for rid in request_ids:
+            self._ended(rid)
+            by_replica.setdefault(replica_of(rid), []).append(rid)
+        for replica, rids in by_replica.items():
+            hub = self.hubs[replica]
+            if hub is not None:
+                hub.cancel(rids)

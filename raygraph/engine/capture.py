@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-from raygraph.engine.lockstep import CaptureError, KeyReport, last_line, remote_call_all
+from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
+from raygraph.errors import last_line
 from raygraph.protocol import BucketKey
 
 log = logging.getLogger("raygraph.coordinator")

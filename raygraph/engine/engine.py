@@ -1,9 +1,12 @@
-"""The coordinator: a named async Ray actor that owns the scheduler and drives the workers.
+"""The engine: one replica, an async Ray actor that owns its schedulers and drives its worker
+group. The coordinator starts one per replica, placed with its workers.
 
-Clients call `generate` (or `generate_stream`) concurrently on the actor's event loop. The
-step loop runs on its own thread and does only the step: drain new requests, schedule,
-send the deltas over the compiled graph (engine/group.py), apply the tokens of the step
-before. Detokenization, stop strings and stream fan-out run on the event loop, beside it.
+Requests arrive on the actor's event loop (`generate` and `generate_stream` from the
+coordinator; `subscribe` and `submit_streams` from HTTP servers directly, so a token goes
+from here to its client in one hop). The step loop runs on its own thread and does only the
+step (engine/core.py): drain new requests, schedule, send the deltas over the compiled graph
+(engine/group.py), apply the tokens of the step before. Detokenization, stop strings and
+stream fan-out run on the event loop, beside it.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from raygraph.engine.lora import LoRAAdmission, LoRARegistry
 from raygraph.engine.requests import Request, RequestTable
 from raygraph.engine.scheduler import Scheduler, Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
-from raygraph.errors import Asleep, BadRequest, Busy, LoRAError, UnknownAdapter, WorkerFailure
+from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure
 from raygraph.generation import sampling_defaults
 from raygraph.graph.buckets import IDLE_TOKENS
 from raygraph.lora import read_adapter
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import (
+    REPLICA_SHIFT,
     BucketKey,
     GenerateResult,
     StartupProgress,
@@ -53,16 +57,17 @@ from raygraph.protocol import (
 )
 from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
-log = logging.getLogger("raygraph.coordinator")
+log = logging.getLogger("raygraph.engine")
 
 
-class Coordinator(CaptureControl):
-    def __init__(self, cfg: ServeConfig) -> None:
+class Engine(CaptureControl):
+    def __init__(self, cfg: ServeConfig, replica: int = 0) -> None:
         setup_logging()
         # the step thread and the event loop share the GIL: hand it over every 0.5 ms, not
         # Python's default 5 ms, so a busy loop never holds a step back for long
         sys.setswitchinterval(5e-4)
         self.cfg = cfg
+        self.replica = replica
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         cfg.parallel.check_model(self.model_cfg)
         # transformers takes seconds to import: the tokenizer loads while workers start
@@ -83,7 +88,7 @@ class Coordinator(CaptureControl):
                                     pools=lambda: [s.pool for s in self.schedulers])
         self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self.lora = self._lora_admission() if cfg.lora.enabled else None
-        self._ids = itertools.count()
+        self._ids = itertools.count(replica << REPLICA_SHIFT)  # request ids name their replica
         # sequences with smaller ids were failed with a worker group (_fail_in_flight)
         self._stale_below = 0
         self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
@@ -112,11 +117,7 @@ class Coordinator(CaptureControl):
         self.background: BackgroundCapture | None = None  # graph.capture == "background"
         self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
         self._progress = StartupProgress()
-        if ray.get_runtime_context().was_current_actor_reconstructed:
-            # a detached service whose process died: Ray restarted it, nobody calls start()
-            self.unhealthy_reason = "the coordinator's process died; starting it again"
-            log.error(self.unhealthy_reason)
-            ray.get_runtime_context().current_actor.recover.remote()  # runs after __init__
+        self._stopped = asyncio.Event()
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -133,18 +134,9 @@ class Coordinator(CaptureControl):
         self.unhealthy_reason = None
         self._wake.set()  # a background capture starts at once, traffic or not
         freeze_heap()
-        log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
+        log.info("replica %d ready in %.1fs: %s", self.replica, time.perf_counter() - t0,
+                 self.describe())
         return self.describe()
-
-    async def recover(self) -> None:
-        """`start` after Ray restarted this actor; a failure stays in /health and the log."""
-        try:
-            await self.start()
-            log.info("the coordinator serves again after its process died")
-        except Exception as e:
-            self.unhealthy_reason = (f"the coordinator's process died and it could not start "
-                                     f"again: {type(e).__name__}: {last_line(e)}")
-            log.error(self.unhealthy_reason)
 
     async def _start_workers(self) -> None:
         cfg = self.cfg
@@ -316,7 +308,7 @@ class Coordinator(CaptureControl):
         then every worker releases its memory: level 1 the graph pool and KV cache, level 2
         the weights too. Returns bytes released per rank and seconds."""
         if not self.healthy:
-            raise WorkerFailure(f"coordinator is not serving: {self.unhealthy_reason}")
+            raise WorkerFailure(f"the engine is not serving: {self.unhealthy_reason}")
         return await self.sleeper.sleep(level, wait)
 
     async def wake_up(self) -> dict:
@@ -449,7 +441,7 @@ class Coordinator(CaptureControl):
         names) for _enqueue; raises before registering any if one is bad."""
         if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
-            raise WorkerFailure(f"coordinator is not serving: {reason}")
+            raise WorkerFailure(f"the engine is not serving: {reason}")
         self.sleeper.check_admit()  # Asleep: refused, nothing queued, nothing restarted
         sp = parse_params(params).resolved(self.sampling_defaults)
         if sp.lora is not None and self.lora is None:
@@ -687,13 +679,22 @@ class Coordinator(CaptureControl):
         self._stop_workers()
         self.healthy = False
         self.unhealthy_reason = "shut down"
+        self._stopped.set()
 
     def ping(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def wait_stopped(self) -> None:
+        """Returns once `shutdown` ran: the coordinator's supervisor waits on it, and learns
+        of the engine's death by this call failing."""
+        await self._stopped.wait()
 
     def worker_handles(self) -> list[Any]:
         """The worker actors, for fault-injection tests and debugging."""
         return list(self.workers)
 
 
-__all__ = ["Asleep", "BadRequest", "Busy", "Coordinator", "UnknownAdapter", "WorkerFailure"]
+__all__ = ["Engine"]

@@ -57,7 +57,10 @@ class WorkerGroup:
         world = cfg.parallel.world_size
         gpu = cfg.device == "cuda"
         bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
-        pg = placement_group(bundles, strategy="STRICT_PACK")
+        # on one node, the engine's own where it has room (its step messages stay in
+        # shared memory, and the doorbell reaches its workers)
+        pg = placement_group(bundles, strategy="STRICT_PACK",
+                             _soft_target_node_id=ray.get_runtime_context().get_node_id())
         try:
             await asyncio.wait_for(pg.ready(), timeout=60)
         except asyncio.TimeoutError:

@@ -22,9 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from raygraph.engine.lockstep import last_line
 from raygraph.engine.pages import PagePool
-from raygraph.errors import Asleep, BadRequest, Busy
+from raygraph.errors import Asleep, BadRequest, Busy, last_line
 from raygraph.memory.stats import KVMapError, SleepStats
 
 log = logging.getLogger("raygraph.coordinator")
