@@ -58,12 +58,20 @@ def interpreted():
     return lambda name: importlib.import_module(f"raygraph.model.{name}")
 
 
-@pytest.fixture(scope="session")
-def ray_session():
+def init_test_ray() -> None:
+    """The suite's one-node Ray (tests that need another cluster shut it down, then call
+    this again)."""
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, namespace="raygraph-tests",
              log_to_driver=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    init_test_ray()
     yield ray
     ray.shutdown()
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import ray
+from ray._private.state import available_resources_per_node
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -78,25 +79,29 @@ class Coordinator:
             log.error(self._reason)
 
     def _node_for(self, replica: int) -> str | None:
-        """Spread placement: the alive node holding the fewest other replicas among those
-        with room for one replica's workers (a soft hint: Ray places it where it can)."""
-        if self.cfg.replica.placement != "spread":
-            return None
+        """The node for a replica's engine (its workers pack beside it): among live nodes
+        with room for its workers now, the one holding the fewest other replicas (spread)
+        or the most (pack). None when no node has room."""
         world = self.cfg.parallel.world_size
         unit = "GPU" if self.cfg.device == "cuda" else "CPU"
-        fits = [n["NodeID"] for n in ray.nodes()
-                if n["Alive"] and n["Resources"].get(unit, 0) >= world]
-        if not fits:
-            return None
+        free = available_resources_per_node()
+        fits = [node for node, res in free.items() if res.get(unit, 0) >= world]
         used = [s.node_id for s in self.replicas if s.replica != replica and s.engine]
-        return min(fits, key=lambda node: (used.count(node), fits.index(node)))
+        sign = 1 if self.cfg.replica.placement == "spread" else -1
+        return min(fits, key=lambda node: (sign * used.count(node), node), default=None)
 
     async def _start_replica(self, replica: int, raise_errors: bool = False) -> None:
         """Start (or start again) one replica's engine: placed, loaded, serving."""
         node = self._node_for(replica)
+        if node is None and not self._first_start:  # its supervisor tries again
+            self.replicas[replica] = ReplicaState(
+                replica, None, "failed", f"waiting for a node with room for "
+                f"{self.cfg.parallel.world_size} worker(s)")
+            self.router.set_up(replica, False)
+            return
         opts: dict[str, Any] = {"num_cpus": 0}
         if node is not None:
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         engine = ray.remote(Engine).options(**opts).remote(self.cfg, replica)
         self.replicas[replica] = ReplicaState(replica, engine, "starting", node_id=node)
         try:
@@ -113,7 +118,8 @@ class Coordinator:
             return
         self.replicas[replica] = ReplicaState(replica, engine, "serving", node_id=where)
         self.router.set_up(replica, True)
-        log.info("replica %d serving on node %s", replica, where[:12])
+        log.info("replica %d serving on node %s (placed for %s)", replica, where[:12],
+                 (node or "any")[:12])
 
     def _watch(self, replica: int) -> None:
         task = self._watchers[replica]
