@@ -198,11 +198,11 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     c = object.__new__(Engine)  # the inbox's own state only: no workers, no model
     c._ids, c._stale_below, c.lora = itertools.count(), 0, None
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
-    c.healthy, c.core, c.sleeper = True, object(), types.SimpleNamespace(asleep=False)
+    admitted: list[int] = []
+    c.healthy, c.sleeper = True, types.SimpleNamespace(asleep=False)
+    c.core = types.SimpleNamespace(add=lambda seqs: admitted.extend(s.seq_id for s in seqs))
     failed: list[str] = []
     c.clients = types.SimpleNamespace(fail=failed.append)
-    admitted: list[int] = []
-    c._add = lambda seqs: admitted.extend(s.seq_id for s in seqs)
 
     def burst(n: int) -> None:
         Engine._enqueue(c, [(Sequence(next(c._ids), [1, 2], SamplingParams()), None)
