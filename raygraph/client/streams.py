@@ -135,8 +135,11 @@ class ReplicaStreams:
         self.router = Router(cfg.replicas, cfg, block_size)
         self.hubs: list[StreamHub | None] = [None] * cfg.replicas
         self.costs: dict[int, int] = {}  # open request -> its tokens on the router
+        for r in range(cfg.replicas):  # none is used before the coordinator names its engine
+            self.router.set_up(r, False)
         self._checked = -1e9
         self._all_up = False
+        self._asking: asyncio.Task | None = None
 
     @staticmethod
     def from_info(coord: Any, info: dict) -> ReplicaStreams:
@@ -145,20 +148,33 @@ class ReplicaStreams:
                               info["block_size"])
 
     async def _refresh(self) -> None:
-        now = time.monotonic()
+        """Ask the coordinator for the engines unless every hub is fine, at most every
+        REFRESH_S, one call for all the opens waiting on it."""
         if self._all_up and all(h is not None and not h.failed for h in self.hubs):
             return
-        if now - self._checked < self.REFRESH_S and any(self.router.up):
-            return
-        self._checked = now
+        for r, hub in enumerate(self.hubs):
+            if hub is not None and hub.failed:  # its engine is gone: no new stream there
+                self.router.set_up(r, False)
+        if self._asking is None:
+            if time.monotonic() - self._checked < self.REFRESH_S and any(self.router.up):
+                return
+            self._asking = asyncio.get_running_loop().create_task(self._ask())
+        task = self._asking
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._asking is task and task.done():
+                self._asking = None
+
+    async def _ask(self) -> None:
+        self._checked = time.monotonic()
         states = await self.coord.replica_states.remote()
         for s in states:
             hub = self.hubs[s.replica]
             if s.state != "serving":
                 self.router.set_up(s.replica, False)
                 continue
-            if hub is None or hub.failed or \
-                    hub.engine._actor_id != s.engine._actor_id:
+            if hub is None or hub.failed or hub.engine._actor_id != s.engine._actor_id:
                 self.hubs[s.replica] = StreamHub(s.engine)
             self.router.set_up(s.replica, True)
         self._all_up = all(s.state == "serving" for s in states)
