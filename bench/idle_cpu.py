@@ -22,7 +22,7 @@ import ray
 import torch
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import connect, start_coordinator
+from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import DEFAULT_MODEL, GraphConfig, ParallelConfig, ServeConfig
 from raygraph.protocol import SamplingParams
 

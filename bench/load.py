@@ -306,11 +306,13 @@ def ray_client(coord: Any) -> Client:
 
 
 def mux_client(coord: Any) -> Client:
-    """Coordinator streams multiplexed over one subscription (raygraph.cluster.streams, what
-    an HTTP replica uses): one chunk per merged delta, of len(token_ids)."""
-    from raygraph.cluster.streams import StreamHub
+    """Streams multiplexed over one subscription per engine (raygraph.client.streams, what an
+    HTTP server uses): one chunk per merged delta, of len(token_ids)."""
+    import ray
 
-    hub = StreamHub(coord)
+    from raygraph.client.streams import ReplicaStreams
+
+    hub = ReplicaStreams.from_info(coord, ray.get(coord.describe.remote()))
 
     async def stream(prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         rid = await hub.open(prompt, params)

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import connect, start_coordinator
+from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     CacheConfig,
     GraphConfig,

@@ -20,8 +20,7 @@ import ray
 
 from bench.checkpoints import make_random_checkpoint
 from bench.decode_step import decode_plan
-from raygraph.cluster.connect import connect
-from raygraph.cluster.lockstep import LockstepCapture, remote_call_all
+from raygraph.client.connect import connect
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
@@ -29,6 +28,7 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.lockstep import LockstepCapture, remote_call_all
 from raygraph.graph.buckets import BucketPlan
 from raygraph.protocol import StepPlan
 from raygraph.worker.worker import Worker

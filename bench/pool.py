@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable
 
-from raygraph.memory.pool import PagePool
+from raygraph.engine.pages import PagePool
 
 
 def best_ns(fn: Callable[[int], None], iters: int, repeats: int) -> float:

@@ -11,7 +11,7 @@ per step; the best of --repeats runs. A new KV block every block_size steps per 
 part of it. Then every sequence finishes at once: finish_us_per_seq is those last steps'
 time per sequence, where its blocks are released (with prefix caching, its output blocks
 are keyed then). --profile: cProfile's share of the timed steps spent inside the page pool
-(raygraph/memory/pool.py).
+(raygraph/engine/pages.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 
 import msgspec
 
-from raygraph.cluster.engine import EngineCore
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ModelConfig, SchedulerConfig, ServeConfig
+from raygraph.engine.core import EngineCore
+from raygraph.engine.scheduler import Sequence
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 
 
@@ -95,12 +95,12 @@ def run(a: argparse.Namespace, profile: cProfile.Profile | None = None) -> dict:
 
 
 def pool_share(a: argparse.Namespace) -> dict:
-    """cProfile's time inside memory/pool.py over the whole timed loop (profiled: slower)."""
+    """cProfile's time inside engine/pages.py over the whole timed loop (profiled: slower)."""
     prof = cProfile.Profile()
     run(a, prof)
     st = pstats.Stats(prof)
     total = st.total_tt
-    in_pool = sum(v[2] for k, v in st.stats.items() if k[0].endswith("memory/pool.py"))
+    in_pool = sum(v[2] for k, v in st.stats.items() if k[0].endswith("engine/pages.py"))
     in_pages = sum(v[2] for k, v in st.stats.items() if k[0].endswith("memory/pages.py"))
     return {"profiled_pool_share_of_loop": round((in_pool + in_pages) / total, 4)}
 

@@ -51,18 +51,19 @@ import torch
 
 from bench import load
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import connect, start_coordinator
-from raygraph.cluster.engine import Dispatch, EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Sequence
+from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
     CacheConfig,
     GraphConfig,
     ModelConfig,
     ParallelConfig,
+    ReplicaConfig,
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.core import Dispatch, EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.scheduler import Sequence
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 from raygraph.worker.worker import Worker
 
@@ -75,6 +76,7 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
     """The coordinator's config from the flags, resolved as start_coordinator would."""
     cfg = ServeConfig(
         model=model, device=a.device, parallel=ParallelConfig(tp=a.tp),
+        replica=ReplicaConfig(replicas=a.replicas, routing=a.routing),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -282,7 +284,8 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         where = {"client": a.client, "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
     print(load.format_table(row), file=sys.stderr, flush=True)
-    row |= where | {"model": name, "tp": a.tp, "mode": a.mode, "prefill_graph": a.prefill_graph,
+    row |= where | {"model": name, "tp": a.tp, "replicas": a.replicas, "routing": a.routing,
+                    "mode": a.mode, "prefill_graph": a.prefill_graph,
                     "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
                     "input_len": a.input_len, "output_len": a.output_len,
                     "shared_prefix_len": a.shared_prefix_len,
@@ -303,6 +306,9 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--preset", default=None, help="random-weight checkpoint (bench/checkpoints.py)")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engines behind the coordinator (load mode; use --client mux)")
+    p.add_argument("--routing", choices=["cache", "load", "round-robin"], default="cache")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--prompt-len", type=int, default=8)

@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pool import PagePool
+from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, Sequence
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 

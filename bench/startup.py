@@ -27,7 +27,7 @@ import ray
 
 from bench import load
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import connect, start_coordinator
+from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import GraphConfig, ServeConfig
 from raygraph.protocol import SamplingParams
 

@@ -14,7 +14,7 @@ import time
 import ray
 
 from bench.checkpoints import make_random_checkpoint
-from raygraph.cluster.connect import connect, start_coordinator
+from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
     GraphConfig,

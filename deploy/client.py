@@ -9,7 +9,7 @@ import argparse
 
 import ray
 
-from raygraph.cluster.connect import connect, get_coordinator
+from raygraph.client.connect import connect, get_coordinator
 from raygraph.protocol import SamplingParams
 
 

@@ -30,7 +30,7 @@ except ImportError as e:  # Ray without its Serve extra
 
 def build():  # runs on each replica
     from raygraph.api.app import HttpConfig, build_app
-    from raygraph.cluster.connect import get_coordinator
+    from raygraph.client.connect import get_coordinator
 
     env = os.environ.get
     template = env("RAYGRAPH_CHAT_TEMPLATE")

@@ -12,7 +12,7 @@ import traceback
 import msgspec
 
 from raygraph import __version__
-from raygraph.cluster.connect import (
+from raygraph.client.connect import (
     ClusterError,
     auth_token_available,
     check_startup,
@@ -22,8 +22,8 @@ from raygraph.cluster.connect import (
     remote_cause,
     start_coordinator,
 )
-from raygraph.cluster.requests import Asleep, BadRequest, Busy
 from raygraph.config import LORA_MODULES, ConfigError, ServeConfig, parse_bytes
+from raygraph.errors import Asleep, BadRequest, Busy
 from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams
 from raygraph.serve_options import DEFAULT_MAX_LORAS, SERVE_OPTIONS, build_config
@@ -53,6 +53,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel size: 1 (experts TP-split) or tp*dp (MoE models) "
                         f"(default: {D.parallel.ep})")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="engines of the model, each with its own workers (tp*dp of them), "
+                        f"KV cache and graphs, behind one front door (default: "
+                        f"{D.replica.replicas})")
+    p.add_argument("--placement", choices=["spread", "pack"], default=None,
+                   help="spread: replicas over the cluster's nodes; pack: where Ray puts them "
+                        f"(default: {D.replica.placement})")
+    p.add_argument("--routing", choices=["cache", "load", "round-robin"], default=None,
+                   help="cache: to the replica holding the prompt's prefix, within a load "
+                        "bound; load: the less loaded of two; round-robin "
+                        f"(default: {D.replica.routing})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help=f"auto: cuda when the cluster has a GPU per rank (default: {D.device})")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
@@ -305,7 +316,8 @@ def cmd_check_capture(a: argparse.Namespace) -> int:
     exit non-zero if any key's records disagree (or a rank fails)."""
     import ray
 
-    from raygraph.cluster.lockstep import format_table, last_line
+    from raygraph.engine.lockstep import format_table
+    from raygraph.errors import last_line
 
     cfg = serve_config(a)
     check_startup(cfg)  # a bad model or layout fails here, before Ray starts

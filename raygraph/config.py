@@ -379,7 +379,7 @@ class GraphConfig(msgspec.Struct, frozen=True):
     decode_cascade: bool = True
     # when the capture schedule runs: `background` serves at once (steps of keys not yet
     # captured run eagerly) and captures between steps, busiest shapes first
-    # (cluster/capture.py); `at_start` before serving; `lazy` a key when a step first needs
+    # (engine/capture.py); `at_start` before serving; `lazy` a key when a step first needs
     # it (that step waits)
     capture: Literal["background", "at_start", "lazy"] = "background"
     # background, under load: the share of the step thread's time captures may take (the
@@ -504,6 +504,32 @@ class LoRAConfig(msgspec.Struct, frozen=True):
             self, target_modules=tuple(m for m in LORA_MODULES if m in found))
 
 
+class ReplicaConfig(msgspec.Struct, frozen=True):
+    """Scale-out: engines (replicas) of the model, each one TP group (or one MoE DP x EP
+    group) packed on one node with its own KV cache and graphs, behind one coordinator."""
+
+    replicas: int = 1  # engines; each fails and restarts alone
+    # spread: each replica on the node holding the fewest (a hint; Ray places it where the
+    # resources are); pack: wherever Ray puts it
+    placement: Literal["spread", "pack"] = "spread"
+    # cache: the replica that served the longest prefix of the prompt, unless it is loaded
+    # past max_imbalance; load: the less loaded of two picked at random; round-robin
+    routing: Literal["cache", "load", "round-robin"] = "cache"
+    # cache routing passes over a replica whose outstanding tokens exceed this factor of the
+    # least loaded one's (plus one request's worth)
+    max_imbalance: float = 1.5
+    # prompt prefixes remembered per router for cache routing (an LRU of block hashes)
+    max_prefixes: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.max_imbalance < 1:
+            raise ConfigError(f"max_imbalance must be >= 1, got {self.max_imbalance}")
+        if self.max_prefixes < 1:
+            raise ConfigError(f"max_prefixes must be >= 1, got {self.max_prefixes}")
+
+
 class ServeConfig(msgspec.Struct, frozen=True):
     """Everything `raygraph serve` serves with, one section per concern."""
 
@@ -519,6 +545,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
     graph: GraphConfig = GraphConfig()
     offload: OffloadConfig = OffloadConfig()
     lora: LoRAConfig = LoRAConfig()
+    replica: ReplicaConfig = ReplicaConfig()
     coordinator_name: str = "raygraph-coordinator"  # the named Ray actor clients find
     namespace: str = "raygraph"  # its Ray namespace
     # a step (or worker call) not answered in this long fails the group, which restarts

@@ -14,8 +14,8 @@ import msgspec
 import ray
 from ray.exceptions import RayTaskError
 
-from raygraph.cluster.connect import check_startup, connect, remote_cause, start_coordinator
-from raygraph.cluster.requests import BadRequest
+from raygraph.client.connect import check_startup, connect, remote_cause, start_coordinator
+from raygraph.errors import BadRequest
 from raygraph.protocol import GenerateResult, SamplingParams, StreamDelta
 from raygraph.serve_options import build_config
 

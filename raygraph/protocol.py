@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -70,6 +70,25 @@ class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
     queue_s: float  # submitted -> first scheduled
     ttft_s: float  # submitted -> first token
     e2e_s: float  # submitted -> finished
+
+
+# an engine numbers its requests from replica << REPLICA_SHIFT: a request id names its replica
+REPLICA_SHIFT = 48
+
+
+def replica_of(request_id: int) -> int:
+    """The replica whose engine numbered this request id."""
+    return request_id >> REPLICA_SHIFT
+
+
+class ReplicaState(msgspec.Struct, frozen=True):
+    """One replica as the coordinator sees it: its engine (None while none runs) and state."""
+
+    replica: int
+    engine: Any
+    state: Literal["starting", "serving", "failed", "stopped"]
+    reason: str | None = None
+    node_id: str | None = None
 
 
 class GenerateResult(msgspec.Struct, frozen=True):

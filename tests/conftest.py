@@ -58,12 +58,20 @@ def interpreted():
     return lambda name: importlib.import_module(f"raygraph.model.{name}")
 
 
-@pytest.fixture(scope="session")
-def ray_session():
+def init_test_ray() -> None:
+    """The suite's one-node Ray (tests that need another cluster shut it down, then call
+    this again)."""
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, namespace="raygraph-tests",
              log_to_driver=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    init_test_ray()
     yield ray
     ray.shutdown()
 
@@ -151,7 +159,7 @@ def loaded_worker(cfg, num_blocks: int, capture: bool = False):
 def serve_in_process(cfg, worker, seqs: list, num_blocks: int) -> list:
     """`seqs` through the served loop's logic (EngineCore: deltas, tokens fed on the device,
     replies a step late) against `worker` called directly; returns them, finished."""
-    from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
+    from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 
     core = EngineCore.from_config(cfg, worker.model_cfg, num_blocks)
     for s in seqs:

@@ -1,9 +1,9 @@
-"""The background capture planner (cluster/capture.py): order and pacing."""
+"""The background capture planner (engine/capture.py): order and pacing."""
 
 import pytest
 
-from raygraph.cluster.capture import BackgroundCapture
 from raygraph.config import GraphConfig
+from raygraph.engine.capture import BackgroundCapture
 from raygraph.protocol import BucketKey
 
 SHARE = GraphConfig().capture_share
@@ -67,18 +67,20 @@ def test_a_failed_background_capture_makes_requests_wait_for_the_restart():
     refused as "not serving". A failed capture at start (no restart follows) does not."""
     import types
 
-    from raygraph.cluster.coordinator import Coordinator
-    from raygraph.cluster.lockstep import CaptureError
+    from raygraph.config import ServeConfig
+    from raygraph.engine.capture import Capture
+    from raygraph.engine.engine import Engine
+    from raygraph.engine.lockstep import CaptureError
 
     def failing(key, call):
         raise CaptureError(f"capture of {key} failed on rank 0: ActorDiedError")
 
     for recover in (True, False):
-        c = object.__new__(Coordinator)  # the capture's own state only
-        c.lockstep = types.SimpleNamespace(capture=failing)
+        c = object.__new__(Engine)  # the failure hook's own state only
         c.healthy, c.recovering, c.group, c.workers, c.core = True, False, None, [], None
-        c.loop = None
+        capture = Capture(ServeConfig(), lambda method, key: [], c._capture_failed, list)
+        capture.lockstep = types.SimpleNamespace(capture=failing)
         with pytest.raises(CaptureError):
-            c._capture_key(BucketKey("decode", 2), recover=recover)
+            capture.capture_key(BucketKey("decode", 2), recover=recover)
         assert not c.healthy and c.recovering is recover
         assert "failed on rank 0" in c.unhealthy_reason

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from raygraph.cluster.connect import check_startup
+from raygraph.client.connect import check_startup
 from raygraph.config import DEFAULT_MODEL, ModelConfig, ServeConfig
 from raygraph.model.checkpoint import CheckpointError
 from raygraph.model.loader import build_model

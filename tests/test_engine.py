@@ -17,9 +17,9 @@ from collections import defaultdict
 import msgspec
 import pytest
 
-from raygraph.cluster.engine import EngineCore
-from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.memory.pool import PagePool
+from raygraph.engine.core import EngineCore
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, Sequence
 from raygraph.protocol import NewSeq, SamplingParams, SeqStep, StepDelta, StepOutput
 from raygraph.worker.state import SeqTable, StateError
 from tests.test_scheduler import STOP_CASES, check_pool, kv_step, writable

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     GraphConfig,

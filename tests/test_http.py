@@ -25,7 +25,7 @@ from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError
 from raygraph.api.schemas import LOGPROB_FLOOR, Logprobs, json_text
 from raygraph.api.server import start_http, stop_http
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
 from raygraph.protocol import SamplingParams, TokenLogprobs
 from raygraph.tokenizer import load_tokenizer
@@ -366,7 +366,7 @@ def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
     """StreamHub over the real coordinator: a cancelled request stops, its deltas still in
     flight are dropped, and the coordinator's closing "abort" delta clears its record, so
     nothing is kept per cancelled request; the others on the subscription go on."""
-    from raygraph.cluster.streams import StreamHub
+    from raygraph.client.streams import StreamHub
 
     async def run() -> tuple[StreamHub, list[int]]:
         hub = StreamHub(server[0])
@@ -399,8 +399,8 @@ def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
 def test_tokens_before_a_stream_failure_go_out_before_the_error():
     """A failure queued behind tokens not read yet: the tokens come first, then the error
     alone (the hub never hands out generated text with the failure)."""
-    from raygraph.cluster.requests import WorkerFailure
-    from raygraph.cluster.streams import StreamHub
+    from raygraph.client.streams import StreamHub
+    from raygraph.errors import WorkerFailure
     from raygraph.protocol import StreamDelta
 
     async def run() -> tuple[StreamDelta, str]:
@@ -419,8 +419,8 @@ def test_tokens_before_a_stream_failure_go_out_before_the_error():
 def test_a_burst_of_opens_with_a_bad_prompt_serves_the_others(server):
     """One submit_streams call for the burst: the prompt longer than the context is refused
     with BadRequest, alone; the others stream all their tokens."""
-    from raygraph.cluster.requests import BadRequest
-    from raygraph.cluster.streams import StreamHub
+    from raygraph.client.streams import StreamHub
+    from raygraph.errors import BadRequest
 
     async def run() -> list:
         hub = StreamHub(server[0])

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from raygraph.api.app import HttpConfig
 from raygraph.api.server import start_http, stop_http
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.config import SchedulerConfig, ServeConfig
 
 KEY = "fuzz-key"

@@ -13,9 +13,9 @@ import pytest
 from ray.exceptions import RayChannelTimeoutError
 
 from bench.idle_cpu import cpu_share, worker_processes
-from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.doorbell import SPIN_S, DoorbellChannel
+from raygraph.client.connect import start_coordinator
 from raygraph.config import GraphConfig, ServeConfig
+from raygraph.engine.doorbell import SPIN_S, DoorbellChannel
 from raygraph.protocol import SamplingParams
 
 

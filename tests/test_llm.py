@@ -14,8 +14,8 @@ import pytest
 
 from raygraph import LLM, SamplingParams
 from raygraph.cli import add_serve_args, serve_config
-from raygraph.cluster.requests import BadRequest
 from raygraph.config import DEFAULT_MODEL
+from raygraph.errors import BadRequest
 from raygraph.serve_options import SERVE_OPTIONS, build_config
 from tests.hf_ref import hf_greedy
 

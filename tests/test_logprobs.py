@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import DEFAULT_MODEL, CacheConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pool import PagePool
+from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, Sequence
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import dtype_tol, loaded_worker

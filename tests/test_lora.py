@@ -18,9 +18,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from raygraph.cli import add_serve_args, serve_config
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.lora import LoRAAdmission, LoRARegistry
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
     DEFAULT_MODEL,
     CacheConfig,
@@ -33,8 +30,12 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.lora import LoRAAdmission, LoRARegistry
+from raygraph.engine.scheduler import Sequence
+from raygraph.errors import LoRAError
 from raygraph.graph.inputs import InputBuffers, host_inputs
-from raygraph.lora import LoRAAdapter, LoRAError, LoRASlots, read_adapter
+from raygraph.lora import LoRAAdapter, LoRASlots, read_adapter
 from raygraph.lora.slots import TARGETS
 from raygraph.model.context import ForwardContext, LoRAInputs, forward_context
 from raygraph.model.lora_ops import EXT_MAX_TOKENS, LoRAWeights, lora_delta, lora_linear

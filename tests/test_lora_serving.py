@@ -16,12 +16,13 @@ import pytest
 
 from raygraph.api.app import HttpConfig
 from raygraph.api.server import start_http, stop_http
-from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.group import WorkerGroup
-from raygraph.cluster.lora import LoRAAdmission, LoRARegistry, UnknownAdapter
-from raygraph.cluster.scheduler import Sequence
+from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, ModelConfig, ParallelConfig
-from raygraph.lora import LoRAError, read_adapter
+from raygraph.engine.group import WorkerGroup
+from raygraph.engine.lora import LoRAAdmission, LoRARegistry
+from raygraph.engine.scheduler import Sequence
+from raygraph.errors import LoRAError, UnknownAdapter
+from raygraph.lora import read_adapter
 from raygraph.protocol import LoRALoad, SamplingParams, StepOutput
 from tests import test_lora
 from tests.hf_ref import hf_greedy

@@ -468,7 +468,7 @@ def test_served_lru_offload_runs_eagerly_on_every_rank_and_the_coordinator(ray_s
                                                                             tiny_llama):
     """lru moves weights between steps: graph mode (the default) must fall back to eager on
     the coordinator's side too, or it would key and capture steps the workers never run."""
-    from raygraph.cluster.connect import start_coordinator
+    from raygraph.client.connect import start_coordinator
     from raygraph.config import ParallelConfig, SchedulerConfig
     from raygraph.protocol import SamplingParams
     from tests.hf_ref import hf_greedy

@@ -12,7 +12,7 @@ from itertools import compress
 import pytest
 
 from raygraph.config import CacheConfig, ConfigError
-from raygraph.memory.pool import KINDS, PageError, PagePool, PoolExhausted
+from raygraph.engine.pages import KINDS, PageError, PagePool, PoolExhausted
 
 
 def cached_pool(n: int, cached: int, kind: str = "kv", **marks: float) -> tuple[PagePool, list]:

@@ -1,4 +1,4 @@
-"""Prefix caching in the scheduler (cluster/kv_cache.py over the PagePool): what a request
+"""Prefix caching in the scheduler (engine/kv_cache.py over the PagePool): what a request
 with a cached prefix computes, what stays cached, LRU eviction, counters, metrics.
 
 Steps go through the workers' side as in test_scheduler.py (StepDelta -> SeqTable ->
@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from raygraph.api.metrics import Metrics
 from raygraph.cli import add_serve_args, serve_config
-from raygraph.cluster.engine import EngineCore
-from raygraph.cluster.kv_cache import ALLOCATE_BUCKETS, ALLOCATE_SAMPLE, merge_stats
-from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ServeConfig
+from raygraph.engine.core import EngineCore
+from raygraph.engine.kv_cache import ALLOCATE_BUCKETS, ALLOCATE_SAMPLE, merge_stats
+from raygraph.engine.scheduler import Scheduler, Sequence
 from raygraph.protocol import NewSeq, SamplingParams
 from tests.test_scheduler import check_pool, make, step, token
 

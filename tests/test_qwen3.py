@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     ConfigError,

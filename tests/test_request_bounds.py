@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raygraph.cluster.requests import BadRequest, parse_params
+from raygraph.client.requests import parse_params
+from raygraph.errors import BadRequest
 from raygraph.protocol import INT64_MAX, INT64_MIN, NewSeq, SeqChunk, nth_seed
 from raygraph.worker.sampler import SamplingRows
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
     CacheConfig,
     ConfigError,
@@ -15,6 +14,7 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.scheduler import Sequence
 from raygraph.model.rope import rope_frequencies
 from raygraph.protocol import SamplingParams
 from tests.conftest import loaded_worker, make_checkpoint, serve_in_process

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from raygraph.cluster.scheduler import Scheduler, SchedulerOutput, Sequence
-from raygraph.memory.pool import PagePool
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, SchedulerOutput, Sequence
 from raygraph.protocol import SamplingParams, SeqChunk, StepDelta, StepPlan
 from raygraph.worker.state import SeqTable
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.scheduler import Scheduler, Sequence
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pool import PagePool
+from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, Sequence
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import loaded_worker

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.requests import BadRequest, take_deltas
+from raygraph.client.connect import start_coordinator
+from raygraph.client.requests import take_deltas
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
+from raygraph.errors import BadRequest
 from raygraph.protocol import SamplingParams, StreamDelta
 from tests.hf_ref import hf_greedy
 
@@ -118,7 +119,7 @@ def test_stop_token_ids(ray_session, coord, tiny_llama):
 
 
 def test_dead_worker_fails_requests_in_flight_then_recovers(ray_session, coord):
-    from raygraph.cluster.coordinator import WorkerFailure
+    from raygraph.errors import WorkerFailure
 
     deadline = time.time() + 120  # a background capture meeting the dead worker first
     while not ray_session.get(coord.capture_progress.remote())["done"]:  # restarts the group
@@ -183,8 +184,8 @@ def test_default_model_text_prompt_and_stop_string(ray_session):
 
 def test_incremental_detokenizer_equals_full_decode():
     """Deltas fed token by token add up to the full decode, multi-byte characters included."""
-    from raygraph.cluster.requests import Detokenizer
     from raygraph.config import DEFAULT_MODEL
+    from raygraph.engine.requests import Detokenizer
     from raygraph.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL)
@@ -209,7 +210,7 @@ def test_a_worker_failing_mid_step_fails_requests_then_the_group_restarts(ray_se
                                                                           tiny_llama, kind):
     """A hang is reported within step_timeout_s, a raised step at once; the compiled step
     graph is torn down with the group and rebuilt, and requests are served again."""
-    from raygraph.cluster.coordinator import WorkerFailure
+    from raygraph.errors import WorkerFailure
 
     cfg = ServeConfig(model=str(tiny_llama), device="cpu", step_timeout_s=5,
                       cache=CacheConfig(block_size=4, num_blocks=64),

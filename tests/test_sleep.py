@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.engine import EngineCore, local_dispatch, run_to_completion
-from raygraph.cluster.requests import Asleep, BadRequest, Busy
-from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.cluster.sleep import SleepControl
+from raygraph.client.connect import start_coordinator
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
-from raygraph.memory.pool import PagePool
+from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.sleep import SleepControl
+from raygraph.errors import Asleep, BadRequest, Busy
 from raygraph.memory.stats import SleepStats
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.state import StateError

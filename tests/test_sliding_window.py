@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import (
     CacheConfig,
     ConfigError,
@@ -18,6 +17,7 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.scheduler import Sequence
 from raygraph.protocol import SamplingParams
 from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 from tests.hf_ref import hf_greedy

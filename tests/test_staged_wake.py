@@ -15,13 +15,13 @@ import msgspec
 import pytest
 import torch
 
-from raygraph.cluster.engine import EngineCore, local_dispatch
-from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.cluster.sleep import KV_POLL_S, SleepControl
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.engine.core import EngineCore, local_dispatch
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.sleep import KV_POLL_S, SleepControl
 from raygraph.memory.arena import tensor_bytes
 from raygraph.memory.kv_arena import chunk_needs, kv_arena
-from raygraph.memory.pool import PagePool
 from raygraph.memory.stats import KVMapError
 from raygraph.memory.vmm import MemfdBackend, VmmError
 from raygraph.protocol import SamplingParams, StepDelta

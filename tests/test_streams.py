@@ -1,4 +1,4 @@
-"""StreamHub's opens (cluster/streams.py): a burst goes to the coordinator as one call, opens
+"""StreamHub's opens (client/streams.py): a burst goes to the coordinator as one call, opens
 made while a call is out go in the next, and each open gets its own result or error. The
 coordinator here records the calls the hub makes; the real one is in tests/test_http.py."""
 
@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from raygraph.cluster.requests import BadRequest, encode_prompt, pack_ids
-from raygraph.cluster.streams import StreamHub
+from raygraph.client.requests import encode_prompt, pack_ids
+from raygraph.client.streams import StreamHub
+from raygraph.errors import BadRequest
 from raygraph.protocol import SamplingParams
 
 
@@ -141,11 +142,11 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
     import threading
     import types
 
-    from raygraph.cluster.coordinator import Coordinator
-    from raygraph.cluster.scheduler import Sequence
     from raygraph.config import SchedulerConfig, ServeConfig
+    from raygraph.engine.engine import Engine
+    from raygraph.engine.scheduler import Sequence
 
-    c = object.__new__(Coordinator)  # the method's own state only: no workers, no model
+    c = object.__new__(Engine)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     c.recovering, c._sinks, c.schedulers = False, {}, [None]  # one DP group
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
@@ -160,7 +161,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
 
     def enqueue(seqs):  # as the coordinator's, checking each request is registered first
         assert all(registered[s.seq_id].deltas is c._sinks["hub"] for s, _ in seqs)
-        Coordinator._enqueue(c, seqs)
+        Engine._enqueue(c, seqs)
 
     c._requests, c._enqueue = requests, enqueue
     burst = [[1] * 1088] * 5 + [[]] + [[2] * 64] * 3
@@ -191,29 +192,29 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     import threading
     import types
 
-    from raygraph.cluster.coordinator import Coordinator
-    from raygraph.cluster.scheduler import Sequence
+    from raygraph.engine.engine import Engine
+    from raygraph.engine.scheduler import Sequence
 
-    c = object.__new__(Coordinator)  # the inbox's own state only: no workers, no model
+    c = object.__new__(Engine)  # the inbox's own state only: no workers, no model
     c._ids, c._stale_below, c.lora = itertools.count(), 0, None
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
-    c.healthy, c.core, c.sleeper = True, object(), types.SimpleNamespace(asleep=False)
+    admitted: list[int] = []
+    c.healthy, c.sleeper = True, types.SimpleNamespace(asleep=False)
+    c.core = types.SimpleNamespace(add=lambda seqs: admitted.extend(s.seq_id for s in seqs))
     failed: list[str] = []
     c.clients = types.SimpleNamespace(fail=failed.append)
-    admitted: list[int] = []
-    c._add = lambda seqs: admitted.extend(s.seq_id for s in seqs)
 
     def burst(n: int) -> None:
-        Coordinator._enqueue(c, [(Sequence(next(c._ids), [1, 2], SamplingParams()), None)
+        Engine._enqueue(c, [(Sequence(next(c._ids), [1, 2], SamplingParams()), None)
                                  for _ in range(n)])
 
     burst(3)
     burst(2)
     c._fail_in_flight("step 7 failed on a worker")  # as _on_failure schedules it
     burst(2)  # registered after the restart
-    assert Coordinator._drain_inbox(c) is True
+    assert Engine._drain_inbox(c) is True
     assert failed == ["step 7 failed on a worker"]
     assert admitted == [6, 7]  # ids 0-4 were failed; 5 is the mark itself
     burst(1)
-    Coordinator._drain_inbox(c)
+    Engine._drain_inbox(c)
     assert admitted == [6, 7, 8]

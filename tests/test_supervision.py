@@ -14,7 +14,7 @@ import urllib.request
 import msgspec
 import psutil
 
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ServeConfig
 from raygraph.protocol import SamplingParams
 from tests.test_cli import RAYGRAPH, one_error_line, raygraph

@@ -24,8 +24,9 @@ from tokenizers import (
     trainers,
 )
 
-from raygraph.cluster.requests import Detokenizer, encode_prompt, parse_params
+from raygraph.client.requests import encode_prompt, parse_params
 from raygraph.config import DEFAULT_MODEL, CacheConfig, GraphConfig, ModelConfig, ServeConfig
+from raygraph.engine.requests import Detokenizer
 from raygraph.generation import eos_token_ids, sampling_defaults
 from raygraph.hub import resolve_model
 from raygraph.protocol import SamplingParams
@@ -138,7 +139,7 @@ def test_eos_ids_merge_config_generation_config_and_tokenizer(tmp_path):
 def test_a_generation_config_eos_list_stops_the_sequence(tmp_path):
     """Any id of generation_config.json's eos_token_id list ends a sequence, through the
     scheduler the served loop runs (a worker in process, greedy tokens as HF's)."""
-    from raygraph.cluster.scheduler import Sequence
+    from raygraph.engine.scheduler import Sequence
     from tests.hf_ref import hf_greedy
 
     path = make_checkpoint(tmp_path / "m", "LlamaForCausalLM")
@@ -266,7 +267,7 @@ def test_a_hub_id_serves_with_the_checkpoint_rules(ray_session, tmp_path, offlin
     generation_config.json's sampling used when the request gives none, greedy when asked."""
     from transformers import AutoTokenizer
 
-    from raygraph.cluster.connect import start_coordinator
+    from raygraph.client.connect import start_coordinator
     from tests.hf_ref import hf_greedy
 
     snap = hub_cache(tmp_path, "org/sampled", DEFAULT_MODEL)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.engine.scheduler import Sequence
 from raygraph.graph import inputs
 from raygraph.model import ops
 from raygraph.protocol import SamplingParams

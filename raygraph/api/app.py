@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app over a coordinator handle. It only translates:
 validates, tokenizes, calls the coordinator (`generate`; streams over one subscription per
-replica, `cluster/streams.py`; `stats`, sleep/wake) and streams back as SSE; no scheduling
+replica, `client/streams.py`; `stats`, sleep/wake) and streams back as SSE; no scheduling
 happens here. The shared state and the coordinator calls are `front.Front`; the key and body
 size checks run before any route (`middleware.FrontDoor`)."""
 

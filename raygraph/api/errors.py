@@ -77,10 +77,8 @@ def translate(err: BaseException) -> ApiError:
     asleep or gone, 409 when busy, else 500."""
     from ray.exceptions import RayActorError
 
-    from raygraph.cluster.connect import first_line, remote_cause
-    from raygraph.cluster.lora import UnknownAdapter
-    from raygraph.cluster.requests import Asleep, BadRequest, Busy, WorkerFailure
-    from raygraph.lora import LoRAError
+    from raygraph.client.connect import first_line, remote_cause
+    from raygraph.errors import Asleep, BadRequest, Busy, LoRAError, UnknownAdapter, WorkerFailure
 
     if isinstance(err, ApiError):
         return err

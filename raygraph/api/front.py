@@ -17,8 +17,8 @@ from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
-from raygraph.cluster.requests import encode_prompt, split_prompts
-from raygraph.cluster.streams import StreamHub
+from raygraph.client.requests import encode_prompt, split_prompts
+from raygraph.client.streams import ReplicaStreams
 from raygraph.config import ModelConfig
 from raygraph.protocol import (
     GenerateResult,
@@ -83,7 +83,7 @@ class Front:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
         self.metrics = Metrics(self.name)
-        self.streams = StreamHub(coord)
+        self.streams = ReplicaStreams.from_info(coord, info)  # to the engines directly
         # per-request CPU work (tokenizing, chat templates, logprob strings) runs here, so
         # a long prompt never holds up the event loop's other requests and probes
         self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raygraph-http-cpu")

@@ -15,7 +15,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from raygraph.cluster.kv_cache import ALLOCATE_SAMPLE
+from raygraph.engine.kv_cache import ALLOCATE_SAMPLE
 from raygraph.protocol import RequestTiming
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -90,7 +90,7 @@ class CoordinatorCollector:
             yield from self._lora(s["lora"])
 
     def _lora(self, lora: dict):
-        """LoRA adapters (cluster/lora.py): requests, tier moves, load times, hot hits."""
+        """LoRA adapters (engine/lora.py): requests, tier moves, load times, hot hits."""
         requests = CounterMetricFamily("raygraph:lora_requests", "Requests (sequences) per "
                                        "LoRA adapter.", labels=["model_name", "adapter"])
         for name, n in sorted(lora["requests"].items()):
@@ -121,7 +121,7 @@ class CoordinatorCollector:
 
 
     def _pool(self, kv: dict):
-        """The KV page pools (cluster/kv_cache.merge_stats): counts summed over DP groups."""
+        """The KV page pools (engine/kv_cache.merge_stats): counts summed over DP groups."""
         G, C = GaugeMetricFamily, CounterMetricFamily
         yield self._family(C, "prefix_cache_queries", "Prompt tokens (with outputs, for a "
                            "recompute) looked up in the prefix cache at admission.",

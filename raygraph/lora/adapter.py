@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from raygraph.config import LORA_MODULES, ModelConfig
+from raygraph.errors import LoRAError
 
 SUPPORTED_MODULES = LORA_MODULES
 CONFIG_FILE = "adapter_config.json"
@@ -25,10 +26,6 @@ UNSUPPORTED = ("use_dora", "modules_to_save", "lora_bias", "fan_in_fan_out", "ra
 # ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight (PEFT prefixes it with base_model.)
 TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 MODULE = re.compile(r"(\w+)\.lora_(?:embedding_)?[AB]")
-
-
-class LoRAError(ValueError):
-    """An adapter raygraph cannot serve, with its path and the reason."""
 
 
 Fail = Callable[[str], LoRAError]  # reason -> the error naming the adapter

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from raygraph.config import ConfigError, LoRAConfig
-from raygraph.lora.adapter import LoRAAdapter, LoRAError, LoRAModule
+from raygraph.errors import LoRAError
+from raygraph.lora.adapter import LoRAAdapter, LoRAModule
 from raygraph.model.loader import STACKED
 from raygraph.model.lora_ops import LoRAWeights
 from raygraph.model.parallel import MergedColumnParallelLinear, RowParallelLinear, load_shard

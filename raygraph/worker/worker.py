@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from raygraph import freeze_heap, setup_logging
 from raygraph.config import ModelConfig, ServeConfig
+from raygraph.errors import LoRAError
 from raygraph.graph.executor import (
     EagerExecutor,
     Executor,
@@ -27,7 +28,7 @@ from raygraph.graph.executor import (
     KeyMismatch,
     make_executor,
 )
-from raygraph.lora import LoRAError, LoRASlots, SlotImage, append_slot_rows, read_adapter
+from raygraph.lora import LoRASlots, SlotImage, append_slot_rows, read_adapter
 from raygraph.lora.warm import WarmAdapters
 from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
 from raygraph.memory.stats import MemoryStats, SleepStats

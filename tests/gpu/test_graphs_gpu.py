@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.engine.scheduler import Sequence
 from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan

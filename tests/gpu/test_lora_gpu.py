@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raygraph.cluster.scheduler import Sequence
 from raygraph.config import CacheConfig, GraphConfig, LoRAConfig, SchedulerConfig, ServeConfig
+from raygraph.engine.scheduler import Sequence
 from raygraph.graph.inputs import sort_by_slot
 from raygraph.model.context import ForwardContext, LoRAInputs, forward_context
 from raygraph.model.lora_ops import LoRAWeights, lora_delta, lora_linear

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from raygraph.api.metrics import Metrics
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     ConfigError,

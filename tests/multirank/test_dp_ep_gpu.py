@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from raygraph.cluster.connect import start_coordinator
+from raygraph.client.connect import start_coordinator
 from raygraph.protocol import SamplingParams
 from tests.conftest import make_checkpoint
 from tests.multirank.test_dp_ep import ARCHS, MAX_TOKENS, PROMPTS, config

@@ -8,19 +8,19 @@ import time
 import msgspec
 import pytest
 
-from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.lockstep import (
-    CaptureError,
-    LockstepCapture,
-    first_difference,
-    remote_call_all,
-)
+from raygraph.client.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
     ParallelConfig,
     SchedulerConfig,
     ServeConfig,
+)
+from raygraph.engine.lockstep import (
+    CaptureError,
+    LockstepCapture,
+    first_difference,
+    remote_call_all,
 )
 from raygraph.graph.buckets import BucketPlan
 from raygraph.protocol import (

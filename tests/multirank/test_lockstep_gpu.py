@@ -12,8 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from raygraph.cluster.connect import start_coordinator
-from raygraph.cluster.lockstep import LockstepCapture, remote_call_all
+from raygraph.client.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
@@ -22,6 +21,7 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
+from raygraph.engine.lockstep import LockstepCapture, remote_call_all
 from raygraph.protocol import SamplingParams, StepPlan
 from raygraph.worker.worker import Worker
 from tests.conftest import make_gpu_llama

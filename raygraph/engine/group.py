@@ -5,7 +5,7 @@ A plain actor call per step costs ~1-2 ms (DESIGN.md); a compiled graph moves th
 over shared-memory channels in ~0.1 ms. Steps, flushes and method calls (lockstep capture,
 stats) all travel on it, so nothing is torn down to capture a key first seen at run time.
 While the graph is up the actors run its loop: plain `.remote()` calls to them would wait.
-Its input channels ring a doorbell (cluster/doorbell.py), so an idle worker sleeps.
+Its input channels ring a doorbell (engine/doorbell.py), so an idle worker sleeps.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raygraph.cluster.doorbell import DoorbellType
 from raygraph.config import ParallelConfig, ServeConfig
+from raygraph.engine.doorbell import DoorbellType
 from raygraph.protocol import StepOutput, WorkerCall, WorkerInfo
 from raygraph.worker.worker import Worker
 
@@ -57,7 +57,10 @@ class WorkerGroup:
         world = cfg.parallel.world_size
         gpu = cfg.device == "cuda"
         bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
-        pg = placement_group(bundles, strategy="STRICT_PACK")
+        # on one node, the engine's own where it has room (its step messages stay in
+        # shared memory, and the doorbell reaches its workers)
+        pg = placement_group(bundles, strategy="STRICT_PACK",
+                             _soft_target_node_id=ray.get_runtime_context().get_node_id())
         try:
             await asyncio.wait_for(pg.ready(), timeout=60)
         except asyncio.TimeoutError:

@@ -118,6 +118,17 @@ def check_startup(cfg: ServeConfig) -> ModelConfig:
     return model
 
 
+def check_room(cfg: ServeConfig, resources: dict[str, float]) -> None:
+    """Refuse in one line a layout the cluster cannot hold (every worker takes a GPU, or a
+    CPU on the CPU device), saying how many replicas fit."""
+    world, n = cfg.parallel.world_size, cfg.replica.replicas
+    unit = "GPU" if cfg.device == "cuda" else "CPU"
+    have = resources.get(unit, 0)
+    if n * world > have:
+        raise ClusterError(f"{n} replica(s) of {world} worker(s) need {n * world} {unit}s; "
+                           f"the cluster has {have:g}: {int(have // world)} replica(s) fit")
+
+
 def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool = False) -> Any:
     """Create the named coordinator on the connected cluster and wait until it serves.
 
@@ -125,10 +136,11 @@ def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool =
     prints one summary line. A failed start removes the coordinator, so a retry can take
     its name.
     """
-    from raygraph.cluster.coordinator import Coordinator
+    from raygraph.coordinator.coordinator import Coordinator
 
     cfg = cfg.resolved(ray.cluster_resources().get("GPU", 0))
     check_startup(cfg)
+    check_room(cfg, ray.cluster_resources())
     opts: dict[str, Any] = {"name": cfg.coordinator_name, "namespace": cfg.namespace,
                             "num_cpus": 0}
     if detached:  # nothing watches it: Ray restarts it, and it starts itself again
@@ -157,7 +169,8 @@ def summary_line(info: dict, seconds: float) -> str:
                   f"graphs, {info['graph_pool_bytes'] / 2**20:.1f} MiB graph pool)")
     else:
         graphs = f"{info['graph_mode']} mode, no graphs"
-    return (f"ready in {seconds:.1f}s: {info['model']} on {info['tp'] * info['dp']} "
+    replicas = f"{info['replicas']} replicas x " if info.get("replicas", 1) > 1 else ""
+    return (f"ready in {seconds:.1f}s: {info['model']} on {replicas}{info['tp'] * info['dp']} "
             f"{info['device']} worker(s), {info['dtype']}, "
             f"{sum(info['weight_bytes_per_rank']) / 2**20:.1f} MiB of weights, "
             f"{info['num_kv_blocks']} KV blocks, max_model_len {info['max_model_len']}, {graphs}")

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import ray
 
+from raygraph.errors import last_line
 from raygraph.protocol import BucketKey, BufferInfo, CaptureRecord
 
 
@@ -100,12 +101,6 @@ def remote_call_all(workers: Sequence[Any], timeout: float) -> CallAll:
         return ray.get(refs)
 
     return call
-
-
-def last_line(err: BaseException) -> str:
-    """Ray wraps remote errors in long tracebacks; the cause's last line says what happened."""
-    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else repr(err)
 
 
 class LockstepCapture:

@@ -1,15 +1,17 @@
-"""The coordinator: a named async Ray actor that owns the scheduler and drives the workers.
+"""The engine: one replica, an async Ray actor that owns its schedulers and drives its worker
+group. The coordinator starts one per replica, placed with its workers.
 
-Clients call `generate` (or `generate_stream`) concurrently on the actor's event loop. The
-step loop runs on its own thread and does only the step: drain new requests, schedule,
-send the deltas over the compiled graph (cluster/group.py), apply the tokens of the step
-before. Detokenization, stop strings and stream fan-out run on the event loop, beside it.
+Requests arrive on the actor's event loop (`generate` and `generate_stream` from the
+coordinator; `subscribe` and `submit_streams` from HTTP servers directly, so a token goes
+from here to its client in one hop). The step loop runs on its own thread and does only the
+step (engine/core.py): drain new requests, schedule, send the deltas over the compiled graph
+(engine/group.py), apply the tokens of the step before. Detokenization, stop strings and
+stream fan-out run on the event loop, beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import itertools
 import logging
@@ -24,35 +26,22 @@ import msgspec
 import ray
 
 from raygraph import freeze_heap, setup_logging
-from raygraph.cluster.capture import BackgroundCapture, CaptureControl
-from raygraph.cluster.engine import EngineCore
-from raygraph.cluster.group import WorkerGroup
-from raygraph.cluster.kv_cache import merge_stats
-from raygraph.cluster.lockstep import (
-    LockstepCapture,
-    last_line,
-)
-from raygraph.cluster.lora import LoRAAdmission, LoRARegistry, UnknownAdapter
-from raygraph.cluster.requests import (
-    Asleep,
-    BadRequest,
-    Busy,
-    Request,
-    RequestTable,
-    WorkerFailure,
-    encode_prompt,
-    parse_params,
-    split_prompts,
-    take_deltas,
-)
-from raygraph.cluster.scheduler import Scheduler, Sequence
-from raygraph.cluster.sleep import KV_POLL_S, SleepControl
+from raygraph.client.requests import encode_prompt, parse_params, split_prompts, take_deltas
 from raygraph.config import ModelConfig, ServeConfig
+from raygraph.engine.capture import Capture
+from raygraph.engine.core import EngineCore
+from raygraph.engine.group import WorkerGroup
+from raygraph.engine.kv_cache import merge_stats
+from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
+from raygraph.engine.lora import LoRAAdmission, LoRARegistry
+from raygraph.engine.requests import Request, RequestTable
+from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.sleep import KV_POLL_S, SleepControl
+from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
 from raygraph.generation import sampling_defaults
-from raygraph.graph.buckets import IDLE_TOKENS
-from raygraph.lora import LoRAError, read_adapter
-from raygraph.memory.stats import MemoryStats
+from raygraph.lora import read_adapter
 from raygraph.protocol import (
+    REPLICA_SHIFT,
     BucketKey,
     GenerateResult,
     StartupProgress,
@@ -62,16 +51,17 @@ from raygraph.protocol import (
 )
 from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
-log = logging.getLogger("raygraph.coordinator")
+log = logging.getLogger("raygraph.engine")
 
 
-class Coordinator(CaptureControl):
-    def __init__(self, cfg: ServeConfig) -> None:
+class Engine:
+    def __init__(self, cfg: ServeConfig, replica: int = 0) -> None:
         setup_logging()
         # the step thread and the event loop share the GIL: hand it over every 0.5 ms, not
         # Python's default 5 ms, so a busy loop never holds a step back for long
         sys.setswitchinterval(5e-4)
         self.cfg = cfg
+        self.replica = replica
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         cfg.parallel.check_model(self.model_cfg)
         # transformers takes seconds to import: the tokenizer loads while workers start
@@ -90,9 +80,8 @@ class Coordinator(CaptureControl):
                                     self._call, offload=cfg.offload.budget_bytes is not None,
                                     forget_kv=lambda: [s.kv.clear() for s in self.schedulers],
                                     pools=lambda: [s.pool for s in self.schedulers])
-        self._seqs: dict[int, tuple[int, Sequence]] = {}  # step thread side: id -> (group, seq)
         self.lora = self._lora_admission() if cfg.lora.enabled else None
-        self._ids = itertools.count()
+        self._ids = itertools.count(replica << REPLICA_SHIFT)  # request ids name their replica
         # sequences with smaller ids were failed with a worker group (_fail_in_flight)
         self._stale_below = 0
         self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
@@ -107,25 +96,13 @@ class Coordinator(CaptureControl):
         self.restarts = 0
         self.steps = 0
         self.tokens_generated = 0
-        self.preemptions = 0
-        self.phase_steps: collections.Counter[str] = collections.Counter()  # DP group steps
         self.forward_s = 0.0  # rank 0's time per step in the worker, summed over steps
         self.idle_s = 0.0  # rank 0's device waiting for the next step, summed
         self.wait_s = 0.0  # the step thread waiting for the workers' replies, summed
         self.loop_s = 0.0  # the step thread's time in steps, waits included
-        self.schedule_s = 0.0  # in Scheduler.schedule and .update (all groups), summed
-        self._resumed_at = 0  # the first step after the loop last ran out of work
-        self.capture_s = 0.0
-        self.buckets = cfg.bucket_plan()
-        self.lockstep: LockstepCapture | None = None
-        self.background: BackgroundCapture | None = None  # graph.capture == "background"
-        self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
+        self.capture: Capture | None = None  # with the worker group
         self._progress = StartupProgress()
-        if ray.get_runtime_context().was_current_actor_reconstructed:
-            # a detached service whose process died: Ray restarted it, nobody calls start()
-            self.unhealthy_reason = "the coordinator's process died; starting it again"
-            log.error(self.unhealthy_reason)
-            ray.get_runtime_context().current_actor.recover.remote()  # runs after __init__
+        self._stopped = asyncio.Event()
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -142,18 +119,9 @@ class Coordinator(CaptureControl):
         self.unhealthy_reason = None
         self._wake.set()  # a background capture starts at once, traffic or not
         freeze_heap()
-        log.info("coordinator ready in %.1fs: %s", time.perf_counter() - t0, self.describe())
+        log.info("replica %d ready in %.1fs: %s", self.replica, time.perf_counter() - t0,
+                 self.describe())
         return self.describe()
-
-    async def recover(self) -> None:
-        """`start` after Ray restarted this actor; a failure stays in /health and the log."""
-        try:
-            await self.start()
-            log.info("the coordinator serves again after its process died")
-        except Exception as e:
-            self.unhealthy_reason = (f"the coordinator's process died and it could not start "
-                                     f"again: {type(e).__name__}: {last_line(e)}")
-            log.error(self.unhealthy_reason)
 
     async def _start_workers(self) -> None:
         cfg = self.cfg
@@ -162,15 +130,13 @@ class Coordinator(CaptureControl):
         self.workers = self.group.workers
         num_blocks = min(i.num_kv_blocks for i in self.infos)
         await asyncio.gather(*(w.allocate_kv_cache.remote(num_blocks) for w in self.workers))
-        self.lockstep = LockstepCapture(cfg.parallel.world_size)
-        self.background = None
-        if self.buckets is not None and cfg.graph.capture == "at_start":
+        self.capture = Capture(cfg, self._capture_call, self._capture_failed,
+                               lambda: self._call("memory_stats"))
+        if self.capture.buckets is not None and cfg.graph.capture == "at_start":
             await asyncio.to_thread(self._capture_schedule)
-        elif self.buckets is not None and cfg.graph.capture == "background":
-            self.background = BackgroundCapture(self.buckets.schedule(), cfg.graph.capture_share)
-        self.core = EngineCore.from_config(cfg, self.model_cfg, num_blocks)
+        self.core = EngineCore.from_config(cfg, self.model_cfg, num_blocks, self.capture,
+                                           self.lora)
         self.schedulers = self.core.schedulers
-        self._seqs = {}
 
     def _call(self, method: str, *args: Any) -> list[Any]:
         """A worker method on every rank, from the step thread (or before it runs)."""
@@ -198,6 +164,7 @@ class Coordinator(CaptureControl):
 
     def describe(self) -> dict:
         reports = self.capture_report()
+        cap = self.capture
         return {
             "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
@@ -207,11 +174,12 @@ class Coordinator(CaptureControl):
             "weight_bytes_per_rank": [i.weight_bytes for i in self.infos],
             "graph_mode": self.cfg.graph.mode, "buckets_captured": len(reports),
             "capture": self.cfg.graph.capture,
-            "keys_total": self.background.total if self.background else len(reports),
+            "keys_total": cap.background.total if cap and cap.background else len(reports),
             "graphs_captured": sum(r.pieces for r in reports),
-            "capture_s": round(self.capture_s, 2),
+            "capture_s": round(cap.capture_s if cap else 0.0, 2),
             "graph_pool_bytes": sum(r.pool_bytes for r in reports),
-            "graph_memory_bytes": [m.graph.held_bytes if m.graph else 0 for m in self.memory],
+            "graph_memory_bytes": [m.graph.held_bytes if m.graph else 0
+                                   for m in (cap.memory if cap else [])],
         }
 
     def stats(self) -> dict:
@@ -219,37 +187,38 @@ class Coordinator(CaptureControl):
         at 100k pages): fine per scrape, not per step."""
         ss = self.schedulers
         kv = merge_stats([s.kv.stats() for s in ss])
+        core = self.core or EngineCore([], None, False)
+        reports = self.capture_report()
         return {
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
             "restarts": self.restarts,
-            "tokens_generated": self.tokens_generated, "preemptions": self.preemptions,
+            "tokens_generated": self.tokens_generated, "preemptions": core.preemptions,
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
             # where a served step's time goes: the device idle between steps (rank 0), and
             # the step thread's own host time (its time in steps less waiting for replies)
             "device_idle_ms_per_step": round(1e3 * self.idle_s / max(1, self.steps), 3),
             "loop_host_ms_per_step": round(1e3 * (self.loop_s - self.wait_s)
                                            / max(1, self.steps), 3),
-            "schedule_update_ms_per_step": round(1e3 * self.schedule_s / max(1, self.steps), 3),
+            "schedule_update_ms_per_step": round(1e3 * core.schedule_s / max(1, self.steps), 3),
             "requests_started": self.clients.first_tokens,
             "mean_ttft_ms": round(1e3 * self.clients.ttft_s / max(1, self.clients.first_tokens),
                                   3),
-            "msg_bytes_per_step": round(self.core.msg_bytes / max(1, self.core.step_id))
-            if self.core else 0,
+            "msg_bytes_per_step": round(core.msg_bytes / max(1, core.step_id)),
             "running": sum(len(s.running) for s in ss), "waiting": sum(len(s.waiting) for s in ss),
             "kv_utilization": kv["usage"],  # pinned pages of the fullest DP group
             "prefix_cache_hit_rate": round(kv["prefix_cache_hit_rate"], 4),
-            "kv_cache": kv,  # the pools of every DP group (cluster/kv_cache.merge_stats)
+            "kv_cache": kv,  # the pools of every DP group (engine/kv_cache.merge_stats)
             "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
             "kv_wake_error": self.sleeper.kv_error,  # a staged wake's mapping stopped short
             # counters for /metrics (cumulative; every HTTP replica reads the same)
             "prompt_tokens": self.clients.prompt_tokens,
             "generation_tokens": self.clients.generation_tokens,
             "finished": dict(self.clients.finished),
-            "steps_by_phase": dict(self.phase_steps),
-            "graphs_captured": sum(r.pieces for r in self.capture_report()),
-            "keys_captured": len(self.capture_report()),
-            "capture_s": self.capture_s,
-            "graph_pool_bytes": sum(r.pool_bytes for r in self.capture_report()),
+            "steps_by_phase": dict(core.phase_steps),
+            "graphs_captured": sum(r.pieces for r in reports),
+            "keys_captured": len(reports),
+            "capture_s": self.capture.capture_s if self.capture else 0.0,
+            "graph_pool_bytes": sum(r.pool_bytes for r in reports),
             "offload": self.cfg.offload.budget_bytes is not None,
             "lora": self.lora.registry.stats() if self.lora is not None else None,
         }
@@ -262,6 +231,46 @@ class Coordinator(CaptureControl):
         return [{"memory": msgspec.to_builtins(m), "offload": msgspec.to_builtins(o)}
                 for m, o in zip(mem, off)]
 
+    # ---- capture (engine/capture.py) -------------------------------------------------------
+    async def capture_schedule(self) -> list[KeyReport]:
+        """Capture the whole schedule in lockstep, largest first; returns the per-key table.
+        On any disagreement, failure or stall the worker group is torn down (a rank may be
+        blocked in a collective) and CaptureError names the key and rank."""
+        return await self._on_step_thread(self._capture_schedule)
+
+    def _capture_schedule(self) -> list[KeyReport]:
+        if self.capture is None:
+            raise RuntimeError("no worker group to capture on")
+        reports = self.capture.run_schedule()
+        self._progress = msgspec.structs.replace(self._progress, capture=self.capture.progress)
+        return reports
+
+    def capture_report(self) -> list[KeyReport]:
+        """The per-key capture table so far (also after a failed capture)."""
+        return self.capture.report() if self.capture else []
+
+    def capture_progress(self) -> dict:
+        return self.capture.summary() if self.capture else {}
+
+    def _capture_call(self, method: str, key: BucketKey) -> list[Any]:
+        """One lockstep phase on every rank: over the compiled graph once it is up."""
+        timeout = self.cfg.graph.capture_timeout_s
+        if self.group is None or not self.group.compiled:
+            return remote_call_all(self.workers, timeout)(method, key)
+        try:
+            return self.group.call(method, key, timeout=timeout)
+        except Exception as e:
+            raise CaptureError(f"{method} of {key} failed: {type(e).__name__}: "
+                               f"{last_line(e)}") from None
+
+    def _capture_failed(self, err: CaptureError, recover: bool) -> None:
+        """recover: the step thread restarts the group (a background capture), so requests
+        arriving during the teardown wait for it, not fail."""
+        self.recovering = self.recovering or recover
+        self.healthy = False
+        self.unhealthy_reason = str(err)
+        self._stop_workers()
+
     async def inject_fault(self, rank: int, kind: str, phase: str = "capture",
                            key: BucketKey | None = None) -> None:
         """Fault drills: arm `Worker.inject_fault` on one rank (through the step loop)."""
@@ -273,7 +282,7 @@ class Coordinator(CaptureControl):
                 ray.get(self.workers[rank].inject_fault.remote(kind, phase, key))
         await self._on_step_thread(arm)
 
-    # ---- LoRA adapters (cluster/lora.py) ---------------------------------------------------
+    # ---- LoRA adapters (engine/lora.py) ---------------------------------------------------
     def _lora_admission(self) -> LoRAAdmission:
         lc = self.cfg.lora
         registry = LoRARegistry(
@@ -288,16 +297,6 @@ class Coordinator(CaptureControl):
         if self.lora is None:
             raise LoRAError("LoRA is off: start with --max-loras N (or --lora-modules)")
         return self.lora.registry
-
-    def _lora_loaded(self, outputs: list[StepOutput]) -> None:
-        """On the step thread, after a step that loaded adapter slots: the requests whose
-        adapter failed to load end with its error (the step in flight computed them with a
-        zero slot: their tokens are dropped); the others went on."""
-        for seq_id, msg in self.lora.loaded([r for out in outputs for r in out.lora_loads]):
-            entry = self._seqs.pop(seq_id, None)
-            if entry is not None:
-                self.schedulers[entry[0]].finish(entry[1], "error")
-            self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
 
     async def load_lora_adapter(self, name: str, path: str) -> dict:
         """Register an adapter from a client (read and checked now; loaded into a slot on
@@ -319,13 +318,13 @@ class Coordinator(CaptureControl):
         return [{"name": a.name, "adapter_id": a.adapter_id, "path": a.path, "rank": a.rank,
                  "slot": a.slot, "requests": a.requests} for a in self.lora.registry.adapters()]
 
-    # ---- sleep and wake (cluster/sleep.py) -----------------------------------------------
+    # ---- sleep and wake (engine/sleep.py) -----------------------------------------------
     async def sleep(self, level: int = 1, wait: bool = True) -> dict:
         """Stop admitting requests, let those in flight finish (wait=False: Busy if any),
         then every worker releases its memory: level 1 the graph pool and KV cache, level 2
         the weights too. Returns bytes released per rank and seconds."""
         if not self.healthy:
-            raise WorkerFailure(f"coordinator is not serving: {self.unhealthy_reason}")
+            raise WorkerFailure(f"the engine is not serving: {self.unhealthy_reason}")
         return await self.sleeper.sleep(level, wait)
 
     async def wake_up(self) -> dict:
@@ -458,7 +457,7 @@ class Coordinator(CaptureControl):
         names) for _enqueue; raises before registering any if one is bad."""
         if not self.healthy or not self.schedulers:
             reason = self.unhealthy_reason or "not started"
-            raise WorkerFailure(f"coordinator is not serving: {reason}")
+            raise WorkerFailure(f"the engine is not serving: {reason}")
         self.sleeper.check_admit()  # Asleep: refused, nothing queued, nothing restarted
         sp = parse_params(params).resolved(self.sampling_defaults)
         if sp.lora is not None and self.lora is None:
@@ -506,7 +505,12 @@ class Coordinator(CaptureControl):
                     t0 = time.perf_counter()
                     busy = self._step()
                     self.loop_s += time.perf_counter() - t0
-                    if not self._capture_in_background(busy) and not busy:
+                    captured = self.healthy and self.capture is not None and \
+                        self.capture.between_steps(busy, self._flush)
+                    if captured:
+                        self._progress = msgspec.structs.replace(
+                            self._progress, capture=self.capture.progress)
+                    elif not busy:
                         break
             except Exception as e:  # actor death, a raised step, a hang past the timeout
                 self._on_failure(e)
@@ -520,7 +524,7 @@ class Coordinator(CaptureControl):
             except queue.Empty:
                 serving = self.healthy and self.core is not None and not self.sleeper.asleep
                 if serving and self.lora is not None and self.lora.waiting:
-                    self._add(self.lora.admit([]))  # slots unpinned since: promote
+                    self.core.add(self.lora.admit([]))  # slots unpinned since: promote
                 return serving
             kind = item[0]
             if kind == "add":
@@ -529,14 +533,12 @@ class Coordinator(CaptureControl):
                 # items queued before a failure reach here after the restart: drop them
                 live = [(seq, name) for seq, name in item[1]
                         if seq.seq_id >= self._stale_below]
-                self._add([seq for seq, _ in live] if self.lora is None
-                          else self.lora.admit(live))
+                self.core.add([seq for seq, _ in live] if self.lora is None
+                              else self.lora.admit(live))
             elif kind == "finish":
-                entry = self._seqs.pop(item[1], None)
-                if entry is not None:
-                    self.schedulers[entry[0]].finish(entry[1], "stop")
-                    if self.lora is not None:
-                        self.lora.release(entry[1])
+                seq = self.core.finish(item[1], "stop") if self.core else None
+                if seq is not None and self.lora is not None:
+                    self.lora.release(seq)
                 elif self.lora is not None:
                     self.lora.drop(item[1])  # aborted while waiting for an adapter slot
             else:  # a call: nothing in flight while it runs
@@ -547,53 +549,16 @@ class Coordinator(CaptureControl):
                 except BaseException as e:
                     fut.set_exception(e)
 
-    def _add(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            group = min(range(len(self.schedulers)), key=self._load)
-            self.schedulers[group].add(seq)
-            self._seqs[seq.seq_id] = (group, seq)
-
-    def _load(self, group: int) -> int:
-        s = self.schedulers[group]
-        return len(s.running) + len(s.waiting)
-
     def _step(self) -> bool:
-        """Schedule and send one step, apply the one before; False when there is no work."""
-        core = self.core
-        t0 = time.perf_counter()
-        planned = core.schedule()
-        self.schedule_s += time.perf_counter() - t0
-        if planned is None:
-            if core.in_flight is None:
-                self._resumed_at = core.step_id + 1  # its device gap is the clients' pause
-                return False
-            self._flush()
-            return True
-        outs, keys, comm = planned
-        for i, key in enumerate(keys):  # new shapes: all ranks at once, nothing in flight
-            if key is None or key.phase == "eager" or key in self.lockstep.captured:
-                continue
-            if self.background is not None:  # every rank runs this group's step eagerly
-                self.background.missed(key)
-                keys[i] = BucketKey("eager", outs[i].num_tokens if outs[i] else IDLE_TOKENS,
-                                    key.num_comm_tokens)
-            else:
-                self._flush()
-                self._capture_key(key)
-        for o in outs:
-            if o is not None:
-                self.preemptions += len(o.preempted)
-        for key in keys:  # per DP group: a replay of its bucket's graph, or an eager step
-            self.phase_steps[key.phase if key is not None else "eager"] += 1
-        loads = self.lora.take_loads() if self.lora is not None else []
-        outputs = self._dispatch(core.encode(outs, keys, comm, loads))
-        t0 = time.perf_counter()
-        emitted = core.apply(outputs)
-        self.schedule_s += time.perf_counter() - t0
-        core.in_flight = outs
+        """One step of the loop (EngineCore.step); False when there is no work."""
+        emitted = self.core.step(self._dispatch)
+        if emitted is None:
+            return False
         self._deliver(emitted)
-        if loads:
-            self._lora_loaded(outputs)
+        if self.core.failed:  # adapters that failed to load: their requests end with it
+            failed, self.core.failed = self.core.failed, []
+            for seq_id, msg in failed:
+                self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
         return True
 
     def _dispatch(self, msgs: list[bytes]) -> list[StepOutput]:
@@ -606,7 +571,7 @@ class Coordinator(CaptureControl):
             self.forward_s += out.forward_s
             if out.forward_s > 0.05:
                 log.warning("step %d took %.1f ms on rank 0", out.step_id, 1e3 * out.forward_s)
-            if out.step_id > self._resumed_at:  # not the first step after the loop idled
+            if out.step_id > self.core.resumed_at:  # not the first step after the loop idled
                 self.idle_s += out.idle_s
                 if out.idle_s > 0.01:
                     log.warning("the device waited %.1f ms before step %d", 1e3 * out.idle_s,
@@ -635,10 +600,6 @@ class Coordinator(CaptureControl):
                 elif len(seq.output_token_ids) == 1:
                     items.append((seq.seq_id, [token], None, False, seq.logprobs[:1],
                                   seq.scheduled_at))
-                if reason is not None:
-                    self._seqs.pop(seq.seq_id, None)
-                    if self.lora is not None:
-                        self.lora.release(seq)
         if items:
             self.loop.call_soon_threadsafe(self.clients.emit, items)
 
@@ -651,7 +612,6 @@ class Coordinator(CaptureControl):
         self.recovering = True  # first: a request meeting `healthy` False then waits
         self.healthy = False
         self.unhealthy_reason = msg
-        self._seqs.clear()
         self.core = None
         self.loop.call_soon_threadsafe(self._fail_in_flight, msg)
         asyncio.run_coroutine_threadsafe(self._restart(msg), self.loop).result()
@@ -696,13 +656,22 @@ class Coordinator(CaptureControl):
         self._stop_workers()
         self.healthy = False
         self.unhealthy_reason = "shut down"
+        self._stopped.set()
 
     def ping(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def wait_stopped(self) -> None:
+        """Returns once `shutdown` ran: the coordinator's supervisor waits on it, and learns
+        of the engine's death by this call failing."""
+        await self._stopped.wait()
 
     def worker_handles(self) -> list[Any]:
         """The worker actors, for fault-injection tests and debugging."""
         return list(self.workers)
 
 
-__all__ = ["Asleep", "BadRequest", "Busy", "Coordinator", "UnknownAdapter", "WorkerFailure"]
+__all__ = ["Engine"]

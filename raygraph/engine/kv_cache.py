@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from raygraph.memory.pool import KINDS, PagePool
+from raygraph.engine.pages import KINDS, PagePool
 
 if TYPE_CHECKING:
-    from raygraph.cluster.scheduler import Sequence
+    from raygraph.engine.scheduler import Sequence
 
 # upper bounds (seconds) of raygraph:pool_allocate_seconds; one allocate is ~0.5 us, one that
 # evicts a batch of cached pages down to the low watermark takes longer

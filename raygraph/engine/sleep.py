@@ -22,9 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from raygraph.cluster.lockstep import last_line
-from raygraph.cluster.requests import Asleep, BadRequest, Busy
-from raygraph.memory.pool import PagePool
+from raygraph.engine.pages import PagePool
+from raygraph.errors import Asleep, BadRequest, Busy, last_line
 from raygraph.memory.stats import KVMapError, SleepStats
 
 log = logging.getLogger("raygraph.coordinator")

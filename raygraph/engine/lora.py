@@ -20,10 +20,9 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raygraph.cluster.kv_cache import Histogram
-from raygraph.cluster.requests import BadRequest
-from raygraph.cluster.scheduler import Sequence
-from raygraph.lora.adapter import LoRAError
+from raygraph.engine.kv_cache import Histogram
+from raygraph.engine.scheduler import Sequence
+from raygraph.errors import LoRAError, UnknownAdapter
 from raygraph.protocol import LoRALoad
 
 # upper bounds (seconds) of the load-time histogram /metrics exports
@@ -31,10 +30,6 @@ log = logging.getLogger("raygraph.coordinator")
 
 LOAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 Tier = str  # "hot" (in a slot), "warm" (the workers' host copy), "cold" (files)
-
-
-class UnknownAdapter(BadRequest, LoRAError):
-    """A request named an adapter that is not registered (HTTP: 404 model_not_found)."""
 
 
 class NoRoom(LoRAError):

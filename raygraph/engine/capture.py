@@ -1,8 +1,8 @@
-"""The coordinator's capture schedule (CaptureControl), and background capture: the schedule
-run between served steps, busiest shapes first (BackgroundCapture).
+"""An engine's capture policy (Capture), and background capture: the schedule run between
+served steps, busiest shapes first (BackgroundCapture).
 
-The coordinator serves as soon as the weights and the KV cache are ready. Until a key is
-captured on every rank (lockstep, cluster/lockstep.py), steps of that key run eagerly on
+An engine serves as soon as the weights and the KV cache are ready. Until a key is
+captured on every rank (lockstep, engine/lockstep.py), steps of that key run eagerly on
 every rank: the step message names the eager key, so ranks never disagree about which keys
 replay. Keys are taken in order of the traffic seen so far (the decode batch sizes being
 served before a large prefill bucket nobody asked for), then the rest of the schedule:
@@ -16,15 +16,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import msgspec
-
-from raygraph.cluster.lockstep import CaptureError, KeyReport, last_line, remote_call_all
+from raygraph.config import ServeConfig
+from raygraph.engine.lockstep import CallAll, CaptureError, KeyReport, LockstepCapture
+from raygraph.graph.buckets import IDLE_TOKENS
+from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import BucketKey
 
-log = logging.getLogger("raygraph.coordinator")
+log = logging.getLogger("raygraph.engine")
 
 
 def _rest_order(key: BucketKey) -> tuple[int, int, int]:
@@ -89,41 +90,53 @@ class BackgroundCapture:
             self.finished_at = now
 
 
-class CaptureControl:
-    """The coordinator's capture schedule, a mixin of `Coordinator` (its start-up and step
-    loop call these): the whole schedule in lockstep, or one key at a time between steps
-    (BackgroundCapture). Reads the coordinator's `cfg`, `buckets`, `lockstep`, `background`,
-    `group`, `workers`, `healthy`, `_progress`, and calls its `_call`, `_flush`,
-    `_on_step_thread` and `_stop_workers`."""
+class Capture:
+    """An engine's capture policy: the whole schedule in lockstep before serving
+    (`run_schedule`), or one key at a time between steps (BackgroundCapture), and what a
+    step does with a key not captured yet (`prepare`, EngineCore's hook). Its hooks into the
+    engine: `call(method, key)` runs one lockstep phase on every rank; `failed(err,
+    recover)` is told when a capture failed (the group must be torn down: a rank may be
+    blocked in a collective); `memory_stats()` reads every rank's memory once the schedule
+    is complete."""
 
-    async def capture_schedule(self) -> list[KeyReport]:
+    def __init__(self, cfg: ServeConfig, call: CallAll,
+                 failed: Callable[[CaptureError, bool], None],
+                 memory_stats: Callable[[], list[MemoryStats]]) -> None:
+        self.mode = cfg.graph.capture
+        self.buckets = cfg.bucket_plan()
+        self.lockstep = LockstepCapture(cfg.parallel.world_size)
+        self.background = None
+        if self.buckets is not None and self.mode == "background":
+            self.background = BackgroundCapture(self.buckets.schedule(), cfg.graph.capture_share)
+        self.call = call
+        self.failed = failed
+        self.memory_stats = memory_stats
+        self.capture_s = 0.0
+        self.memory: list[MemoryStats] = []  # per rank, after the capture schedule
+        self.progress = (0, 0)  # keys captured, of the schedule
+
+    def run_schedule(self) -> list[KeyReport]:
         """Capture the whole schedule in lockstep, largest first; returns the per-key table.
-
-        On any disagreement, failure or stall the worker group is torn down (a rank may be
-        blocked in a collective) and CaptureError names the key and rank; `start()` may then
-        be called again.
-        """
-        return await self._on_step_thread(self._capture_schedule)
-
-    def _capture_schedule(self) -> list[KeyReport]:
-        if self.lockstep is None or self.buckets is None:
+        On any disagreement, failure or stall CaptureError names the key and rank (the
+        engine tore the group down; `start()` may then be called again)."""
+        if self.buckets is None:
             raise RuntimeError("no graph-mode worker group to capture on")
         keys = self.buckets.schedule()
         t0 = time.perf_counter()
         for i, key in enumerate(keys, 1):
             if key not in self.lockstep.captured:
-                r = self._capture_key(key)
+                r = self.capture_key(key)
                 log.debug("capture %d/%d %s: ranks agree, %d graph(s), %s nodes, "
                           "%d collectives, %.1f MiB, %.2fs", i, len(keys), key, r.pieces,
                           r.nodes, r.collectives, r.pool_bytes / 2**20, r.seconds)
-            self._progress = msgspec.structs.replace(self._progress, capture=(i, len(keys)))
+            self.progress = (i, len(keys))
         self.capture_s += time.perf_counter() - t0
         self._log_schedule(self.capture_s)
         return self.lockstep.reports
 
     def _log_schedule(self, seconds: float, since_serving: float | None = None) -> None:
         """Once the whole schedule is captured: memory figures and one line of totals."""
-        self.memory = self._call("memory_stats")
+        self.memory = self.memory_stats()
         reports = self.lockstep.reports
         graphs = sum(r.pieces for r in reports)
         where = "" if since_serving is None else \
@@ -136,67 +149,67 @@ class CaptureControl:
             log.info("capture schedule:%s %d keys checked in lockstep in %.2fs (eager "
                      "backend: no graphs)", where, len(reports), seconds)
 
-    def _capture_in_background(self, busy: bool) -> bool:
-        """Between steps: capture the next key of a background schedule if it is due; True
-        if one was captured."""
+    def prepare(self, outs: list[Any], keys: list[BucketKey | None],
+                flush: Callable[[], None]) -> None:
+        """EngineCore's hook, before a step is sent: a key not captured on every rank runs
+        eagerly on every rank (background: the step message names the eager key, and the
+        key moves up the queue), or is captured now (lazy), nothing in flight."""
+        for i, key in enumerate(keys):
+            if key is None or key.phase == "eager" or key in self.lockstep.captured:
+                continue
+            if self.background is not None:
+                self.background.missed(key)
+                keys[i] = BucketKey("eager", outs[i].num_tokens if outs[i] else IDLE_TOKENS,
+                                    key.num_comm_tokens)
+            else:
+                flush()
+                self.capture_key(key)
+
+    def between_steps(self, busy: bool, flush: Callable[[], None]) -> bool:
+        """Capture the next key of a background schedule if it is due; True if one was."""
         bg = self.background
-        if bg is None or not bg.due(busy) or not self.healthy:
+        if bg is None or not bg.due(busy):
             return False
-        self._flush()  # nothing in flight during a capture
+        flush()  # nothing in flight during a capture
         key = bg.next_key()
-        if key in self.lockstep.captured:  # captured meanwhile (`capture_schedule`)
+        if key in self.lockstep.captured:  # captured meanwhile (`run_schedule`)
             bg.captured_key(key, 0.0)
         else:
             t0 = time.perf_counter()
-            report = self._capture_key(key, recover=True)
+            report = self.capture_key(key, recover=True)
             bg.captured_key(key, time.perf_counter() - t0)
             log.debug("background capture %d/%d %s: %.3fs", bg.captured, bg.total, key,
                       report.seconds)
         self.capture_s = bg.capture_s
-        self._progress = msgspec.structs.replace(self._progress,
-                                                 capture=(bg.captured, bg.total))
+        self.progress = (bg.captured, bg.total)
         if bg.done:
             self._log_schedule(bg.capture_s, bg.finished_at - bg.started)
         return True
 
-    def capture_progress(self) -> dict:
+    def capture_key(self, key: BucketKey, recover: bool = False) -> KeyReport:
+        """One key in lockstep. recover: the engine restarts its group after this fails (a
+        background capture), so requests arriving during the teardown wait for it."""
+        try:
+            return self.lockstep.capture(key, self.call)
+        except CaptureError as e:
+            log.error("%s; stopping the worker group", e)
+            self.failed(e, recover)
+            raise
+
+    def report(self) -> list[KeyReport]:
+        """The per-key capture table so far (also after a failed capture)."""
+        return list(self.lockstep.reports)
+
+    def summary(self) -> dict:
         """Keys captured so far and in all, the steps run eagerly meanwhile, and whether
         the schedule is complete (always, once `at_start` returned)."""
         bg = self.background
-        captured = len(self.lockstep.reports) if self.lockstep else 0
         if bg is None:
-            return {"mode": self.cfg.graph.capture, "captured": captured, "total": captured,
+            captured = len(self.lockstep.reports)
+            return {"mode": self.mode, "captured": captured, "total": captured,
                     "eager_steps": 0, "done": True, "seconds": round(self.capture_s, 3)}
         return {"mode": "background", "captured": bg.captured, "total": bg.total,
                 "eager_steps": bg.eager_steps, "done": bg.done,
                 "seconds": round(bg.capture_s, 3),
                 "complete_after_s": None if bg.finished_at is None
                 else round(bg.finished_at - bg.started, 3)}
-
-    def _capture_key(self, key: BucketKey, recover: bool = False) -> KeyReport:
-        """recover: the step thread restarts the group after this fails (a background
-        capture), so requests arriving during the teardown wait for it, not fail."""
-        try:
-            return self.lockstep.capture(key, self._capture_call)
-        except CaptureError as e:
-            log.error("%s; stopping the worker group", e)
-            self.recovering = self.recovering or recover
-            self.healthy = False
-            self.unhealthy_reason = str(e)
-            self._stop_workers()
-            raise
-
-    def _capture_call(self, method: str, key: BucketKey) -> list[Any]:
-        """One lockstep phase on every rank: over the compiled graph once it is up."""
-        timeout = self.cfg.graph.capture_timeout_s
-        if self.group is None or not self.group.compiled:
-            return remote_call_all(self.workers, timeout)(method, key)
-        try:
-            return self.group.call(method, key, timeout=timeout)
-        except Exception as e:
-            raise CaptureError(f"{method} of {key} failed: {type(e).__name__}: "
-                               f"{last_line(e)}") from None
-
-    def capture_report(self) -> list[KeyReport]:
-        """The per-key capture table so far (also after a failed capture)."""
-        return list(self.lockstep.reports) if self.lockstep else []

@@ -3,7 +3,7 @@ Pure Python.
 
 Every step spends a token budget: running sequences first (decode = 1 token, or the next
 chunk of a long prompt), then waiting ones in arrival order. A sequence is admitted with the
-cached blocks of its prefix (cluster/kv_cache.py), including blocks earlier chunks of the same
+cached blocks of its prefix (engine/kv_cache.py), including blocks earlier chunks of the same
 step compute, and computes from the first token they do not hold. When blocks run out the
 most recently admitted running sequence is preempted: its blocks are released (full ones stay
 cached) and it goes back to the front of the queue to recompute prompt + output so far, from
@@ -25,8 +25,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from raygraph.cluster.kv_cache import KVCacheManager
-from raygraph.memory.pool import PagePool
+from raygraph.engine.kv_cache import KVCacheManager
+from raygraph.engine.pages import PagePool
 from raygraph.protocol import FinishReason, NewSeq, SamplingParams, SeqStep, TokenLogprobs
 
 
@@ -48,7 +48,7 @@ class Sequence:
     watch: bool = True  # its client wants each token as it comes (a stream, stop strings)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output, when asked for
     scheduled_at: float = 0.0  # perf_counter when first admitted (its queue time ends)
-    # prefix caching (cluster/kv_cache.py): keys of its known full blocks (a hash chain, kept
+    # prefix caching (engine/kv_cache.py): keys of its known full blocks (a hash chain, kept
     # across preemption), how many leading blocks of block_table are keyed, and the tokens
     # found cached at its last admission
     block_hashes: list[int] = field(default_factory=list)

@@ -1,0 +1,109 @@
+"""Which replica a request goes to: pure Python, kept by every process that sends requests
+to engines (the coordinator for Ray calls, each HTTP server for its own streams).
+
+Cache routing sends a prompt to the replica that was last sent the longest block-aligned
+prefix of it, where that prefix is likely still cached, unless that replica is loaded past
+`max_imbalance` times the least loaded one (plus one request's worth): then, as in load
+routing, the less loaded of two replicas picked at random. Load is the tokens this router
+has outstanding on each replica (prompt + max_tokens of every request not finished), so each
+router sees only its own traffic: a bounded approximation of the engines' real state that
+needs no message per step. The prefix map is an LRU of block hashes, `max_prefixes` long.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from raygraph.config import ReplicaConfig
+
+# a text prompt is hashed in blocks of this many characters (roughly a token block)
+TEXT_BLOCK_CHARS = 64
+
+
+def prefix_hashes(prompt: str | Sequence[int] | bytes, block: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks: entry i identifies blocks 0..i, so two
+    prompts share entry i exactly when they share their first i + 1 blocks."""
+    if isinstance(prompt, bytes):  # packed uint32 ids (client/requests.pack_ids)
+        block *= 4
+    elif isinstance(prompt, str):
+        block = TEXT_BLOCK_CHARS
+    else:
+        prompt = tuple(prompt)
+    out: list[int] = []
+    h = 0
+    for start in range(0, len(prompt) - block + 1, block):
+        h = hash((h, prompt[start:start + block]))
+        out.append(h)
+    return out
+
+
+class Router:
+    def __init__(self, replicas: int, cfg: ReplicaConfig, block_size: int,
+                 rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.load = [0] * replicas  # outstanding tokens per replica
+        self.up = [True] * replicas  # replicas that take requests
+        self.prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica
+        self.rng = rng or random.Random()
+        self._next = 0  # round-robin position
+        self.hits = 0  # requests sent to the replica holding a prefix of theirs
+
+    def resize(self, replicas: int) -> None:
+        """More or fewer replicas (scaling): new ones start unloaded; prefixes that point
+        past the end are forgotten as they are met."""
+        self.load = (self.load + [0] * replicas)[:replicas]
+        self.up = (self.up + [True] * replicas)[:replicas]
+
+    def set_up(self, replica: int, up: bool) -> None:
+        """A replica that failed (or sleeps) takes no requests until it is up again."""
+        self.up[replica] = up
+
+    def pick(self, prompt: str | Sequence[int] | bytes, cost: int) -> int:
+        """The replica for a prompt that will cost `cost` tokens; it counts as outstanding
+        there until `done`. ValueError when no replica is up."""
+        live = [r for r, ok in enumerate(self.up) if ok]
+        if not live:
+            raise ValueError("no replica is serving")
+        policy = self.cfg.routing
+        if policy == "round-robin":
+            choice = live[self._next % len(live)]
+            self._next += 1
+        else:
+            hashes = prefix_hashes(prompt, self.block_size) if policy == "cache" else []
+            choice = self._cached(hashes, live, cost)
+            if choice is None:
+                choice = self._least_of_two(live)
+            else:
+                self.hits += 1
+            for h in hashes:  # this prompt's blocks now live there
+                self.prefixes[h] = choice
+                self.prefixes.move_to_end(h)
+            while len(self.prefixes) > self.cfg.max_prefixes:
+                self.prefixes.popitem(last=False)
+        self.load[choice] += cost
+        return choice
+
+    def _cached(self, hashes: list[int], live: list[int], cost: int) -> int | None:
+        floor = min(self.load[r] for r in live)
+        for h in reversed(hashes):  # the longest prefix first
+            r = self.prefixes.get(h)
+            if r is None or r >= len(self.up) or not self.up[r]:
+                continue
+            if self.load[r] <= self.cfg.max_imbalance * floor + cost:
+                return r
+            return None  # its replica is too busy: balance instead
+        return None
+
+    def _least_of_two(self, live: list[int]) -> int:
+        if len(live) == 1:
+            return live[0]
+        a, b = self.rng.sample(live, 2)
+        return a if self.load[a] <= self.load[b] else b
+
+    def done(self, replica: int, cost: int) -> None:
+        """A request picked with `cost` finished (or failed) on `replica`."""
+        if replica < len(self.load):
+            self.load[replica] = max(0, self.load[replica] - cost)

@@ -1,0 +1,222 @@
+"""Client side of the engines' multiplexed streams, for any process that serves many streams
+at once (an HTTP server, the load benchmark): one subscription per replica's engine, and a
+router that picks the replica of each new stream."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+import msgspec
+
+from raygraph.client.requests import pack_ids, take_deltas
+from raygraph.client.router import Router
+from raygraph.config import ReplicaConfig
+from raygraph.errors import WorkerFailure, last_line
+from raygraph.protocol import SamplingParams, StreamDelta, replica_of
+
+
+class StreamHub:
+    """This process's streams on one engine, over one subscription (`Engine.subscribe`): one
+    Ray message per batch of deltas, demultiplexed here into a queue per request. A Ray
+    stream per request cost ~0.2 ms a message on each side and capped 64 streams."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.failed = False  # the subscription ended: this engine is gone
+        self.name = f"http-{secrets.token_hex(6)}"
+        # open requests: from open() until their last delta is taken or they are cancelled
+        self.queues: dict[int, asyncio.Queue[StreamDelta]] = {}
+        self._ended: set[int] = set()  # open, and their last delta is queued
+        # cancelled while running: their deltas still in flight are dropped until the last
+        self._cancelled: set[int] = set()
+        self._pump_task: asyncio.Task | None = None
+        # opens not sent yet, and the task sending them: one call per burst (submit_streams)
+        self._opening: list[tuple[list[int], SamplingParams, asyncio.Future[int]]] = []
+        self._open_task: asyncio.Task | None = None
+
+    def _queue(self, request_id: int) -> asyncio.Queue[StreamDelta]:
+        return self.queues.setdefault(request_id, asyncio.Queue())
+
+    async def _pump(self) -> None:
+        gen = self.engine.subscribe.options(num_returns="streaming").remote(self.name)
+        why = "the engine closed this process's stream subscription"
+        try:
+            async for ref in gen:
+                for delta in await ref:
+                    rid = delta.request_id
+                    if rid not in self._cancelled:
+                        self._queue(rid).put_nowait(delta)
+                        if delta.finish_reason is not None:
+                            self._ended.add(rid)
+                    elif delta.finish_reason is not None:
+                        self._cancelled.discard(rid)
+        except Exception as e:  # the engine is gone: every open stream ends with it
+            why = f"the stream subscription failed: {last_line(e)}"
+        self.failed = True
+        for rid, q in self.queues.items():
+            q.put_nowait(StreamDelta(rid, [], None, "error", error=why))
+
+    async def open(self, prompt: list[int], params: SamplingParams) -> int:
+        """Start a stream; its request id. Opens made while a call is on its way go together
+        in the next one: a burst of arrivals costs a Ray call or two, not one each, and
+        reaches the scheduler at once instead of trickling in over many steps."""
+        loop = asyncio.get_running_loop()
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = loop.create_task(self._pump())
+        fut: asyncio.Future[int] = loop.create_future()
+        self._opening.append((prompt, params, fut))
+        if self._open_task is None or self._open_task.done():
+            self._open_task = loop.create_task(self._send_opens())
+        return await fut
+
+    async def _send_opens(self) -> None:
+        while self._opening:
+            batch, self._opening = self._opening, []
+            try:
+                results = await self.engine.submit_streams.remote(
+                    self.name, [(pack_ids(prompt), params) for prompt, params, _ in batch])
+            except Exception as e:  # the call itself failed: every open in it fails
+                results = [e] * len(batch)
+            for (_, _, fut), r in zip(batch, results):
+                if isinstance(r, BaseException):
+                    if not fut.done():
+                        fut.set_exception(r)
+                    continue
+                self._queue(r)  # open from now: a cancel before the first delta is known
+                if fut.done():  # its caller went away while the call was out
+                    self.cancel([r])
+                else:
+                    fut.set_result(r)
+
+    async def next(self, request_id: int) -> StreamDelta:
+        """The request's deltas queued so far, as one (WorkerFailure if it failed: tokens
+        that came before the failure are returned first, the error on the next call)."""
+        q = self._queue(request_id)
+        delta = take_deltas(q, await q.get())
+        if delta.finish_reason == "error" and delta.token_ids:
+            q.put_nowait(StreamDelta(request_id, [], None, "error", error=delta.error))
+            return msgspec.structs.replace(delta, finish_reason=None, timing=None,
+                                           stop_reason=None, error=None)
+        if delta.finish_reason is not None:
+            self.queues.pop(request_id, None)
+            self._ended.discard(request_id)
+        if delta.finish_reason == "error":
+            raise WorkerFailure(delta.error or "the request failed")
+        return delta
+
+    def cancel(self, request_ids: list[int]) -> None:
+        """Stop requests whose client went away (the coordinator ends each with "abort")."""
+        running = []
+        for rid in request_ids:
+            if self.queues.pop(rid, None) is None:
+                continue  # its last delta was taken already (or it is not ours)
+            if rid in self._ended:  # finished, its last delta unread: nothing more comes
+                self._ended.discard(rid)
+                continue
+            running.append(rid)
+        self._cancelled.update(running)
+        if running:
+            self.engine.cancel.remote(running)
+
+
+class ReplicaStreams:
+    """Streams over every replica: a StreamHub per engine, the replica of each new stream
+    picked by a Router. The engines come from the coordinator (`replica_states`), asked
+    again at most every REFRESH_S when one is not serving, so a replica started again is
+    used once it serves. A request id names its replica (protocol.replica_of)."""
+
+    REFRESH_S = 1.0
+
+    def __init__(self, coord: Any, cfg: ReplicaConfig, block_size: int) -> None:
+        self.coord = coord
+        self.router = Router(cfg.replicas, cfg, block_size)
+        self.hubs: list[StreamHub | None] = [None] * cfg.replicas
+        self.costs: dict[int, int] = {}  # open request -> its tokens on the router
+        for r in range(cfg.replicas):  # none is used before the coordinator names its engine
+            self.router.set_up(r, False)
+        self._checked = -1e9
+        self._all_up = False
+        self._asking: asyncio.Task | None = None
+
+    @staticmethod
+    def from_info(coord: Any, info: dict) -> ReplicaStreams:
+        """Over the coordinator whose `describe()` is `info`."""
+        return ReplicaStreams(coord, msgspec.convert(info["replica_config"], ReplicaConfig),
+                              info["block_size"])
+
+    async def _refresh(self) -> None:
+        """Ask the coordinator for the engines unless every hub is fine, at most every
+        REFRESH_S, one call for all the opens waiting on it."""
+        if self._all_up and all(h is not None and not h.failed for h in self.hubs):
+            return
+        for r, hub in enumerate(self.hubs):
+            if hub is not None and hub.failed:  # its engine is gone: no new stream there
+                self.router.set_up(r, False)
+        if self._asking is None:
+            if time.monotonic() - self._checked < self.REFRESH_S and any(self.router.up):
+                return
+            self._asking = asyncio.get_running_loop().create_task(self._ask())
+        task = self._asking
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._asking is task and task.done():
+                self._asking = None
+
+    async def _ask(self) -> None:
+        self._checked = time.monotonic()
+        states = await self.coord.replica_states.remote()
+        for s in states:
+            hub = self.hubs[s.replica]
+            if s.state != "serving":
+                self.router.set_up(s.replica, False)
+                continue
+            if hub is None or hub.failed or hub.engine._actor_id != s.engine._actor_id:
+                self.hubs[s.replica] = StreamHub(s.engine)
+            self.router.set_up(s.replica, True)
+        self._all_up = all(s.state == "serving" for s in states)
+
+    async def open(self, prompt: list[int], params: SamplingParams) -> int:
+        """Start a stream on the replica the router picks; its request id."""
+        await self._refresh()
+        cost = len(prompt) + params.max_tokens
+        try:
+            replica = self.router.pick(prompt, cost)
+        except ValueError:
+            raise WorkerFailure("no replica is serving") from None
+        try:
+            rid = await self.hubs[replica].open(prompt, params)
+        except BaseException:
+            self.router.done(replica, cost)
+            raise
+        self.costs[rid] = cost
+        return rid
+
+    def _ended(self, rid: int) -> None:
+        cost = self.costs.pop(rid, None)
+        if cost is not None:
+            self.router.done(replica_of(rid), cost)
+
+    async def next(self, request_id: int) -> StreamDelta:
+        """StreamHub.next on the request's replica."""
+        try:
+            delta = await self.hubs[replica_of(request_id)].next(request_id)
+        except BaseException:
+            self._ended(request_id)
+            raise
+        if delta.finish_reason is not None:
+            self._ended(request_id)
+        return delta
+
+    def cancel(self, request_ids: list[int]) -> None:
+        by_replica: dict[int, list[int]] = {}
+        for rid in request_ids:
+            self._ended(rid)
+            by_replica.setdefault(replica_of(rid), []).append(rid)
+        for replica, rids in by_replica.items():
+            hub = self.hubs[replica]
+            if hub is not None:
+                hub.cancel(rids)

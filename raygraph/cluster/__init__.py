@@ -1,1 +1,0 @@
-"""The coordinator actor, its scheduler, and worker start-up on a placement group."""

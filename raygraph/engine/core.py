@@ -1,0 +1,213 @@
+"""The step loop's logic, without transport or clients: place new sequences on the least
+loaded DP group, schedule every group, turn the result into one StepDelta per group, and
+apply the tokens that come back one step later.
+
+`EngineCore.step` is the one step there is: the engine's step thread calls it with a
+dispatch over the compiled graph (engine/group.py), tests and benchmarks with one over a
+Worker in this process. Two hooks plug into it: a capture policy that may rewrite the step's
+keys (engine/capture.py: run a key not captured yet eagerly, or capture it first) and the
+LoRA admission whose slot loads ride on the step. Pure Python apart from msgspec.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from raygraph.config import ModelConfig, ServeConfig
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler, SchedulerOutput, Sequence
+from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
+from raygraph.protocol import BucketKey, StepDelta, StepOutput
+
+ENCODER = msgspec.msgpack.Encoder()
+
+# one step to the workers: a msgpack StepDelta per DP group (b"": flush) -> each group's
+# tokens of the previous step
+Dispatch = Callable[[list[bytes]], list[StepOutput]]
+Emitted = list[list[tuple[Sequence, int]]]  # per DP group: (sequence, token) to emit
+
+
+class KeyPolicy(Protocol):
+    """What the step does with keys not captured yet (engine/capture.Capture)."""
+
+    def prepare(self, outs: list[SchedulerOutput | None], keys: list[BucketKey | None],
+                flush: Callable[[], None]) -> None:
+        """Rewrite `keys` in place (an eager key for one not captured), or capture a key
+        first; `flush` collects the step in flight before anything is captured."""
+
+
+class EngineCore:
+    def __init__(self, schedulers: list[Scheduler], buckets: BucketPlan | None, ep: bool,
+                 capture: KeyPolicy | None = None, lora: Any = None) -> None:
+        """`lora`: engine/lora.LoRAAdmission, whose slot loads go with the step."""
+        self.schedulers = schedulers
+        self.buckets = buckets
+        self.ep = ep
+        self.capture = capture
+        self.lora = lora
+        self.step_id = 0
+        self.in_flight: list[SchedulerOutput | None] | None = None  # tokens not back yet
+        self.seqs: dict[int, tuple[int, Sequence]] = {}  # id -> (DP group, sequence)
+        self.msg_bytes = 0  # encoded deltas sent, summed over steps
+        self.schedule_s = 0.0  # in Scheduler.schedule and .update (all groups), summed
+        self.preemptions = 0
+        self.phase_steps: Counter[str] = Counter()  # steps per bucket phase, per DP group
+        self.resumed_at = 0  # the first step after the loop last ran out of work
+        self.failed: list[tuple[int, str]] = []  # (seq id, error): adapter loads that failed
+        self._flushed: Emitted = []  # tokens collected by a flush inside the step
+
+    @staticmethod
+    def from_config(cfg: ServeConfig, model: ModelConfig, num_blocks: int,
+                    capture: KeyPolicy | None = None, lora: Any = None) -> EngineCore:
+        """What a serving group runs with: a scheduler per DP group (each its own KV pool of
+        `num_blocks`, with prefix caching as configured) and the config's bucket plan."""
+        s, c = cfg.scheduler, cfg.cache
+        max_len = cfg.max_model_len(model, num_blocks)
+        schedulers = [Scheduler(PagePool.from_config(num_blocks, c), s.max_num_seqs,
+                                s.max_num_batched_tokens, max_len, model.eos_token_ids,
+                                c.enable_prefix_caching)
+                      for _ in range(cfg.parallel.dp)]
+        return EngineCore(schedulers, cfg.bucket_plan(), cfg.parallel.ep > 1, capture, lora)
+
+    # ---- sequences ---------------------------------------------------------------------
+    def add(self, seqs: list[Sequence]) -> None:
+        """New sequences, each to the DP group with the fewest sequences."""
+        for seq in seqs:
+            group = min(range(len(self.schedulers)), key=self._load)
+            self.schedulers[group].add(seq)
+            self.seqs[seq.seq_id] = (group, seq)
+
+    def _load(self, group: int) -> int:
+        s = self.schedulers[group]
+        return len(s.running) + len(s.waiting)
+
+    def finish(self, seq_id: int, reason: str) -> Sequence | None:
+        """End a sequence early (a stop string, an abort, a failed adapter); its blocks are
+        freed. None if it had finished already."""
+        entry = self.seqs.pop(seq_id, None)
+        if entry is None:
+            return None
+        self.schedulers[entry[0]].finish(entry[1], reason)
+        return entry[1]
+
+    def schedule(self) -> tuple[list[SchedulerOutput | None], list[BucketKey | None],
+                                int] | None:
+        """The next step of every group (None: nothing to run), its keys and dispatch size."""
+        outs = [s.schedule() for s in self.schedulers]
+        if all(o is None for o in outs):
+            return None
+        # an idle group runs one padding token, so the MoE collectives still match
+        idle = (IDLE_TOKENS, IDLE_TOKENS, True)
+        shapes = [(o.num_tokens, o.num_seqs, o.decode) if o else idle for o in outs]
+        if self.buckets is None:  # eager mode: the dispatch size is the largest real batch
+            comm = max(t for t, _, _ in shapes) if self.ep else 0
+            keys: list[BucketKey | None] = [None] * len(outs)
+        else:
+            comm = self.buckets.comm_tokens(shapes) if self.ep else 0
+            keys = [self.buckets.key(t, n, d, comm) for t, n, d in shapes]
+        return outs, keys, comm
+
+    def encode(self, outs: list[SchedulerOutput | None], keys: list[BucketKey | None],
+               comm: int, lora_loads: list[tuple[int, str]] | None = None) -> list[bytes]:
+        """One message per group; also takes the step id. `lora_loads` (slot, path) go to
+        every group: every rank loads them before the step."""
+        self.step_id += 1
+        loads = lora_loads or []
+        msgs = [ENCODER.encode(StepDelta(
+            self.step_id, [s.seq_id for s in o.feed], [c for _, c in o.chunks], o.new,
+            o.blocks, o.drop, k, comm, loads) if o is not None else
+            StepDelta(self.step_id, key=k, num_comm_tokens=comm, lora_loads=loads))
+            for o, k in zip(outs, keys)]
+        self.msg_bytes += sum(len(m) for m in msgs)
+        return msgs
+
+    def apply(self, outputs: list[StepOutput]) -> Emitted:
+        """The tokens of the step in flight; returns each group's (seq, token) to emit."""
+        outs, self.in_flight = self.in_flight, None
+        if outs is None:
+            return [[] for _ in self.schedulers]
+        return [s.update(o, out.token_ids, out.logprobs) if o is not None else []
+                for s, o, out in zip(self.schedulers, outs, outputs)]
+
+    def step(self, dispatch: Dispatch) -> Emitted | None:
+        """Schedule and send one step, apply the one before; returns the tokens to emit
+        (those of a flush the capture policy asked for first included). None: idle with
+        nothing in flight."""
+        t0 = time.perf_counter()
+        planned = self.schedule()
+        self.schedule_s += time.perf_counter() - t0
+        if planned is None:
+            if self.in_flight is None:
+                self.resumed_at = self.step_id + 1  # its device gap is the clients' pause
+                return None
+            return self.flush(dispatch)
+        outs, keys, comm = planned
+        self._flushed = []
+        if self.capture is not None:  # new shapes: captured on every rank, nothing in flight
+            self.capture.prepare(outs, keys, lambda: self._flush_into(dispatch))
+        for o in outs:
+            if o is not None:
+                self.preemptions += len(o.preempted)
+        for key in keys:  # per DP group: a replay of its bucket's graph, or an eager step
+            self.phase_steps[key.phase if key is not None else "eager"] += 1
+        loads = self.lora.take_loads() if self.lora is not None else []
+        outputs = dispatch(self.encode(outs, keys, comm, loads))
+        t0 = time.perf_counter()
+        emitted = self.apply(outputs)
+        self.schedule_s += time.perf_counter() - t0
+        self.in_flight = outs
+        if loads:
+            self._loaded(outputs)
+        if self._flushed:
+            emitted = [a + b for a, b in zip(self._flushed, emitted)]
+        self._forget_finished(emitted)
+        return emitted
+
+    def _flush_into(self, dispatch: Dispatch) -> None:
+        if self.in_flight is not None:
+            self._flushed = self.flush(dispatch)
+
+    def _loaded(self, outputs: list[StepOutput]) -> None:
+        """After a step that loaded adapter slots: the sequences whose adapter failed to
+        load end (the step in flight computed them with a zero slot: their tokens are
+        dropped); `failed` tells the engine to fail their requests."""
+        for seq_id, msg in self.lora.loaded([r for out in outputs for r in out.lora_loads]):
+            self.finish(seq_id, "error")
+            self.failed.append((seq_id, msg))
+
+    def _forget_finished(self, emitted: Emitted) -> None:
+        for pairs in emitted:
+            for seq, _ in pairs:
+                if seq.finish_reason is not None and self.seqs.pop(seq.seq_id, None):
+                    if self.lora is not None:
+                        self.lora.release(seq)
+
+    def flush(self, dispatch: Dispatch) -> Emitted:
+        """Collect the step in flight."""
+        emitted = self.apply(dispatch([b""] * len(self.schedulers)))
+        self._forget_finished(emitted)
+        return emitted
+
+
+def local_dispatch(worker: Any) -> Dispatch:
+    """Steps to a Worker in this process (one DP group of one rank): tests, benchmarks."""
+    decoder = msgspec.msgpack.Decoder(StepOutput)
+
+    def dispatch(msgs: list[bytes]) -> list[StepOutput]:
+        (msg,) = msgs
+        return [decoder.decode(worker.run(msg))]
+
+    return dispatch
+
+
+def run_to_completion(core: EngineCore, dispatch: Dispatch) -> int:
+    """Step until every scheduler is empty and nothing is in flight; returns the steps."""
+    steps = 0
+    while core.step(dispatch) is not None:
+        steps += 1
+    return steps

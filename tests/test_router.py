@@ -1,0 +1,90 @@
+"""The router's choices (client/router.py): a prompt follows its longest cached prefix within
+the load bound, otherwise the less loaded of two; round-robin; replicas that are down are
+skipped; the prefix map stays bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from raygraph.client.router import Router, prefix_hashes
+from raygraph.config import ConfigError, ReplicaConfig
+
+BLOCK = 4
+
+
+def router(replicas: int = 2, **kw) -> Router:
+    return Router(replicas, ReplicaConfig(replicas=replicas, **kw), BLOCK, random.Random(0))
+
+
+def test_prefix_hashes_are_chained_over_full_blocks_only():
+    a = prefix_hashes(list(range(10)), BLOCK)
+    assert len(a) == 2  # 10 tokens: two full blocks of 4
+    b = prefix_hashes(list(range(8)) + [99, 98, 97, 96], BLOCK)
+    assert b[:2] == a and len(b) == 3
+    c = prefix_hashes([7] + list(range(1, 10)), BLOCK)
+    assert c[0] != a[0] and c[1] != a[1]  # an early difference changes every later entry
+    packed = prefix_hashes(bytes(4 * 8), BLOCK)  # uint32 ids: 4 bytes a token
+    assert len(packed) == 2
+
+
+def test_a_shared_prefix_goes_where_it_went_before():
+    r = router(4)
+    system = list(range(100, 164))
+    first = r.pick(system + [1, 2, 3, 4], cost=10)
+    for i in range(20):
+        r.done(first, 10)
+        assert r.pick(system + [i] * 8, cost=10) == first
+    assert r.hits == 20
+
+
+def test_the_load_bound_overrides_the_prefix():
+    r = router(2, max_imbalance=1.5)
+    system = list(range(64))
+    home = r.pick(system, cost=100)
+    assert r.pick(system, cost=100) == home  # 100 outstanding <= 1.5 * 0 + 100
+    assert r.pick(system, cost=100) == 1 - home  # 200 > 100: too busy, balanced instead
+    assert r.hits == 1
+
+
+def test_load_routing_spreads_unrelated_prompts_evenly():
+    r = router(4, routing="load")
+    for i in range(400):
+        r.pick([i] * 16, cost=1)
+    assert max(r.load) - min(r.load) <= 20  # power of two choices: nearly even
+
+
+def test_round_robin_cycles_and_skips_replicas_that_are_down():
+    r = router(3, routing="round-robin")
+    assert [r.pick([1], 1) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    r.set_up(1, False)
+    assert {r.pick([1], 1) for _ in range(4)} == {0, 2}
+    r.set_up(0, False)
+    r.set_up(2, False)
+    with pytest.raises(ValueError, match="no replica is serving"):
+        r.pick([1], 1)
+
+
+def test_a_prefix_on_a_replica_that_is_down_is_not_followed():
+    r = router(2)
+    system = list(range(32))
+    home = r.pick(system, cost=1)
+    r.set_up(home, False)
+    assert r.pick(system, cost=1) == 1 - home
+
+
+def test_the_prefix_map_is_bounded_and_done_releases_load():
+    r = router(2, max_prefixes=10)
+    for i in range(50):
+        replica = r.pick([i] * 16, cost=5)
+        r.done(replica, 5)
+    assert len(r.prefixes) == 10
+    assert r.load == [0, 0]
+
+
+def test_replica_config_refuses_nonsense():
+    with pytest.raises(ConfigError, match="replicas must be >= 1"):
+        ReplicaConfig(replicas=0)
+    with pytest.raises(ConfigError, match="max_imbalance"):
+        ReplicaConfig(max_imbalance=0.5)
