@@ -83,7 +83,7 @@ def test_version():
 
 
 TOP_LEVEL = ("valid: model, device, dtype, seed, coordinator_name, namespace, step_timeout_s, "
-             "[parallel], [cache], [scheduler], [graph], [offload], [lora]")
+             "[parallel], [cache], [scheduler], [graph], [offload], [lora], [replica]")
 
 
 @pytest.mark.parametrize("text, cause", [

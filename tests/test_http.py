@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from raygraph.api.app import HttpConfig
@@ -363,13 +364,15 @@ def test_a_client_that_goes_away_stops_its_stream(ray_session, server, client):
 
 
 def test_a_cancelled_subscribed_stream_leaves_nothing_behind(server):
-    """StreamHub over the real coordinator: a cancelled request stops, its deltas still in
+    """StreamHub over a real engine: a cancelled request stops, its deltas still in
     flight are dropped, and the coordinator's closing "abort" delta clears its record, so
     nothing is kept per cancelled request; the others on the subscription go on."""
     from raygraph.client.streams import StreamHub
 
+    engine = ray.get(server[0].engine.remote(0))  # HTTP servers stream from the engines
+
     async def run() -> tuple[StreamHub, list[int]]:
-        hub = StreamHub(server[0])
+        hub = StreamHub(engine)
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         gone = await hub.open([5, 6, 7], params)
         kept = await hub.open([5, 6, 8], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -422,8 +425,10 @@ def test_a_burst_of_opens_with_a_bad_prompt_serves_the_others(server):
     from raygraph.client.streams import StreamHub
     from raygraph.errors import BadRequest
 
+    engine = ray.get(server[0].engine.remote(0))
+
     async def run() -> list:
-        hub = StreamHub(server[0])
+        hub = StreamHub(engine)
         sp = SamplingParams(max_tokens=5, ignore_eos=True)
         prompts = [[5, 6, 7], [9] * 4096, [5, 6, 8], [5, 6, 9]]
         opened = await asyncio.gather(*(hub.open(p, sp) for p in prompts),

@@ -325,6 +325,8 @@ class Coordinator:
                 task.cancel()
         self.replicas = [ReplicaState(s.replica, None, "stopped", "shut down")
                          for s in self.replicas]
+        for r in range(len(self.replicas)):
+            self.router.set_up(r, False)
         self._reason = "shut down"
 
     def ping(self) -> bool:
