@@ -75,7 +75,7 @@ def test_a_killed_api_server_serves_again_and_a_dead_coordinator_exits_1():
                     break
             except OSError:
                 pass
-            assert time.monotonic() - t0 < 10, "the port did not serve again within 10 s"
+            assert time.monotonic() - t0 < 30, "the port did not serve again within 30 s"
             time.sleep(0.2)
         assert serve.poll() is None
         ray_process(parent, "Coordinator").kill()
