@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from raygraph import freeze_heap
+from raygraph.process import freeze_heap
 from raygraph.protocol import RequestTiming, SamplingParams
 
 

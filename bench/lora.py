@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.checkpoints import make_random_checkpoint
+from raygraph.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     CacheConfig,
@@ -48,7 +49,7 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
-from raygraph.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, module_shapes
+from raygraph.lora.adapter import module_shapes
 from raygraph.protocol import SamplingParams
 
 BLOCK = 16

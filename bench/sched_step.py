@@ -26,7 +26,7 @@ import msgspec
 
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ModelConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 
 

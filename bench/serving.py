@@ -63,7 +63,7 @@ from raygraph.config import (
     ServeConfig,
 )
 from raygraph.engine.core import Dispatch, EngineCore, local_dispatch, run_to_completion
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
 from raygraph.worker.worker import Worker
 

@@ -27,7 +27,9 @@ import torch
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
+from raygraph.graph.buckets import bucket_plan
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 
@@ -52,7 +54,7 @@ def greedy_tokens(w: Worker, prompts: list[list[int]], max_tokens: int) -> list[
             for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
-    run_to_completion(EngineCore([sched], c.bucket_plan(), ep=False), local_dispatch(w))
+    run_to_completion(EngineCore([sched], bucket_plan(c), ep=False), local_dispatch(w))
     return [s.output_token_ids for s in seqs]
 
 

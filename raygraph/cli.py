@@ -12,6 +12,7 @@ import traceback
 import msgspec
 
 from raygraph import __version__
+from raygraph.adapter_files import LORA_MODULES
 from raygraph.client.connect import (
     ClusterError,
     auth_token_available,
@@ -22,7 +23,7 @@ from raygraph.client.connect import (
     remote_cause,
     start_coordinator,
 )
-from raygraph.config import LORA_MODULES, ConfigError, ServeConfig, parse_bytes
+from raygraph.config import ConfigError, ServeConfig, parse_bytes
 from raygraph.errors import Asleep, BadRequest, Busy
 from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams

@@ -13,6 +13,7 @@ from typing import Literal
 
 import msgspec
 
+from raygraph.adapter_files import LORA_MODULES, adapter_targets
 from raygraph.generation import eos_token_ids
 
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
@@ -436,10 +437,6 @@ class OffloadConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"offload budget must be >= 1 byte, got {self.budget_bytes}")
 
 
-# the HF projections a LoRA adapter may target
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 class LoRAConfig(msgspec.Struct, frozen=True):
     """Multi-LoRA: `max_loras` adapter slots on every rank, each holding one adapter of rank
     <= max_lora_rank; a step mixes tokens of any slots and of the base model. 0 slots: off
@@ -497,8 +494,6 @@ class LoRAConfig(msgspec.Struct, frozen=True):
         kernels cover only those projections. LoRAError for an adapter that cannot be read."""
         if self.target_modules or not self.modules:
             return self
-        from raygraph.lora.adapter import adapter_targets  # lora/ imports this module
-
         found = set().union(*(adapter_targets(p) for p in {p for _, p in self.modules}))
         return msgspec.structs.replace(
             self, target_modules=tuple(m for m in LORA_MODULES if m in found))
@@ -571,17 +566,6 @@ class ServeConfig(msgspec.Struct, frozen=True):
         if num_blocks is not None:
             cap = min(cap, num_blocks * self.cache.block_size)
         return min(limit, cap)
-
-    def bucket_plan(self):  # -> BucketPlan | None (graph/ imports this module)
-        """The capture sizes and bucketing every rank and the coordinator share; None when
-        steps run eagerly. The one place it is derived."""
-        from raygraph.graph.buckets import BucketPlan
-
-        if not self.uses_graphs:
-            return None
-        s = self.scheduler
-        return BucketPlan.from_config(self.graph, s.max_num_seqs, s.max_num_batched_tokens,
-                                      self.parallel.ep > 1)
 
     def executor_graph(self) -> GraphConfig:
         """The GraphConfig the executor is built from (eager whenever graphs are not used)."""

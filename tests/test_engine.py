@@ -19,7 +19,8 @@ import pytest
 
 from raygraph.engine.core import EngineCore
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import NewSeq, SamplingParams, SeqStep, StepDelta, StepOutput
 from raygraph.worker.state import SeqTable, StateError
 from tests.test_scheduler import STOP_CASES, check_pool, kv_step, writable

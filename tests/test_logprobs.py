@@ -13,7 +13,8 @@ import torch
 from raygraph.config import DEFAULT_MODEL, CacheConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import dtype_tol, loaded_worker

@@ -32,7 +32,7 @@ from raygraph.config import (
 )
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.lora import LoRAAdmission, LoRARegistry
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.errors import LoRAError
 from raygraph.graph.inputs import InputBuffers, host_inputs
 from raygraph.lora import LoRAAdapter, LoRASlots, read_adapter

@@ -20,7 +20,7 @@ from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, ModelConfig, ParallelConfig
 from raygraph.engine.group import WorkerGroup
 from raygraph.engine.lora import LoRAAdmission, LoRARegistry
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.errors import LoRAError, UnknownAdapter
 from raygraph.lora import read_adapter
 from raygraph.protocol import LoRALoad, SamplingParams, StepOutput

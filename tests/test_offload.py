@@ -21,7 +21,8 @@ from raygraph.config import (
     parse_bytes,
 )
 from raygraph.graph.executor import EagerExecutor, GraphExecutor
-from raygraph.memory.offload import check_host_weights, spec_of
+from raygraph.memory.offload import check_host_weights
+from raygraph.memory.offload_engine import spec_of
 from raygraph.memory.offload_plan import (
     ALIGN,
     LruPool,

@@ -21,7 +21,8 @@ from raygraph.cli import add_serve_args, serve_config
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ServeConfig
 from raygraph.engine.core import EngineCore
 from raygraph.engine.kv_cache import ALLOCATE_BUCKETS, ALLOCATE_SAMPLE, merge_stats
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import NewSeq, SamplingParams
 from tests.test_scheduler import check_pool, make, step, token
 

@@ -22,7 +22,8 @@ import msgspec
 import pytest
 
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, SchedulerOutput, Sequence
+from raygraph.engine.scheduler import Scheduler, SchedulerOutput
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams, SeqChunk, StepDelta, StepPlan
 from raygraph.worker.state import SeqTable
 

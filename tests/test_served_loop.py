@@ -10,7 +10,8 @@ import pytest
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import loaded_worker

@@ -15,9 +15,11 @@ from raygraph.client.connect import start_coordinator
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import SleepControl
 from raygraph.errors import Asleep, BadRequest, Busy
+from raygraph.graph.buckets import bucket_plan
 from raygraph.memory.stats import SleepStats
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.state import StateError
@@ -54,7 +56,7 @@ def greedy(w: Worker) -> list[list[int]]:
             for i, p in enumerate(PROMPTS)]
     for s in seqs:
         sched.add(s)
-    run_to_completion(EngineCore([sched], w.cfg.bucket_plan(), ep=False), local_dispatch(w))
+    run_to_completion(EngineCore([sched], bucket_plan(w.cfg), ep=False), local_dispatch(w))
     return [s.output_token_ids for s in seqs]
 
 

@@ -17,7 +17,7 @@ from raygraph.config import (
     SchedulerConfig,
     ServeConfig,
 )
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams
 from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 from tests.hf_ref import hf_greedy

@@ -18,8 +18,10 @@ import torch
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
+from raygraph.graph.buckets import bucket_plan
 from raygraph.memory.arena import tensor_bytes
 from raygraph.memory.kv_arena import chunk_needs, kv_arena
 from raygraph.memory.stats import KVMapError
@@ -91,7 +93,7 @@ class Served:
         self.control = SleepControl(lambda: 0, self._now, self._call, offload=False,
                                     forget_kv=self.sched.kv.clear,
                                     pools=lambda: [self.sched.pool])
-        self.core = EngineCore([self.sched], c.bucket_plan(), ep=False)
+        self.core = EngineCore([self.sched], bucket_plan(c), ep=False)
         self._dispatch = local_dispatch(worker)
         self.handed_out: list[tuple[int, int]] = []  # (block, pages online then)
         self.online_seen: set[int] = set()

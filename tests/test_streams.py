@@ -144,7 +144,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
 
     from raygraph.config import SchedulerConfig, ServeConfig
     from raygraph.engine.engine import Engine
-    from raygraph.engine.scheduler import Sequence
+    from raygraph.engine.sequence import Sequence
 
     c = object.__new__(Engine)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
@@ -193,7 +193,7 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     import types
 
     from raygraph.engine.engine import Engine
-    from raygraph.engine.scheduler import Sequence
+    from raygraph.engine.sequence import Sequence
 
     c = object.__new__(Engine)  # the inbox's own state only: no workers, no model
     c._ids, c._stale_below, c.lora = itertools.count(), 0, None

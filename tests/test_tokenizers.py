@@ -139,7 +139,7 @@ def test_eos_ids_merge_config_generation_config_and_tokenizer(tmp_path):
 def test_a_generation_config_eos_list_stops_the_sequence(tmp_path):
     """Any id of generation_config.json's eos_token_id list ends a sequence, through the
     scheduler the served loop runs (a worker in process, greedy tokens as HF's)."""
-    from raygraph.engine.scheduler import Sequence
+    from raygraph.engine.sequence import Sequence
     from tests.hf_ref import hf_greedy
 
     path = make_checkpoint(tmp_path / "m", "LlamaForCausalLM")

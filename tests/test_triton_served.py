@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.graph import inputs
 from raygraph.model import ops
 from raygraph.protocol import SamplingParams

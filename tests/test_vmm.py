@@ -260,7 +260,7 @@ def test_graph_pool_config_cli_and_cpu_worker(tiny_llama) -> None:
 
     from raygraph.cli import add_serve_args, serve_config
     from raygraph.config import CacheConfig, ConfigError, GraphConfig, ServeConfig
-    from raygraph.memory.graph_pool import make_graph_pool
+    from raygraph.graph.executor import make_graph_pool
     from raygraph.worker.worker import Worker
 
     assert GraphConfig().pool == "vmm"

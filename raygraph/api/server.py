@@ -10,8 +10,8 @@ from typing import Any
 
 import ray
 
-from raygraph import freeze_heap, setup_logging
 from raygraph.api.app import HttpConfig, build_app
+from raygraph.process import freeze_heap, setup_logging
 
 
 class HttpServer:

@@ -23,11 +23,11 @@ from ray._private.state import available_resources_per_node
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raygraph import setup_logging
 from raygraph.client.requests import parse_params, split_prompts
 from raygraph.client.router import Router
 from raygraph.engine.engine import Engine
 from raygraph.errors import WorkerFailure, last_line
+from raygraph.process import setup_logging
 from raygraph.protocol import GenerateResult, ReplicaState, StartupProgress, StreamDelta
 
 log = logging.getLogger("raygraph.coordinator")

@@ -21,7 +21,7 @@ from typing import Any
 
 from raygraph.config import ServeConfig
 from raygraph.engine.lockstep import CallAll, CaptureError, KeyReport, LockstepCapture
-from raygraph.graph.buckets import IDLE_TOKENS
+from raygraph.graph.buckets import IDLE_TOKENS, bucket_plan
 from raygraph.memory.stats import MemoryStats
 from raygraph.protocol import BucketKey
 
@@ -103,7 +103,7 @@ class Capture:
                  failed: Callable[[CaptureError, bool], None],
                  memory_stats: Callable[[], list[MemoryStats]]) -> None:
         self.mode = cfg.graph.capture
-        self.buckets = cfg.bucket_plan()
+        self.buckets = bucket_plan(cfg)
         self.lockstep = LockstepCapture(cfg.parallel.world_size)
         self.background = None
         if self.buckets is not None and self.mode == "background":

@@ -20,8 +20,9 @@ import msgspec
 
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler, SchedulerOutput, Sequence
-from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan
+from raygraph.engine.scheduler import Scheduler, SchedulerOutput
+from raygraph.engine.sequence import Sequence
+from raygraph.graph.buckets import IDLE_TOKENS, BucketPlan, bucket_plan
 from raygraph.protocol import BucketKey, StepDelta, StepOutput
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -72,7 +73,7 @@ class EngineCore:
                                 s.max_num_batched_tokens, max_len, model.eos_token_ids,
                                 c.enable_prefix_caching)
                       for _ in range(cfg.parallel.dp)]
-        return EngineCore(schedulers, cfg.bucket_plan(), cfg.parallel.ep > 1, capture, lora)
+        return EngineCore(schedulers, bucket_plan(cfg), cfg.parallel.ep > 1, capture, lora)
 
     # ---- sequences ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:

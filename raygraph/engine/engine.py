@@ -25,7 +25,6 @@ from typing import Any
 import msgspec
 import ray
 
-from raygraph import freeze_heap, setup_logging
 from raygraph.client.requests import encode_prompt, parse_params, split_prompts, take_deltas
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.engine.capture import Capture
@@ -35,11 +34,13 @@ from raygraph.engine.kv_cache import merge_stats
 from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
 from raygraph.engine.lora import LoRAAdmission, LoRARegistry
 from raygraph.engine.requests import Request, RequestTable
-from raygraph.engine.scheduler import Scheduler, Sequence
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
 from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
 from raygraph.generation import sampling_defaults
 from raygraph.lora import read_adapter
+from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     REPLICA_SHIFT,
     BucketKey,

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from raygraph.engine.pages import KINDS, PagePool
-
-if TYPE_CHECKING:
-    from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 
 # upper bounds (seconds) of raygraph:pool_allocate_seconds; one allocate is ~0.5 us, one that
 # evicts a batch of cached pages down to the low watermark takes longer

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from raygraph.engine.kv_cache import Histogram
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.errors import LoRAError, UnknownAdapter
 from raygraph.protocol import LoRALoad
 

@@ -6,7 +6,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raygraph.config import GraphConfig
+from raygraph.config import GraphConfig, ServeConfig
 from raygraph.protocol import BucketKey
 
 
@@ -113,3 +113,13 @@ class BucketPlan:
         if self.ep:
             return [BucketKey(k.phase, k.num_tokens, k.num_tokens) for k in keys]
         return keys
+
+
+def bucket_plan(cfg: ServeConfig) -> BucketPlan | None:
+    """The capture sizes and bucketing every rank and the coordinator share; None when
+    steps run eagerly. The one place it is derived."""
+    if not cfg.uses_graphs:
+        return None
+    s = cfg.scheduler
+    return BucketPlan.from_config(cfg.graph, s.max_num_seqs, s.max_num_batched_tokens,
+                                  cfg.parallel.ep > 1)

@@ -30,8 +30,9 @@ from raygraph.graph.inputs import (
     token_layout,
 )
 from raygraph.graph.runners import FullGraph, PiecewiseGraph
-from raygraph.memory.graph_pool import GraphPool, make_graph_pool
+from raygraph.memory.graph_pool import GraphPool, PrivateGraphPool, TorchGraphPool
 from raygraph.memory.stats import GraphPoolStats
+from raygraph.memory.vmm_allocator import VmmGraphPool
 from raygraph.model import ops
 from raygraph.model.context import ForwardContext, forward_context
 from raygraph.model.llama import LlamaForCausalLM
@@ -403,6 +404,19 @@ class GraphExecutor(Executor):
         self.cascade_graphs.clear()
         if self.pool is not None:
             self.pool.release()
+
+
+def make_graph_pool(kind: str, device: torch.device, vmm_chunk_bytes: int,
+                    budget_bytes: int | None = None) -> GraphPool:
+    """The graph pool `GraphConfig.pool` names; budget_bytes caps the VMM pool's physical
+    memory (torch pools cannot be capped)."""
+    if kind == "torch":
+        return TorchGraphPool(device)
+    if kind == "private":
+        return PrivateGraphPool(device)
+    if kind == "vmm":
+        return VmmGraphPool(device, vmm_chunk_bytes, budget_bytes)
+    raise ValueError(f"unknown graph pool {kind!r}")
 
 
 def make_executor(cfg: GraphConfig, buckets: BucketPlan | None, model: LlamaForCausalLM,

@@ -1,34 +1,27 @@
 """PEFT LoRA adapters on disk (adapter_config.json + adapter_model.safetensors), read and
-checked against the base model's shapes: a bad adapter is one LoRAError naming the path."""
+checked against the base model's shapes: a bad adapter is one LoRAError naming the path.
+The directory's files and config are read by raygraph/adapter_files.py, which config uses
+too."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from raygraph.config import LORA_MODULES, ModelConfig
-from raygraph.errors import LoRAError
+from raygraph.adapter_files import LORA_MODULES, TENSOR, WEIGHTS_FILE, Fail, failer, read_config
+from raygraph.config import ModelConfig
 
 SUPPORTED_MODULES = LORA_MODULES
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # adapter_config.json fields whose truthy values change the math raygraph computes
 UNSUPPORTED = ("use_dora", "modules_to_save", "lora_bias", "fan_in_fan_out", "rank_pattern",
                "alpha_pattern", "layer_replication", "target_parameters", "use_qalora",
                "trainable_token_indices", "alora_invocation_tokens")
-# ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight (PEFT prefixes it with base_model.)
-TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 MODULE = re.compile(r"(\w+)\.lora_(?:embedding_)?[AB]")
-
-
-Fail = Callable[[str], LoRAError]  # reason -> the error naming the adapter
 
 
 @dataclass(frozen=True)
@@ -64,8 +57,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
     """Read and check a PEFT LoRA adapter directory against the base model `cfg` and the
     modules served (`targets`: LoRAConfig.targets)."""
     root = Path(path)
-    fail = _failer(root)
-    conf = _read_config(root, fail)
+    fail = failer(root)
+    conf = read_config(root, fail)
     rank, scaling = _check_config(conf, fail, max_rank)
     tensors = _read_tensors(root / WEIGHTS_FILE, fail)
     shapes = module_shapes(cfg)
@@ -103,48 +96,6 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
         raise fail(f"targets {outside[0]!r}, which has no adapter slots (served target "
                    f"modules: {list(targets)}; set them at start with --lora-target-modules)")
     return adapter
-
-
-def adapter_targets(path: str | Path) -> set[str]:
-    """The modules the adapter at `path` targets, as its adapter_config.json lists them
-    (a regex there, not a list: the modules its weights name)."""
-    root = Path(path)
-    fail = _failer(root)
-    targets = _read_config(root, fail).get("target_modules")
-    if isinstance(targets, list):
-        names = set(targets)
-    else:
-        try:
-            with safe_open(str(root / WEIGHTS_FILE), framework="pt") as f:
-                names = {m.group(2) for k in f.keys() if (m := TENSOR.search(k))}
-        except (OSError, SafetensorError) as e:
-            raise fail(f"cannot read {WEIGHTS_FILE}: {e}") from None
-    bad = sorted(names - set(SUPPORTED_MODULES))
-    if bad:
-        raise fail(f"unsupported target modules {bad}; supported: {list(SUPPORTED_MODULES)}")
-    return names
-
-
-def _failer(root: Path) -> Fail:
-    return lambda reason: LoRAError(f"LoRA adapter {str(root)!r}: {reason}")
-
-
-def _read_config(root: Path, fail: Fail) -> dict:
-    """adapter_config.json as a dict, once the directory and both files are there."""
-    if not root.is_dir():
-        raise fail("not a directory")
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (root / name).is_file():
-            hint = " (adapter_model.bin is not read: save with safetensors)" if (
-                name == WEIGHTS_FILE and (root / "adapter_model.bin").is_file()) else ""
-            raise fail(f"missing {name}{hint}")
-    try:
-        conf = json.loads((root / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise fail(f"cannot read {CONFIG_FILE}: {e}") from None
-    if not isinstance(conf, dict):
-        raise fail(f"{CONFIG_FILE} is not a JSON object")
-    return conf
 
 
 def _check_config(conf: dict, fail: Fail, max_rank: int) -> tuple[int, float]:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from raygraph.lora.adapter import WEIGHTS_FILE
+from raygraph.adapter_files import WEIGHTS_FILE
 from raygraph.lora.slots import SlotImage
 
 Key = tuple[str, int, int]  # (path, weights file mtime ns, size): files changed -> a new key

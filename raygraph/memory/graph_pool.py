@@ -1,11 +1,13 @@
 """Where captured graphs keep their memory: the seam between the executor and the allocator.
 
 The executor wraps each capture (every piece of one bucket) in `pool.capture(key)` and
-passes what it yields to `CUDAGraph.capture_begin(pool=...)`. Three pools:
+passes what it yields to `CUDAGraph.capture_begin(pool=...)`. Three pools (the executor's
+`make_graph_pool` picks one by `GraphConfig.pool`):
 - `torch`: torch's one shared graph pool; later captures reuse what earlier ones freed.
 - `private`: a fresh torch pool per capture; nothing is shared (the baseline).
-- `vmm`: a virtual range per capture over one set of physical chunks (memory/vmm.py):
-  physical memory is the largest capture, it can be budgeted and it can sleep.
+- `vmm`: a virtual range per capture over one set of physical chunks (memory/vmm.py), in
+  memory/vmm_allocator.py: physical memory is the largest capture, it can be budgeted and it
+  can sleep.
 """
 
 from __future__ import annotations
@@ -112,17 +114,3 @@ class PrivateGraphPool(GraphPool):
 
     def held_bytes(self) -> int:
         return _segment_bytes(self.device, set(self.handles))
-
-
-def make_graph_pool(kind: str, device: torch.device, vmm_chunk_bytes: int,
-                    budget_bytes: int | None = None) -> GraphPool:
-    """budget_bytes caps the VMM pool's physical memory (torch pools cannot be capped)."""
-    if kind == "torch":
-        return TorchGraphPool(device)
-    if kind == "private":
-        return PrivateGraphPool(device)
-    if kind == "vmm":
-        from raygraph.memory.vmm_allocator import VmmGraphPool
-
-        return VmmGraphPool(device, vmm_chunk_bytes, budget_bytes)
-    raise ValueError(f"unknown graph pool {kind!r}")

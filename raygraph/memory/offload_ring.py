@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from raygraph.memory.offload import OffloadEngine, region_view
+from raygraph.memory.offload_engine import OffloadEngine, region_view
 from raygraph.memory.offload_plan import OffloadError, aligned, ring_plan, split_ring
 from raygraph.model.context import get_forward_context
 

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.executor import EagerExecutor
+from raygraph.graph.executor import EagerExecutor, Executor
 from raygraph.protocol import BucketKey, SeqChunk, StepPlan
 
-if TYPE_CHECKING:
-    from raygraph.worker.worker import Worker
-
 log = logging.getLogger("raygraph.worker")
+
+
+class SizingWorker(Protocol):
+    """What sizing reads and calls on the worker (worker/worker.py's Worker, which calls
+    sizing at load): its config, device and model, a throwaway KV cache, an executor over
+    it, and where the measured graph budget goes."""
+
+    cfg: ServeConfig
+    rank: int
+    device: torch.device
+    model: nn.Module
+    graph_budget: int | None
+    graph_measured: int
+
+    def _bind_kv_cache(self, num_blocks: int) -> None: ...
+
+    def _make_executor(self, graph_budget: int | None) -> Executor: ...
 
 
 def kv_bytes_per_block(cfg: ServeConfig, model: ModelConfig, dtype: torch.dtype) -> int:
@@ -25,7 +40,7 @@ def kv_bytes_per_block(cfg: ServeConfig, model: ModelConfig, dtype: torch.dtype)
     return 2 * model.num_layers * cfg.cache.block_size * kv_heads * model.head_dim * elem
 
 
-def kv_cache_budget(w: Worker) -> int:
+def kv_cache_budget(w: SizingWorker) -> int:
     """Bytes for the KV cache: the configured amount, or (GPU) what the utilization target
     leaves after what is in use, one forward's activations and the graph budget."""
     cache = w.cfg.cache
@@ -52,7 +67,7 @@ def kv_cache_budget(w: Worker) -> int:
     return budget
 
 
-def graph_bytes(w: Worker) -> int:
+def graph_bytes(w: SizingWorker) -> int:
     """What graph mode will hold, so the KV cache is sized around it exactly.
 
     With the VMM pool, graph memory is the largest single capture: capture the largest
@@ -83,7 +98,7 @@ def graph_bytes(w: Worker) -> int:
         w._bind_kv_cache(0)
         torch.cuda.empty_cache()
 
-def _activation_bytes(w: Worker) -> int:
+def _activation_bytes(w: SizingWorker) -> int:
     """Peak memory of one forward at the step token budget, over a throwaway cache."""
     n = w.cfg.scheduler.max_num_batched_tokens
     bs = w.cfg.cache.block_size

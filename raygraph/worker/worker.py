@@ -18,9 +18,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from raygraph import freeze_heap, setup_logging
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.errors import LoRAError
+from raygraph.graph.buckets import bucket_plan
 from raygraph.graph.executor import (
     EagerExecutor,
     Executor,
@@ -30,10 +30,12 @@ from raygraph.graph.executor import (
 )
 from raygraph.lora import LoRASlots, SlotImage, append_slot_rows, read_adapter
 from raygraph.lora.warm import WarmAdapters
-from raygraph.memory.offload import OffloadEngine, OffloadStats, apply_offload
+from raygraph.memory.offload import apply_offload
+from raygraph.memory.offload_engine import OffloadEngine, OffloadStats
 from raygraph.memory.stats import MemoryStats, SleepStats
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
+from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     BucketKey,
     CaptureRecord,
@@ -320,7 +322,7 @@ class Worker:
         g = self.cfg.executor_graph()
         if pool is not None:
             g = msgspec.structs.replace(g, pool=pool)
-        return make_executor(g, self.cfg.bucket_plan(), self.model, self.cfg.cache.block_size,
+        return make_executor(g, bucket_plan(self.cfg), self.model, self.cfg.cache.block_size,
                              self.cfg.scheduler.max_num_seqs,
                              self.cfg.max_model_len(self.model_cfg), graph_budget, self.rank)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan

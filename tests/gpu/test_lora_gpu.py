@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from raygraph.config import CacheConfig, GraphConfig, LoRAConfig, SchedulerConfig, ServeConfig
-from raygraph.engine.scheduler import Sequence
+from raygraph.engine.sequence import Sequence
 from raygraph.graph.inputs import sort_by_slot
 from raygraph.model.context import ForwardContext, LoRAInputs, forward_context
 from raygraph.model.lora_ops import LoRAWeights, lora_delta, lora_linear
