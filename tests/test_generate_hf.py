@@ -31,7 +31,7 @@ def serve(ray, model, tp: int, mode: str = "graph"):
     cfg = ServeConfig(
         model=str(model), device="cpu", parallel=ParallelConfig(tp=tp),
         cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(max_num_batched_tokens=16),
-        graph=GraphConfig(mode=mode, capture="lazy"), coordinator_name=f"hf-{model.name}-tp{tp}-{mode}",
+        graph=GraphConfig(mode=mode), coordinator_name=f"hf-{model.name}-tp{tp}-{mode}",
     )
     return start_coordinator(cfg)
 

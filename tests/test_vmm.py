@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from raygraph.memory.vmm import ALIGN, MemfdBackend, VmmError, VmmPool, VmmStats
+from raygraph.memory.stats import VmmStats
+from raygraph.memory.vmm import ALIGN, MemfdBackend, VmmError, VmmPool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux")
 

@@ -186,7 +186,7 @@ class ReplicaStreams:
         try:
             replica = self.router.pick(prompt, cost)
         except ValueError:
-            raise WorkerFailure("no replica is serving") from None
+            raise WorkerFailure("not serving: no replica serves") from None
         try:
             rid = await self.hubs[replica].open(prompt, params)
         except BaseException:

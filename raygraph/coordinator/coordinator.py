@@ -194,7 +194,7 @@ class Coordinator:
         try:
             return self.router.pick(prompt, cost)
         except ValueError:
-            raise WorkerFailure(f"no replica is serving: {self._why_not()}") from None
+            raise WorkerFailure(f"not serving: {self._why_not()}") from None
 
     async def generate(self, prompts: Any, params: Any = None) -> list[GenerateResult]:
         """Generate for one prompt or a list (text or token ids); results in input order.

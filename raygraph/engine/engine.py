@@ -39,7 +39,6 @@ from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
 from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
 from raygraph.generation import sampling_defaults
-from raygraph.lora import read_adapter
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     REPLICA_SHIFT,
@@ -285,6 +284,8 @@ class Engine:
 
     # ---- LoRA adapters (engine/lora.py) ---------------------------------------------------
     def _lora_admission(self) -> LoRAAdmission:
+        from raygraph.lora import read_adapter  # torch: only where adapters are served
+
         lc = self.cfg.lora
         registry = LoRARegistry(
             lc.max_loras,

@@ -24,7 +24,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raygraph.config import ParallelConfig, ServeConfig
 from raygraph.engine.doorbell import DoorbellType
 from raygraph.protocol import StepOutput, WorkerCall, WorkerInfo
-from raygraph.worker.worker import Worker
 
 log = logging.getLogger("raygraph.coordinator")
 
@@ -69,6 +68,9 @@ class WorkerGroup:
                 f"could not place {world} workers ({bundles[0]} each) within 60 s; "
                 f"cluster resources: {ray.cluster_resources()}"
             ) from None
+        # torch and the model load here, in the engine, not wherever this module is read
+        from raygraph.worker.worker import Worker
+
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         actor = ray.remote(Worker)
         workers = [

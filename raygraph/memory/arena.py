@@ -21,7 +21,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from raygraph.memory.vmm import ALIGN, CudaBackend, MemfdBackend, VmmBackend, VmmPool, VmmStats
+from raygraph.memory.stats import VmmStats
+from raygraph.memory.vmm import ALIGN, CudaBackend, MemfdBackend, VmmBackend, VmmPool
 
 MAX_CHUNK = 1 << 30  # few large chunks: wake costs one create + map per chunk
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import msgspec
 
-from raygraph.memory.vmm import VmmStats
+
+class VmmStats(msgspec.Struct, frozen=True):
+    """A VMM pool's mappings (memory/vmm.VmmPool.stats)."""
+
+    physical_bytes: int
+    virtual_bytes: int
+    spaces: int
+    chunks: int
+    chunk_size: int
+    space_peak_bytes: list[int]  # per space, in creation order
+    asleep: bool = False  # physical chunks released; physical_bytes is then 0
 
 
 class GraphPoolStats(msgspec.Struct, frozen=True):

@@ -16,24 +16,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
-import msgspec
 import torch
+
+from raygraph.memory.stats import VmmStats
 
 ALIGN = 512  # bytes; every address alloc() returns is a multiple of this
 
 
 class VmmError(RuntimeError):
     pass
-
-
-class VmmStats(msgspec.Struct, frozen=True):
-    physical_bytes: int
-    virtual_bytes: int
-    spaces: int
-    chunks: int
-    chunk_size: int
-    space_peak_bytes: list[int]  # per space, in creation order
-    asleep: bool = False  # physical chunks released; physical_bytes is then 0
 
 
 class VmmBackend(ABC):
