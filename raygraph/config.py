@@ -1,7 +1,8 @@
 """One frozen config per concern, built once and passed down whole.
 
 ModelConfig is read from the checkpoint's config.json; the rest come from the CLI or a
-TOML file and are validated in `__post_init__`.
+TOML file and are validated in `__post_init__`. Every section lives in this one file (over
+500 lines) so that docs/configuration.md and the TOML checks read one place.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ from here to its client in one hop). The step loop runs on its own thread and do
 step (engine/core.py): drain new requests, schedule, send the deltas over the compiled graph
 (engine/group.py), apply the tokens of the step before. Detokenization, stop strings and
 stream fan-out run on the event loop, beside it.
+
+Over 500 lines because it is one actor's whole surface and the wiring of its two threads;
+the logic behind it lives in core.py (the step), capture.py, sleep.py, lora.py and
+requests.py.
 """
 
 from __future__ import annotations

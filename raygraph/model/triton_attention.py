@@ -28,6 +28,9 @@ sequence's own program) folds both sets of partials. With splits to merge, the t
 run side by side on two streams (two branches of a captured graph). The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
+
+Over 500 lines: decode (with its merge and the cascade's prefix kernel) and prefill share
+their tile loads, rotary and block-table indexing here.
 """
 
 from __future__ import annotations

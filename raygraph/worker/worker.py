@@ -1,6 +1,8 @@
 """One worker per GPU (or per CPU slot): owns its device, its model shard, its KV cache and
-its executor, and runs the StepPlans the coordinator sends. A plain class; the
-coordinator wraps it with ray.remote."""
+its executor, and runs the StepPlans its engine sends. A plain class; the engine wraps it
+with ray.remote. Over 500 lines because it is one actor's whole surface (load, step,
+capture, sleep, LoRA, offload, fault drills); the logic behind each lives in state.py,
+sizing.py, sleep.py, warmup.py and graph/."""
 
 from __future__ import annotations
 
