@@ -5,8 +5,9 @@ latency) with the throughputs.
 The workload is vLLM's "random" dataset: each prompt length and each output length is drawn
 uniformly from the integers in [int(L*(1-r)), int(L*(1+r))] (at least 1), prompts are random
 token ids in [3, vocab), requests use ignore_eos with max_tokens = the drawn output length.
-With --shared-prefix-len N every prompt starts with the same random N tokens (a system
-prompt) and goes on with its own drawn suffix; the report then gives the prefix cache's hit
+With --shared-prefix-len N every prompt starts with a random N-token prefix (a system prompt;
+--num-prefixes P of them, request k taking prefix k mod P) and goes on with its own drawn
+suffix; the report then gives the prefix cache's hit
 rate over the timed requests (tokens found cached / tokens looked up), from the
 coordinator's stats or the server's /metrics.
 
@@ -91,9 +92,10 @@ def make_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
     ins = sample_lengths(a.num_prompts, a.input_len, a.range_ratio, rng)
     outs = sample_lengths(a.num_prompts, a.output_len, a.range_ratio, rng)
     sampled = a.temperature > 0
-    # drawn after the lengths, so the suffixes' lengths do not depend on the prefix's
-    prefix = [rng.randrange(3, vocab) for _ in range(a.shared_prefix_len)]
-    return [Request(prefix + [rng.randrange(3, vocab) for _ in range(i)],
+    # drawn after the lengths, so the suffixes' lengths do not depend on the prefixes'
+    prefixes = [[rng.randrange(3, vocab) for _ in range(a.shared_prefix_len)]
+                for _ in range(a.num_prefixes)]
+    return [Request(prefixes[k % a.num_prefixes] + [rng.randrange(3, vocab) for _ in range(i)],
                     SamplingParams(max_tokens=o, ignore_eos=True, temperature=a.temperature,
                                    top_k=a.top_k, seed=a.seed + k if sampled else None))
             for k, (i, o) in enumerate(zip(ins, outs))]
@@ -381,6 +383,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="requests in flight at most (default: no cap)")
     g.add_argument("--input-len", type=int, default=512,
                    help="prompt tokens (after the shared prefix, with --shared-prefix-len)")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="distinct shared prefixes (system prompts), taken in turn by the "
+                        "requests")
     g.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same random N tokens (default: 0)")
     g.add_argument("--output-len", type=int, default=128)

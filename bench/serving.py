@@ -97,10 +97,11 @@ def make_cfg(a: argparse.Namespace, model: str) -> ServeConfig:
 
 
 def load_cfg(a: argparse.Namespace, model: str, max_len: int) -> ServeConfig:
-    """Sized by the load. On GPU the coordinator profiles memory for the KV cache; on CPU the
-    block count is pinned: every sequence that can run at once at the longest length."""
-    cfg = serve_cfg(a, model, None, a.max_num_seqs, a.max_num_batched_tokens)
-    if cfg.device != "cpu":
+    """Sized by the load. On GPU the coordinator profiles memory for the KV cache (unless
+    --num-kv-blocks pins it, so a cache holds fewer prefixes); on CPU the block count is
+    pinned: every sequence that can run at once at the longest length."""
+    cfg = serve_cfg(a, model, a.num_kv_blocks, a.max_num_seqs, a.max_num_batched_tokens)
+    if cfg.device != "cpu" or a.num_kv_blocks:
         return cfg
     blocks = min(a.num_prompts, a.max_num_seqs) * -(-max_len // BLOCK) + 16
     return msgspec.structs.replace(cfg, cache=msgspec.structs.replace(cfg.cache,
@@ -279,7 +280,12 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         before = ray.get(coord.stats.remote())
         row = asyncio.run(load.benchmark(client, reqs, warmup, arrivals, a.max_concurrency,
                                          load.coordinator_counters(coord)))
-        row |= served_steps(before, ray.get(coord.stats.remote()))
+        after = ray.get(coord.stats.remote())
+        row |= served_steps(before, after)
+        # output tokens per replica over the warm-up and the load: the routing's balance
+        row["replica_output_tokens"] = [
+            r.get("generation_tokens", 0) - b.get("generation_tokens", 0)
+            for r, b in zip(after["replicas"], before["replicas"])]
         ray.get(coord.shutdown.remote())
         where = {"client": a.client, "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
@@ -288,7 +294,7 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
                     "mode": a.mode, "prefill_graph": a.prefill_graph,
                     "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
                     "input_len": a.input_len, "output_len": a.output_len,
-                    "shared_prefix_len": a.shared_prefix_len,
+                    "shared_prefix_len": a.shared_prefix_len, "num_prefixes": a.num_prefixes,
                     "prefix_caching": None if a.endpoint else not a.no_prefix_caching,
                     "decode_cascade": None if a.endpoint else a.decode_cascade,
                     "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
@@ -309,6 +315,8 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the coordinator (load mode; use --client mux)")
     p.add_argument("--routing", choices=["cache", "load", "round-robin"], default="cache")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="load mode: KV blocks per replica (default: profiled on GPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--prompt-len", type=int, default=8)

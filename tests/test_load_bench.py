@@ -52,7 +52,8 @@ def test_lengths_exact_and_at_least_one() -> None:
 
 def test_requests_follow_the_drawn_lengths() -> None:
     a = argparse.Namespace(seed=3, num_prompts=40, input_len=20, output_len=10,
-                           range_ratio=0.5, temperature=0.7, top_k=5, shared_prefix_len=0)
+                           range_ratio=0.5, temperature=0.7, top_k=5, shared_prefix_len=0,
+                           num_prefixes=1)
     reqs = make_requests(a, vocab=50)
     assert reqs == make_requests(a, vocab=50)
     rng = random.Random(3)
@@ -221,7 +222,8 @@ def test_served_steps_backs_the_window_out_of_the_coordinators_means() -> None:
 
 def test_shared_prefix_prompts() -> None:
     a = argparse.Namespace(seed=3, num_prompts=10, input_len=6, output_len=4, range_ratio=0.5,
-                           temperature=0.0, top_k=0, shared_prefix_len=0)
+                           temperature=0.0, top_k=0, shared_prefix_len=0,
+                           num_prefixes=1)
     plain = make_requests(a, vocab=50)
     a.shared_prefix_len = 12
     shared = make_requests(a, vocab=50)
@@ -231,6 +233,10 @@ def test_shared_prefix_prompts() -> None:
     assert [len(r.prompt) - 12 for r in shared] == [len(r.prompt) for r in plain]
     assert [r.params for r in shared] == [r.params for r in plain]
     assert len({tuple(r.prompt[12:]) for r in shared}) == 10
+    a.num_prefixes = 3  # request k takes prefix k mod 3
+    several = make_requests(a, vocab=50)
+    heads = [tuple(r.prompt[:12]) for r in several]
+    assert len(set(heads)) == 3 and all(heads[k] == heads[k % 3] for k in range(10))
 
 
 class FakeSession:
