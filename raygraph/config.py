@@ -511,9 +511,10 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     # cache: the replica that served the longest prefix of the prompt, unless it is loaded
     # past max_imbalance; load: the less loaded of two picked at random; round-robin
     routing: Literal["cache", "load", "round-robin"] = "cache"
-    # cache routing passes over a replica whose outstanding tokens exceed this factor of the
-    # least loaded one's (plus one request's worth)
+    # cache routing keeps a prompt on its prefix's replica unless that replica has both
+    # max_imbalance times the least loaded one's outstanding tokens and balance_tokens more
     max_imbalance: float = 1.5
+    balance_tokens: int = 32768
     # prompt prefixes remembered per router for cache routing (an LRU of block hashes)
     max_prefixes: int = 65536
 
@@ -524,6 +525,8 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"max_imbalance must be >= 1, got {self.max_imbalance}")
         if self.max_prefixes < 1:
             raise ConfigError(f"max_prefixes must be >= 1, got {self.max_prefixes}")
+        if self.balance_tokens < 0:
+            raise ConfigError(f"balance_tokens must be >= 0, got {self.balance_tokens}")
 
 
 class ServeConfig(msgspec.Struct, frozen=True):

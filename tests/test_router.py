@@ -40,12 +40,15 @@ def test_a_shared_prefix_goes_where_it_went_before():
 
 
 def test_the_load_bound_overrides_the_prefix():
-    r = router(2, max_imbalance=1.5)
+    r = router(2, max_imbalance=1.5, balance_tokens=250)
     system = list(range(64))
     home = r.pick(system, cost=100)
-    assert r.pick(system, cost=100) == home  # 100 outstanding <= 1.5 * 0 + 100
-    assert r.pick(system, cost=100) == 1 - home  # 200 > 100: too busy, balanced instead
+    assert r.pick(system, cost=100) == home  # 200 against 0: more than 1.5x, not 250 more
+    assert r.pick(system, cost=100) == 1 - home  # 300: both bounds passed, balanced instead
     assert r.hits == 1
+    # the prefix now lives on the other replica, which keeps it within the bounds
+    assert r.pick(system, cost=100) == 1 - home
+    assert r.hits == 2
 
 
 def test_load_routing_spreads_unrelated_prompts_evenly():

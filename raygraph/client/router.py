@@ -2,9 +2,11 @@
 to engines (the coordinator for Ray calls, each HTTP server for its own streams).
 
 Cache routing sends a prompt to the replica that was last sent the longest block-aligned
-prefix of it, where that prefix is likely still cached, unless that replica is loaded past
-`max_imbalance` times the least loaded one (plus one request's worth): then, as in load
-routing, the less loaded of two replicas picked at random. Load is the tokens this router
+prefix of it, where that prefix is likely still cached, unless that replica is overloaded:
+more than `max_imbalance` times the least loaded one's outstanding tokens and more than
+`balance_tokens` above them (both, as SGLang's cache-aware router bounds it: at low load a
+few requests must not scatter a prefix over every replica). Then, as in load routing, the
+less loaded of two replicas picked at random. Load is the tokens this router
 has outstanding on each replica (prompt + max_tokens of every request not finished), so each
 router sees only its own traffic: a bounded approximation of the engines' real state that
 needs no message per step. The prefix map is an LRU of block hashes, `max_prefixes` long.
@@ -87,14 +89,16 @@ class Router:
         return choice
 
     def _cached(self, hashes: list[int], live: list[int], cost: int) -> int | None:
+        """The live replica holding the longest prefix, unless it is overloaded."""
         floor = min(self.load[r] for r in live)
         for h in reversed(hashes):  # the longest prefix first
             r = self.prefixes.get(h)
             if r is None or r >= len(self.up) or not self.up[r]:
                 continue
-            if self.load[r] <= self.cfg.max_imbalance * floor + cost:
-                return r
-            return None  # its replica is too busy: balance instead
+            load = self.load[r] + cost
+            overloaded = (load > self.cfg.max_imbalance * floor
+                          and load - floor > self.cfg.balance_tokens)
+            return None if overloaded else r  # overloaded: balance instead
         return None
 
     def _least_of_two(self, live: list[int]) -> int:
