@@ -6,7 +6,7 @@ The workload is vLLM's "random" dataset: each prompt length and each output leng
 uniformly from the integers in [int(L*(1-r)), int(L*(1+r))] (at least 1), prompts are random
 token ids in [3, vocab), requests use ignore_eos with max_tokens = the drawn output length.
 With --shared-prefix-len N every prompt starts with a random N-token prefix (a system prompt;
---num-prefixes P of them, request k taking prefix k mod P) and goes on with its own drawn
+--num-prefixes P of them, each request taking one at random) and goes on with its own drawn
 suffix; the report then gives the prefix cache's hit
 rate over the timed requests (tokens found cached / tokens looked up), from the
 coordinator's stats or the server's /metrics.
@@ -95,7 +95,8 @@ def make_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
     # drawn after the lengths, so the suffixes' lengths do not depend on the prefixes'
     prefixes = [[rng.randrange(3, vocab) for _ in range(a.shared_prefix_len)]
                 for _ in range(a.num_prefixes)]
-    return [Request(prefixes[k % a.num_prefixes] + [rng.randrange(3, vocab) for _ in range(i)],
+    picks = [rng.randrange(a.num_prefixes) for _ in ins] if a.num_prefixes > 1 else [0] * len(ins)
+    return [Request(prefixes[picks[k]] + [rng.randrange(3, vocab) for _ in range(i)],
                     SamplingParams(max_tokens=o, ignore_eos=True, temperature=a.temperature,
                                    top_k=a.top_k, seed=a.seed + k if sampled else None))
             for k, (i, o) in enumerate(zip(ins, outs))]
@@ -384,8 +385,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=512,
                    help="prompt tokens (after the shared prefix, with --shared-prefix-len)")
     g.add_argument("--num-prefixes", type=int, default=1,
-                   help="distinct shared prefixes (system prompts), taken in turn by the "
-                        "requests")
+                   help="distinct shared prefixes (system prompts), each request taking one "
+                        "at random")
     g.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same random N tokens (default: 0)")
     g.add_argument("--output-len", type=int, default=128)

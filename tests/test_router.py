@@ -39,16 +39,17 @@ def test_a_shared_prefix_goes_where_it_went_before():
     assert r.hits == 20
 
 
-def test_the_load_bound_overrides_the_prefix():
+def test_the_load_bound_overrides_the_prefix_and_the_home_stays():
     r = router(2, max_imbalance=1.5, balance_tokens=250)
     system = list(range(64))
+    last = prefix_hashes(system, BLOCK)[-1]
     home = r.pick(system, cost=100)
     assert r.pick(system, cost=100) == home  # 200 against 0: more than 1.5x, not 250 more
-    assert r.pick(system, cost=100) == 1 - home  # 300: both bounds passed, balanced instead
+    assert r.pick(system, cost=100) == 1 - home  # 300: both bounds passed: an overflow
     assert r.hits == 1
-    # the prefix now lives on the other replica, which keeps it within the bounds
-    assert r.pick(system, cost=100) == 1 - home
-    assert r.hits == 2
+    assert r.prefixes[last] == home  # an overflow does not move the prefix's home
+    r.done(home, 200)
+    assert r.pick(system, cost=100) == home and r.hits == 2
 
 
 def test_load_routing_spreads_unrelated_prompts_evenly():
@@ -74,6 +75,9 @@ def test_a_prefix_on_a_replica_that_is_down_is_not_followed():
     system = list(range(32))
     home = r.pick(system, cost=1)
     r.set_up(home, False)
+    assert r.pick(system, cost=1) == 1 - home
+    assert r.prefixes[prefix_hashes(system, BLOCK)[-1]] == 1 - home  # a new home
+    r.set_up(home, True)
     assert r.pick(system, cost=1) == 1 - home
 
 

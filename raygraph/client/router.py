@@ -1,15 +1,19 @@
 """Which replica a request goes to: pure Python, kept by every process that sends requests
 to engines (the coordinator for Ray calls, each HTTP server for its own streams).
 
-Cache routing sends a prompt to the replica that was last sent the longest block-aligned
-prefix of it, where that prefix is likely still cached, unless that replica is overloaded:
-more than `max_imbalance` times the least loaded one's outstanding tokens and more than
-`balance_tokens` above them (both, as SGLang's cache-aware router bounds it: at low load a
-few requests must not scatter a prefix over every replica). Then, as in load routing, the
-less loaded of two replicas picked at random. Load is the tokens this router
-has outstanding on each replica (prompt + max_tokens of every request not finished), so each
-router sees only its own traffic: a bounded approximation of the engines' real state that
-needs no message per step. The prefix map is an LRU of block hashes, `max_prefixes` long.
+Cache routing sends a prompt to the home of the longest block-aligned prefix of it: the
+replica that prefix was first sent to, where it is likely still cached. A home that is
+overloaded is passed over: more than `max_imbalance` times the least loaded replica's
+outstanding tokens and more than `balance_tokens` above them (both, as SGLang's cache-aware
+router bounds it: at low load a few requests must not scatter a prefix over every
+replica). The request then goes, as in load routing, to the less loaded of two replicas
+picked at random, and the prefix keeps its home: a burst does not move (and recompute)
+every busy prefix. A home that is down is replaced by the next replica sent the prefix.
+
+Load is the tokens this router has outstanding on each replica (prompt + max_tokens of every
+request not finished), so each router sees only its own traffic: a bounded approximation of
+the engines' real state that needs no message per step. The prefix map is an LRU of block
+hashes, `max_prefixes` long.
 """
 
 from __future__ import annotations
@@ -76,12 +80,15 @@ class Router:
         else:
             hashes = prefix_hashes(prompt, self.block_size) if policy == "cache" else []
             choice = self._cached(hashes, live, cost)
+            hit = choice is not None
             if choice is None:
                 choice = self._least_of_two(live)
             else:
                 self.hits += 1
-            for h in hashes:  # this prompt's blocks now live there
-                self.prefixes[h] = choice
+            for h in hashes:  # blocks nobody holds (or a replica that is down held) now live
+                owner = self.prefixes.get(h)  # there; an overflow keeps its prefix's home
+                if hit or owner is None or not self._live(owner):
+                    self.prefixes[h] = choice
                 self.prefixes.move_to_end(h)
             while len(self.prefixes) > self.cfg.max_prefixes:
                 self.prefixes.popitem(last=False)
@@ -93,13 +100,16 @@ class Router:
         floor = min(self.load[r] for r in live)
         for h in reversed(hashes):  # the longest prefix first
             r = self.prefixes.get(h)
-            if r is None or r >= len(self.up) or not self.up[r]:
+            if r is None or not self._live(r):
                 continue
             load = self.load[r] + cost
             overloaded = (load > self.cfg.max_imbalance * floor
                           and load - floor > self.cfg.balance_tokens)
             return None if overloaded else r  # overloaded: balance instead
         return None
+
+    def _live(self, replica: int) -> bool:
+        return replica < len(self.up) and self.up[replica]
 
     def _least_of_two(self, live: list[int]) -> int:
         if len(live) == 1:
