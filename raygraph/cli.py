@@ -98,10 +98,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="decode: attend over a prompt prefix every running sequence shares "
                         "(prefix caching) once for the batch, in a second graph per decode "
                         f"bucket (default: {'on' if D.graph.decode_cascade else 'off'})")
-    p.add_argument("--capture", choices=["background", "at_start", "lazy"], default=None,
+    p.add_argument("--capture", choices=["auto", "background", "at_start", "lazy"],
+                   default=None,
                    help="when the capture schedule runs: background (serve at once, eager "
                         "steps until each shape is captured between steps), at_start (before "
-                        "serving), lazy (a shape when first needed) "
+                        "serving), lazy (a shape when first needed); auto: background on "
+                        "cuda, lazy on cpu "
                         f"(default: {D.graph.capture})")
     p.add_argument("--offload-budget", type=parse_bytes, default=None,
                    help="keep weights in host memory with at most this much of them on the GPU "
@@ -271,7 +273,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.detach:
         return 0
     try:
-        report_capture = cfg.graph.capture == "background" and cfg.graph.mode == "graph"
+        info = ray.get(coord.describe.remote())  # the capture mode as resolved for the device
+        report_capture = info["capture"] == "background" and info["graph_mode"] == "graph"
         while True:
             time.sleep(0.5 if report_capture else 2)
             ray.get(coord.ping.remote())

@@ -382,8 +382,9 @@ class GraphConfig(msgspec.Struct, frozen=True):
     # when the capture schedule runs: `background` serves at once (steps of keys not yet
     # captured run eagerly) and captures between steps, busiest shapes first
     # (engine/capture.py); `at_start` before serving; `lazy` a key when a step first needs
-    # it (that step waits)
-    capture: Literal["background", "at_start", "lazy"] = "background"
+    # it (that step waits); `auto`: background on cuda, lazy on cpu (where a capture
+    # records no graph: warming every bucket up front would only compete with requests)
+    capture: Literal["auto", "background", "at_start", "lazy"] = "auto"
     # background, under load: the share of the step thread's time captures may take (the
     # steps keep the rest)
     capture_share: float = 0.3
@@ -514,6 +515,7 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     # cache routing keeps a prompt on its prefix's replica unless that replica has both
     # max_imbalance times the least loaded one's outstanding tokens and balance_tokens more
     max_imbalance: float = 1.5
+    # ... and more than this many outstanding tokens above the least loaded replica
     balance_tokens: int = 32768
     # prompt prefixes remembered per router for cache routing (an LRU of block hashes)
     max_prefixes: int = 65536
@@ -585,13 +587,17 @@ class ServeConfig(msgspec.Struct, frozen=True):
         return auto_dtype(device, ModelConfig.from_pretrained(self.model).checkpoint_dtype)
 
     def resolved(self, num_gpus: float) -> ServeConfig:
-        """Pin 'auto' device and dtype given the GPUs the cluster offers, and the LoRA target
-        modules (every worker builds the same layers from it)."""
+        """Pin 'auto' device, dtype and capture given the GPUs the cluster offers, and the
+        LoRA target modules (every worker builds the same layers from it)."""
         device = self.device
         if device == "auto":
             device = "cuda" if num_gpus >= self.parallel.world_size else "cpu"
+        graph = self.graph
+        if graph.capture == "auto":
+            graph = msgspec.structs.replace(
+                graph, capture="background" if device == "cuda" else "lazy")
         return msgspec.structs.replace(self, device=device, dtype=self.weights_dtype(device),
-                                       lora=self.lora.resolved())
+                                       graph=graph, lora=self.lora.resolved())
 
 
 def load_toml(path: str | os.PathLike[str]) -> ServeConfig:

@@ -1,5 +1,5 @@
 """`--dtype auto` follows the checkpoint's torch_dtype on cuda; one function decides, and the
-worker and ServeConfig.resolved both ask it."""
+worker and ServeConfig.resolved both ask it; and the capture mode ServeConfig.resolved pins."""
 
 from __future__ import annotations
 
@@ -56,3 +56,16 @@ def test_the_worker_asks_the_config() -> None:
 
     assert Worker(ServeConfig(device="cpu"), 0).dtype == torch.float32
     assert Worker(ServeConfig(device="cpu", dtype="bfloat16"), 0).dtype == torch.bfloat16
+
+
+def test_auto_capture_is_background_on_cuda_and_lazy_on_cpu() -> None:
+    """A CPU capture records no graph: warming every bucket up front would only compete with
+    the requests; an explicit mode is kept on either device."""
+    from raygraph.config import GraphConfig
+
+    cfg = ServeConfig()
+    assert cfg.graph.capture == "auto"
+    assert cfg.resolved(num_gpus=1).graph.capture == "background"
+    assert cfg.resolved(num_gpus=0).graph.capture == "lazy"
+    given = ServeConfig(graph=GraphConfig(capture="background"))
+    assert given.resolved(num_gpus=0).graph.capture == "background"

@@ -29,7 +29,7 @@ def run(*cmd: str, env: dict, timeout: float = 240) -> subprocess.CompletedProce
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(params=["token-auth", "no-auth"])
+@pytest.fixture(params=["token-auth", pytest.param("no-auth", marks=pytest.mark.slow)])
 def ray_head(request, tmp_path):
     home = tmp_path / "home"
     home.mkdir()

@@ -16,6 +16,8 @@ from raygraph.protocol import SeqChunk, StepPlan
 
 BS, HKV, GROUP, D = 16, 2, 4, 64
 
+SLOW = pytest.mark.slow  # another dtype or split count of a case the default run covers
+
 
 def tolerance(dtype: torch.dtype) -> dict:
     # a few roundings of p and of the sums, as the GPU tests allow
@@ -79,8 +81,9 @@ def test_decode_kernel_stores_and_attends(interpreted, dtype, d, splits):
 
 @pytest.mark.parametrize("shared_len,dtype,prefix_splits,splits", [
     (0, torch.float16, 2, 2), (64, torch.float32, 2, 2), (80, torch.float16, 1, 2),
-    (160, torch.float32, 1, 2), (176, torch.float16, 4, 2), (176, torch.float32, 4, 1),
-    (80, torch.float16, 2, 1), (0, torch.float32, 2, 1)])
+    pytest.param(160, torch.float32, 1, 2, marks=SLOW),
+    pytest.param(176, torch.float16, 4, 2, marks=SLOW), (176, torch.float32, 4, 1),
+    (80, torch.float16, 2, 1), pytest.param(0, torch.float32, 2, 1, marks=SLOW)])
 def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, prefix_splits,
                                              splits):
     """Cascade programs attend over the first `shared_len` keys of every row once, the
@@ -105,7 +108,8 @@ def test_decode_cascade_over_a_shared_prefix(interpreted, dtype, shared_len, pre
 
 
 @pytest.mark.parametrize("dtype,splits,shared_blocks", [
-    (torch.float32, 2, 0), (torch.float16, 1, 0), (torch.float32, 1, 11), (torch.float16, 2, 11)])
+    (torch.float32, 2, 0), pytest.param(torch.float16, 1, 0, marks=SLOW),
+    pytest.param(torch.float32, 1, 11, marks=SLOW), (torch.float16, 2, 11)])
 def test_decode_kernel_rotates_q_and_the_new_key(interpreted, dtype, splits, shared_blocks):
     """With the rotary tables given, q and the step's K come unrotated: the kernels rotate
     them at each row's position (seq_len - 1), so the output and the stored key equal the

@@ -19,7 +19,11 @@ NUM_BLOCKS = 96
 HEAD = [17, 3, 250, 8, 64, 99, 12, 41, 77, 6, 5, 9, 11, 13, 40, 30, 31, 32, 7, 21]  # 5 blocks
 
 
-@pytest.fixture(params=["llama", "mistral", "qwen3"])
+SLOW = pytest.mark.slow  # the kernels' logic is the same; each model adds minutes on CPU
+
+
+@pytest.fixture(params=["llama", pytest.param("mistral", marks=SLOW),
+                        pytest.param("qwen3", marks=SLOW)])
 def ckpt(request, tiny_llama, tmp_path):
     if request.param == "llama":
         return request.param, tiny_llama

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raygraph.config import ConfigError, ModelConfig, ServeConfig
 from raygraph.model.checkpoint import read_headers
@@ -143,6 +144,10 @@ def start_coordinator(cfg: ServeConfig, detached: bool = False, progress: bool =
     check_room(cfg, ray.cluster_resources())
     opts: dict[str, Any] = {"name": cfg.coordinator_name, "namespace": cfg.namespace,
                             "num_cpus": 0}
+    # on this node, as the HTTP servers are: losing another node loses only its replicas
+    # (a detached coordinator may restart elsewhere if this node goes)
+    opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=detached)
     if detached:  # nothing watches it: Ray restarts it, and it starts itself again
         opts.update(lifetime="detached", max_restarts=-1)
     try:

@@ -21,11 +21,13 @@ import msgspec
 import ray
 from ray._private.state import available_resources_per_node
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raygraph.client.requests import parse_params, split_prompts
 from raygraph.client.router import Router
 from raygraph.engine.engine import Engine
+from raygraph.engine.group import place_workers
 from raygraph.errors import WorkerFailure, last_line
 from raygraph.process import setup_logging
 from raygraph.protocol import GenerateResult, ReplicaState, StartupProgress, StreamDelta
@@ -44,6 +46,7 @@ class Coordinator:
         self.replicas = [ReplicaState(r, None, "starting") for r in range(n)]
         self.router = Router(n, cfg.replica, cfg.cache.block_size)
         self.restarts = 0  # engines started again after theirs died
+        self._pgs: dict[int, Any] = {}  # replica -> its placement group
         self._watchers: list[asyncio.Task | None] = [None] * n
         self._stopping = False
         self._first_start = True
@@ -91,7 +94,9 @@ class Coordinator:
         return min(fits, key=lambda node: (sign * used.count(node), node), default=None)
 
     async def _start_replica(self, replica: int, raise_errors: bool = False) -> None:
-        """Start (or start again) one replica's engine: placed, loaded, serving."""
+        """Start (or start again) one replica: its placement group on a node with room,
+        its engine inside it (beside its workers), loaded and serving."""
+        self._release(replica)  # a lost engine's placement: its resources count as free
         node = self._node_for(replica)
         if node is None and not self._first_start:  # its supervisor tries again
             self.replicas[replica] = ReplicaState(
@@ -99,16 +104,19 @@ class Coordinator:
                 f"{self.cfg.parallel.world_size} worker(s)")
             self.router.set_up(replica, False)
             return
-        opts: dict[str, Any] = {"num_cpus": 0}
-        if node is not None:
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        engine = ray.remote(Engine).options(**opts).remote(self.cfg, replica)
-        self.replicas[replica] = ReplicaState(replica, engine, "starting", node_id=node)
+        engine = None
         try:
+            pg = self._pgs[replica] = await place_workers(self.cfg, node)
+            engine = ray.remote(Engine).options(
+                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
+            ).remote(self.cfg, replica, pg)
+            self.replicas[replica] = ReplicaState(replica, engine, "starting", node_id=node)
             await engine.start.remote()
             where = await engine.node_id.remote()
         except Exception as e:
-            ray.kill(engine)
+            if engine is not None:
+                ray.kill(engine)
+            self._release(replica)
             why = f"{type(e).__name__}: {last_line(e)}"
             self.replicas[replica] = ReplicaState(replica, None, "failed", why)
             self.router.set_up(replica, False)
@@ -118,8 +126,13 @@ class Coordinator:
             return
         self.replicas[replica] = ReplicaState(replica, engine, "serving", node_id=where)
         self.router.set_up(replica, True)
-        log.info("replica %d serving on node %s (placed for %s)", replica, where[:12],
-                 (node or "any")[:12])
+        log.info("replica %d serving on node %s", replica, where[:12])
+
+    def _release(self, replica: int) -> None:
+        """Remove a replica's placement group: its resources go back to the cluster."""
+        pg = self._pgs.pop(replica, None)
+        if pg is not None:
+            remove_placement_group(pg)
 
     def _watch(self, replica: int) -> None:
         task = self._watchers[replica]
@@ -323,6 +336,8 @@ class Coordinator:
         for task in self._watchers:
             if task is not None:
                 task.cancel()
+        for r in range(len(self.replicas)):
+            self._release(r)
         self.replicas = [ReplicaState(s.replica, None, "stopped", "shut down")
                          for s in self.replicas]
         for r in range(len(self.replicas)):

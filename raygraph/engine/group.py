@@ -30,6 +30,23 @@ log = logging.getLogger("raygraph.coordinator")
 OUTPUT = msgspec.msgpack.Decoder(StepOutput)
 
 
+async def place_workers(cfg: ServeConfig, node: str | None = None, timeout: float = 60) -> Any:
+    """The placement group of one replica: a bundle per rank (a GPU and a CPU, or a CPU),
+    packed on one node, `node` if it has room. Its owner (the coordinator) removes it when
+    the replica goes: an actor's placement group outlives the actor otherwise."""
+    world = cfg.parallel.world_size
+    bundle = {"CPU": 1, "GPU": 1} if cfg.device == "cuda" else {"CPU": 1}
+    pg = placement_group([bundle] * world, strategy="STRICT_PACK", _soft_target_node_id=node)
+    try:
+        await asyncio.wait_for(pg.ready(), timeout=timeout)
+    except asyncio.TimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(f"could not place {world} workers ({bundle} each) within "
+                           f"{timeout:.0f} s; cluster resources: {ray.cluster_resources()}"
+                           ) from None
+    return pg
+
+
 class GroupTimeout(RuntimeError):
     """The group did not answer within the timeout (a rank hangs, or is blocked in a
     collective because another one died)."""
@@ -41,33 +58,21 @@ FORWARDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHME
 
 
 class WorkerGroup:
-    def __init__(self, workers: list[Any], parallel: ParallelConfig, pg: Any = None) -> None:
+    def __init__(self, workers: list[Any], parallel: ParallelConfig) -> None:
         self.workers = workers
         self.parallel = parallel
-        self.pg = pg
         # the rank that reports each DP group's tokens: its first TP rank
         self.reporters = [g * parallel.tp for g in range(parallel.dp)]
         self._dag: Any = None
 
     @staticmethod
-    async def start(cfg: ServeConfig, reporter: Any = None) -> tuple[WorkerGroup, list[WorkerInfo]]:
-        """Place one worker per rank (one bundle each, packed), start them, form the process
-        group and load the model; rank 0 reports load progress to `reporter`."""
+    async def start(cfg: ServeConfig, pg: Any, reporter: Any = None
+                    ) -> tuple[WorkerGroup, list[WorkerInfo]]:
+        """Start one worker per rank in its bundle of `pg` (place_workers; the caller owns
+        it), form the process group and load the model; rank 0 reports load progress to
+        `reporter`."""
         world = cfg.parallel.world_size
         gpu = cfg.device == "cuda"
-        bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
-        # on one node, the engine's own where it has room (its step messages stay in
-        # shared memory, and the doorbell reaches its workers)
-        pg = placement_group(bundles, strategy="STRICT_PACK",
-                             _soft_target_node_id=ray.get_runtime_context().get_node_id())
-        try:
-            await asyncio.wait_for(pg.ready(), timeout=60)
-        except asyncio.TimeoutError:
-            remove_placement_group(pg)
-            raise RuntimeError(
-                f"could not place {world} workers ({bundles[0]} each) within 60 s; "
-                f"cluster resources: {ray.cluster_resources()}"
-            ) from None
         # torch and the model load here, in the engine, not wherever this module is read
         from raygraph.worker.worker import Worker
 
@@ -80,7 +85,7 @@ class WorkerGroup:
             ).remote(cfg, i)
             for i in range(world)
         ]
-        group = WorkerGroup(workers, cfg.parallel, pg)
+        group = WorkerGroup(workers, cfg.parallel)
         try:
             addr = await workers[0].address.remote()
             log.info("loading %s on %d %s worker(s) (tp=%d)", cfg.model, world, cfg.device,
@@ -93,14 +98,11 @@ class WorkerGroup:
         return group, list(infos)
 
     def stop(self) -> None:
-        """Kill the workers (one may hang in a collective), then drop the graph and the
-        placement."""
+        """Kill the workers (one may hang in a collective), then drop the graph; the
+        placement stays, for the next group."""
         for w in self.workers:
             ray.kill(w)
         self.teardown()
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
 
     def _compiled(self) -> Any:
         if self._dag is None:

@@ -97,10 +97,11 @@ def test_tp2_schedule_is_captured_in_lockstep_and_serves(ray_session, tiny_llama
 
 def test_background_capture_serves_hf_tokens_before_and_after_the_schedule(ray_session,
                                                                           tiny_llama):
-    """The default: the coordinator serves at once while the schedule is captured between
-    steps (eager steps until a key is captured on every rank); the greedy tokens are HF's
-    whether a step ran eagerly or replayed, before and after the schedule completes."""
-    coord = start_coordinator(config(tiny_llama, "lockstep-bg"))
+    """The GPU default: the coordinator serves at once while the schedule is captured
+    between steps (eager steps until a key is captured on every rank); the greedy tokens are
+    HF's whether a step ran eagerly or replayed, before and after the schedule completes."""
+    graph = msgspec.structs.replace(SIZES, capture="background")
+    coord = start_coordinator(config(tiny_llama, "lockstep-bg", graph))
     try:
         info = ray_session.get(coord.describe.remote())
         assert info["capture"] == "background" and info["keys_total"] == 6
