@@ -47,6 +47,7 @@ class Coordinator:
         self.router = Router(n, cfg.replica, cfg.cache.block_size)
         self.restarts = 0  # engines started again after theirs died
         self._pgs: dict[int, Any] = {}  # replica -> its placement group
+        self._starting = [asyncio.Lock() for _ in range(n)]
         self._watchers: list[asyncio.Task | None] = [None] * n
         self._stopping = False
         self._first_start = True
@@ -63,13 +64,23 @@ class Coordinator:
         """Start every replica and wait until each serves; the first failure is raised (the
         caller kills this actor, and the engines with it)."""
         self._first_start = True
-        await asyncio.gather(*(self._start_replica(r, raise_errors=True)
-                               for r in range(len(self.replicas))))
+        await asyncio.gather(*(self._start_again(r) for r in range(len(self.replicas))))
         self._first_start = False
         self._reason = None
         for r in range(len(self.replicas)):
             self._watch(r)
         return await self.describe()
+
+    async def _start_again(self, replica: int) -> None:
+        """A replica whose engine lives (a retry after a failed capture tore its group down)
+        starts its workers again in its own placement; others start from scratch."""
+        state = self.replicas[replica]
+        if state.engine is None or state.state == "stopped":
+            return await self._start_replica(replica, raise_errors=True)
+        await state.engine.start.remote()
+        self.replicas[replica] = ReplicaState(replica, state.engine, "serving",
+                                              node_id=state.node_id)
+        self.router.set_up(replica, True)
 
     async def recover(self) -> None:
         """`start` after Ray restarted this actor; a failure stays in /health and the log."""
@@ -95,7 +106,12 @@ class Coordinator:
 
     async def _start_replica(self, replica: int, raise_errors: bool = False) -> None:
         """Start (or start again) one replica: its placement group on a node with room,
-        its engine inside it (beside its workers), loaded and serving."""
+        its engine inside it (beside its workers), loaded and serving. One at a time per
+        replica: two would each place a group, and one would be lost."""
+        async with self._starting[replica]:
+            await self._place_and_start(replica, raise_errors)
+
+    async def _place_and_start(self, replica: int, raise_errors: bool) -> None:
         self._release(replica)  # a lost engine's placement: its resources count as free
         node = self._node_for(replica)
         if node is None and not self._first_start:  # its supervisor tries again

@@ -181,7 +181,7 @@ def test_ranks_padding_to_different_graphs_fail_the_step_naming_the_rank(ray_ses
         stop(ray_session, workers)
 
 
-@pytest.mark.parametrize("kind", ["exit", "stall"])
+@pytest.mark.parametrize("kind", ["exit", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_rank_dying_or_stalling_in_capture_is_an_error_within_the_timeout(
         ray_session, tiny_llama, kind):
     graph = msgspec.structs.replace(SIZES, capture="lazy", capture_timeout_s=5)
