@@ -20,6 +20,9 @@ SAMPLING_FALLBACK: dict[str, float | int] = {"temperature": 0.0, "top_k": 0, "to
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_TEMPERATURE = 1e4  # float32-safe; a softmax is uniform long before this
+# float32-safe (a smaller one rounds to 0 in the sampler's rows); any top_p below the top
+# token's probability keeps that token alone
+MIN_TOP_P = 1e-30
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
@@ -37,7 +40,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 64
     temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None  # >= vocab: off
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1.0)] | None = None
     seed: Seed | None = None
     stop_token_ids: list[TokenId] = []
     stop: list[str] = []
