@@ -164,9 +164,9 @@ class EngineCore:
         self.in_flight = outs
         if loads:
             self._loaded(outputs)
-        if self._flushed:
-            emitted = [a + b for a, b in zip(self._flushed, emitted)]
         self._forget_finished(emitted)
+        if self._flushed:  # walked by flush already
+            emitted = [a + b for a, b in zip(self._flushed, emitted)]
         return emitted
 
     def _flush_into(self, dispatch: Dispatch) -> None:

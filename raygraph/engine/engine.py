@@ -28,13 +28,12 @@ from typing import Any
 
 import msgspec
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from raygraph.client.requests import encode_prompt, parse_params, split_prompts, take_deltas
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
-from raygraph.engine.group import WorkerGroup, place_workers
+from raygraph.engine.group import WorkerGroup
 from raygraph.engine.kv_cache import merge_stats
 from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
 from raygraph.engine.lora import LoRAAdmission, LoRARegistry
@@ -60,9 +59,9 @@ log = logging.getLogger("raygraph.engine")
 
 
 class Engine:
-    def __init__(self, cfg: ServeConfig, replica: int = 0, pg: Any = None) -> None:
+    def __init__(self, cfg: ServeConfig, replica: int, pg: Any) -> None:
         """`pg`: the replica's placement group (engine/group.place_workers), which its
-        owner, the coordinator, removes; None: the engine places its workers itself."""
+        owner, the coordinator, creates and removes."""
         setup_logging()
         # the step thread and the event loop share the GIL: hand it over every 0.5 ms, not
         # Python's default 5 ms, so a busy loop never holds a step back for long
@@ -70,7 +69,6 @@ class Engine:
         self.cfg = cfg
         self.replica = replica
         self.pg = pg
-        self._own_pg = pg is None
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         cfg.parallel.check_model(self.model_cfg)
         # transformers takes seconds to import: the tokenizer loads while workers start
@@ -135,8 +133,6 @@ class Engine:
     async def _start_workers(self) -> None:
         cfg = self.cfg
         me = ray.get_runtime_context().current_actor
-        if self.pg is None:
-            self.pg = await place_workers(cfg, ray.get_runtime_context().get_node_id())
         self.group, self.infos = await WorkerGroup.start(cfg, self.pg, reporter=me)
         self.workers = self.group.workers
         num_blocks = min(i.num_kv_blocks for i in self.infos)
@@ -667,9 +663,6 @@ class Engine:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
         self._stop_workers()
-        if self._own_pg and self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
         self.healthy = False
         self.unhealthy_reason = "shut down"
         self._stopped.set()
