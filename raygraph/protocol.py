@@ -23,6 +23,9 @@ MAX_TEMPERATURE = 1e4  # float32-safe; a softmax is uniform long before this
 # float32-safe (a smaller one rounds to 0 in the sampler's rows); any top_p below the top
 # token's probability keeps that token alone
 MIN_TOP_P = 1e-30
+# one page-pool allocate call in this many is timed (no clock pair per block); the engine
+# samples at this rate and /metrics says so
+ALLOCATE_SAMPLE = 16
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 

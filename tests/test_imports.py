@@ -75,3 +75,65 @@ def test_no_import_cycles() -> None:
     for cycle in found:
         print(" -> ".join(m.removeprefix("raygraph.") for m in cycle))
     assert not found, f"{len(found)} import cycle(s) in raygraph; see the chains printed above"
+
+
+# Layers from the bottom up: a module imports only its own layer and the ones below it. The
+# shared modules come first; then the model, the device-side libraries, the worker (one per
+# GPU), the engine (one per replica), the coordinator (the front), and what clients run.
+LAYERS: list[set[str]] = [
+    {"protocol", "errors", "config", "generation", "adapter_files", "hub", "tokenizer",
+     "process", "requests", "serve_options"},
+    {"model"},
+    {"memory", "graph", "lora"},
+    {"worker"},
+    {"engine"},
+    {"coordinator"},
+    {"client"},
+    {"api", "llm", "cli", "__init__"},
+]
+# processes that carry requests, not steps: they never load the engine's or a GPU's code
+FRONT = {"client", "api"}
+DEVICE_SIDE = {"engine", "worker", "graph", "memory", "lora"}
+
+
+def top_package(module: str) -> str:
+    """raygraph.engine.core -> engine; raygraph -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_of(module: str) -> int:
+    top = top_package(module)
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_every_package_has_a_layer() -> None:
+    """A new package must be placed: it would otherwise escape the checks below."""
+    for module in import_graph():
+        assert any(top_package(module) in names for names in LAYERS), module
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that points up a layer, or from the front into device-side code."""
+    found = []
+    for a, deps in sorted(graph.items()):
+        for b in sorted(deps):
+            if layer_of(b) > layer_of(a):
+                found.append(f"{a} -> {b} (a higher layer)")
+            elif top_package(a) in FRONT and top_package(b) in DEVICE_SIDE:
+                found.append(f"{a} -> {b} (front into device-side code)")
+    return found
+
+
+def test_no_upward_imports() -> None:
+    found = violations(import_graph())
+    assert not found, "\n".join(found)
+
+
+def test_layer_check_catches_bad_imports() -> None:
+    graph = {"raygraph.engine.core": {"raygraph.coordinator.router"},
+             "raygraph.api.metrics": {"raygraph.engine.kv_cache"},
+             "raygraph.cli": {"raygraph.engine.lockstep", "raygraph.protocol"}}
+    assert violations(graph) == [
+        "raygraph.api.metrics -> raygraph.engine.kv_cache (front into device-side code)",
+        "raygraph.engine.core -> raygraph.coordinator.router (a higher layer)"]

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raygraph.client.requests import parse_params
 from raygraph.errors import BadRequest
 from raygraph.protocol import INT64_MAX, INT64_MIN, NewSeq, SeqChunk, nth_seed
+from raygraph.requests import parse_params
 from raygraph.worker.sampler import SamplingRows
 
 ints = st.one_of(st.integers(), st.integers(min_value=-(2**70), max_value=2**70),

@@ -1,4 +1,4 @@
-"""The router's choices (client/router.py): a prompt follows its longest cached prefix within
+"""The router's choices (coordinator/router.py): a prompt follows its longest cached prefix within
 the load bound, otherwise the less loaded of two; round-robin; replicas that are down are
 skipped; the prefix map stays bounded."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from raygraph.client.router import Router, prefix_hashes
 from raygraph.config import ConfigError, ReplicaConfig
+from raygraph.coordinator.router import Router, prefix_hashes
 
 BLOCK = 4
 

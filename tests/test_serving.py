@@ -9,10 +9,10 @@ import time
 import pytest
 
 from raygraph.client.connect import start_coordinator
-from raygraph.client.requests import take_deltas
 from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
 from raygraph.errors import BadRequest
 from raygraph.protocol import SamplingParams, StreamDelta
+from raygraph.requests import take_deltas
 from tests.hf_ref import hf_greedy
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from raygraph.client.requests import encode_prompt, pack_ids
 from raygraph.client.streams import StreamHub
 from raygraph.errors import BadRequest
 from raygraph.protocol import SamplingParams
+from raygraph.requests import encode_prompt, pack_ids
 
 
 class Method:

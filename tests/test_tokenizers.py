@@ -24,12 +24,12 @@ from tokenizers import (
     trainers,
 )
 
-from raygraph.client.requests import encode_prompt, parse_params
 from raygraph.config import DEFAULT_MODEL, CacheConfig, GraphConfig, ModelConfig, ServeConfig
 from raygraph.engine.requests import Detokenizer
 from raygraph.generation import eos_token_ids, sampling_defaults
 from raygraph.hub import resolve_model
 from raygraph.protocol import SamplingParams
+from raygraph.requests import encode_prompt, parse_params
 from raygraph.tokenizer import load_tokenizer
 from tests.conftest import loaded_worker, make_checkpoint, serve_in_process
 

@@ -17,7 +17,6 @@ from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
-from raygraph.client.requests import encode_prompt, split_prompts
 from raygraph.client.streams import ReplicaStreams
 from raygraph.config import ModelConfig
 from raygraph.protocol import (
@@ -27,6 +26,7 @@ from raygraph.protocol import (
     TokenLogprobs,
     nth_seed,
 )
+from raygraph.requests import encode_prompt, split_prompts
 from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
 T = TypeVar("T")

@@ -15,8 +15,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from raygraph.engine.kv_cache import ALLOCATE_SAMPLE
-from raygraph.protocol import RequestTiming
+from raygraph.protocol import ALLOCATE_SAMPLE, RequestTiming
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

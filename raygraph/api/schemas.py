@@ -128,7 +128,7 @@ class ChatRequest(_Sampling):
 
 def check_params(fields: dict[str, Any]) -> SamplingParams:
     """Validate here first (a bad request never reaches the coordinator); BadRequest."""
-    from raygraph.client.requests import parse_params
+    from raygraph.requests import parse_params
 
     return parse_params(fields)
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import msgspec
 
-from raygraph.client.requests import pack_ids, take_deltas
-from raygraph.client.router import Router
 from raygraph.config import ReplicaConfig
+from raygraph.coordinator.router import Router
 from raygraph.errors import WorkerFailure, last_line
 from raygraph.protocol import SamplingParams, StreamDelta, replica_of
+from raygraph.requests import pack_ids, take_deltas
 
 
 class StreamHub:

@@ -24,13 +24,13 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raygraph.client.requests import parse_params, split_prompts
-from raygraph.client.router import Router
+from raygraph.coordinator.router import Router
 from raygraph.engine.engine import Engine
 from raygraph.engine.group import place_workers
 from raygraph.errors import WorkerFailure, last_line
 from raygraph.process import setup_logging
 from raygraph.protocol import GenerateResult, ReplicaState, StartupProgress, StreamDelta
+from raygraph.requests import parse_params, split_prompts
 
 log = logging.getLogger("raygraph.coordinator")
 

@@ -29,7 +29,6 @@ from typing import Any
 import msgspec
 import ray
 
-from raygraph.client.requests import encode_prompt, parse_params, split_prompts, take_deltas
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
@@ -53,6 +52,7 @@ from raygraph.protocol import (
     StreamDelta,
     WorkerInfo,
 )
+from raygraph.requests import encode_prompt, parse_params, split_prompts, take_deltas
 from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger("raygraph.engine")

@@ -23,12 +23,12 @@ import msgspec
 
 from raygraph.engine.pages import KINDS, PagePool
 from raygraph.engine.sequence import Sequence
+from raygraph.protocol import ALLOCATE_SAMPLE
 
 # upper bounds (seconds) of raygraph:pool_allocate_seconds; one allocate is ~0.5 us, one that
 # evicts a batch of cached pages down to the low watermark takes longer
 ALLOCATE_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3,
                     2.5e-3, 1e-2, 0.1)
-ALLOCATE_SAMPLE = 16  # one allocate call in this many is timed: no clock pair per block
 
 
 class Histogram:

@@ -31,7 +31,7 @@ TEXT_BLOCK_CHARS = 64
 def prefix_hashes(prompt: str | Sequence[int] | bytes, block: int) -> list[int]:
     """Chained hashes of the prompt's full blocks: entry i identifies blocks 0..i, so two
     prompts share entry i exactly when they share their first i + 1 blocks."""
-    if isinstance(prompt, bytes):  # packed uint32 ids (client/requests.pack_ids)
+    if isinstance(prompt, bytes):  # packed uint32 ids (raygraph.requests.pack_ids)
         block *= 4
     elif isinstance(prompt, str):
         block = TEXT_BLOCK_CHARS
