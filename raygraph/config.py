@@ -531,6 +531,10 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"balance_tokens must be >= 0, got {self.balance_tokens}")
 
 
+# ServeConfig fields that resolved() fills in: no file or flag sets them
+DERIVED = ("model_config",)
+
+
 class ServeConfig(msgspec.Struct, frozen=True):
     """Everything `raygraph serve` serves with, one section per concern."""
 
@@ -551,6 +555,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
     namespace: str = "raygraph"  # its Ray namespace
     # a step (or worker call) not answered in this long fails the group, which restarts
     step_timeout_s: float = 300.0
+    # derived, never given: config.json as resolved() read it, for every process after it
+    model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.lora.enabled and self.offload.budget_bytes is not None:
@@ -577,6 +583,11 @@ class ServeConfig(msgspec.Struct, frozen=True):
         """The GraphConfig the executor is built from (eager whenever graphs are not used)."""
         return self.graph if self.uses_graphs else msgspec.structs.replace(self.graph, mode="eager")
 
+    def model_cfg(self) -> ModelConfig:
+        """The model's config.json: read once by resolved() and carried from then on (a
+        config not resolved, as a test's own worker gets, reads it here)."""
+        return self.model_config or ModelConfig.from_pretrained(self.model)
+
     def weights_dtype(self, device: str) -> str:
         """The dtype the weights run in on `device`: the one asked for, or for "auto"
         `auto_dtype` of the checkpoint's. The one place it is decided."""
@@ -584,7 +595,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
             return self.dtype
         if device != "cuda":
             return auto_dtype(device, "")
-        return auto_dtype(device, ModelConfig.from_pretrained(self.model).checkpoint_dtype)
+        return auto_dtype(device, self.model_cfg().checkpoint_dtype)
 
     def resolved(self, num_gpus: float) -> ServeConfig:
         """Pin 'auto' device, dtype and capture given the GPUs the cluster offers, and the
@@ -596,7 +607,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
         if graph.capture == "auto":
             graph = msgspec.structs.replace(
                 graph, capture="background" if device == "cuda" else "lazy")
-        return msgspec.structs.replace(self, device=device, dtype=self.weights_dtype(device),
+        cfg = msgspec.structs.replace(self, model_config=self.model_cfg())
+        return msgspec.structs.replace(cfg, device=device, dtype=cfg.weights_dtype(device),
                                        graph=graph, lora=self.lora.resolved())
 
 
@@ -626,7 +638,8 @@ def _check_keys(table: object, struct: type[msgspec.Struct], where: str = "") ->
     if not isinstance(table, dict):
         return  # not a table: msgspec.convert names the type it wanted
     sections = _sections(struct)
-    keys = [f.encode_name for f in msgspec.structs.fields(struct) if f.encode_name not in sections]
+    keys = [f.encode_name for f in msgspec.structs.fields(struct)
+            if f.encode_name not in sections and f.encode_name not in DERIVED]
     for key, value in table.items():
         if key in sections:
             _check_keys(value, sections[key], f"{where}{key}.")

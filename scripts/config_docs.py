@@ -50,8 +50,8 @@ def rows(cls: type, prefix: str) -> list[str]:
     notes = field_comments(cls)
     out = []
     for f in msgspec.structs.fields(cls):
-        if isinstance(f.default, msgspec.Struct):
-            continue  # a section: its own table
+        if isinstance(f.default, msgspec.Struct) or f.name in config.DERIVED:
+            continue  # a section (its own table), or derived by resolved()
         default = "the built-in model" if f.default == config.DEFAULT_MODEL else repr(f.default)
         out.append(f"| `{prefix}{f.name}` | `{cell(type_name(f.type))}` | `{cell(default)}` | "
                    f"{cell(notes.get(f.name, ''))} |")

@@ -18,7 +18,6 @@ from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
 from raygraph.client.streams import ReplicaStreams
-from raygraph.config import ModelConfig
 from raygraph.protocol import (
     GenerateResult,
     SamplingParams,
@@ -81,7 +80,7 @@ class Front:
         model_dir = info["model"]
         self.name = cfg.served_model_name or Path(model_dir).name
         self.max_model_len = info["max_model_len"]
-        self.vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
+        self.vocab_size = info["vocab_size"]
         self.metrics = Metrics(self.name)
         self.streams = ReplicaStreams.from_info(coord, info)  # to the engines directly
         # per-request CPU work (tokenizing, chat templates, logprob strings) runs here, so

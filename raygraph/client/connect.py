@@ -110,7 +110,7 @@ def check_startup(cfg: ServeConfig) -> ModelConfig:
     """The checks that need no worker, run in the driver: a bad model path, config.json,
     layout or checkpoint file (damaged, a tensor missing or of the wrong shape or dtype) is
     reported at once, by name, not as an actor that died."""
-    model = ModelConfig.from_pretrained(cfg.model)
+    model = cfg.model_cfg()
     cfg.parallel.check_model(model)
     headers = read_headers(cfg.model)  # a damaged file fails before torch is imported
     from raygraph.model.loader import check_checkpoint  # torch: not for every client

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import ray
 
-from raygraph.config import ModelConfig, ServeConfig
+from raygraph.config import ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
 from raygraph.engine.group import WorkerGroup
@@ -69,7 +69,7 @@ class Engine:
         self.cfg = cfg
         self.replica = replica
         self.pg = pg
-        self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        self.model_cfg = cfg.model_cfg()
         cfg.parallel.check_model(self.model_cfg)
         # transformers takes seconds to import: the tokenizer loads while workers start
         self.tokenizer: TextTokenizer | None = None
@@ -174,6 +174,7 @@ class Engine:
         cap = self.capture
         return {
             "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
+            "vocab_size": self.model_cfg.vocab_size,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
             "dp": self.cfg.parallel.dp, "ep": self.cfg.parallel.ep,
             "num_kv_blocks": self.schedulers[0].pool.num_pages if self.schedulers else 0,

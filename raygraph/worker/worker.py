@@ -178,7 +178,7 @@ class Worker:
                 timeout=timedelta(seconds=self.cfg.step_timeout_s),
             )
             comm, ep_comm = self._groups()
-        self.model_cfg = ModelConfig.from_pretrained(self.cfg.model)
+        self.model_cfg = self.cfg.model_cfg()
         self.cfg.parallel.check_model(self.model_cfg)
         self.offload: OffloadEngine | None = None
         if self.cfg.offload.budget_bytes is None:
