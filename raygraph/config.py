@@ -517,6 +517,10 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     max_imbalance: float = 1.5
     # ... and more than this many outstanding tokens above the least loaded replica
     balance_tokens: int = 32768
+    # cache routing moves a prefix to the replica routed the least when its home was routed
+    # this fraction of the mean more (over the last few hundred requests) and the move
+    # narrows the gap: homes are rebalanced by traffic, one recomputed prefix at a time
+    rebalance_gap: float = 0.1
     # prompt prefixes remembered per router for cache routing (an LRU of block hashes)
     max_prefixes: int = 65536
 
@@ -529,6 +533,8 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"max_prefixes must be >= 1, got {self.max_prefixes}")
         if self.balance_tokens < 0:
             raise ConfigError(f"balance_tokens must be >= 0, got {self.balance_tokens}")
+        if self.rebalance_gap <= 0:
+            raise ConfigError(f"rebalance_gap must be > 0, got {self.rebalance_gap}")
 
 
 # ServeConfig fields that resolved() fills in: no file or flag sets them

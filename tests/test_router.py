@@ -95,3 +95,44 @@ def test_replica_config_refuses_nonsense():
         ReplicaConfig(replicas=0)
     with pytest.raises(ConfigError, match="max_imbalance"):
         ReplicaConfig(max_imbalance=0.5)
+
+
+def shared_prefix_load(r: Router, n: int, prompts: int, seed: int) -> list[int]:
+    """n requests, each one of `prompts` system prompts at random plus its own part, each
+    finished before the next (no outstanding load): tokens routed per replica."""
+    rng = random.Random(seed)
+    systems = [[p] * 64 for p in range(prompts)]
+    routed = [0] * len(r.load)
+    for i in range(n):
+        replica = r.pick(systems[rng.randrange(prompts)] + [1000 + i] * 8, cost=72)
+        routed[replica] += 72
+        r.done(replica, 72)
+    return routed
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_homes_are_rebalanced_by_traffic_with_few_moves(seed: int):
+    """16 prompts drawn at random give two replicas unequal traffic when each prompt keeps
+    the replica it first went to; moving a few prefixes evens it out and keeps the hits."""
+    fixed = shared_prefix_load(router(2, rebalance_gap=1e9), 2000, 16, seed)
+    r = router(2)
+    balanced = shared_prefix_load(r, 2000, 16, seed)
+    assert max(balanced) / min(balanced) - 1 <= 0.1
+    assert r.hits >= 0.95 * 2000 and 0 < r.moves <= 60  # a move: one recomputed prefix
+    assert max(fixed) / min(fixed) - 1 > max(balanced) / min(balanced) - 1
+
+
+def test_a_move_takes_the_whole_prefix_and_the_traffic_table_stays_bounded():
+    r = router(2, max_prefixes=64)
+    r.routed = [1000.0, 0.0]  # replica 0 was routed far more
+    system = list(range(32))
+    r.prefixes.update(dict.fromkeys(prefix_hashes(system, BLOCK), 0))
+    assert r.pick(system + [7] * 4, cost=8) == 1 and r.moves == 1
+    assert set(r.prefixes[h] for h in prefix_hashes(system + [7] * 4, BLOCK)) == {1}
+    shared_prefix_load(r, 500, 40, 0)
+    assert len(r.prefixes) <= 64 and set(r.traffic) <= set(r.prefixes)
+
+
+def test_rebalance_gap_must_be_positive():
+    with pytest.raises(ConfigError, match="rebalance_gap"):
+        ReplicaConfig(rebalance_gap=0)

@@ -26,6 +26,8 @@ from raygraph.config import ReplicaConfig
 
 # a text prompt is hashed in blocks of this many characters (roughly a token block)
 TEXT_BLOCK_CHARS = 64
+# routed traffic is remembered over about this many requests (exponential decay)
+WINDOW = 256
 
 
 def prefix_hashes(prompt: str | Sequence[int] | bytes, block: int) -> list[int]:
@@ -56,12 +58,19 @@ class Router:
         self.rng = rng or random.Random()
         self._next = 0  # round-robin position
         self.hits = 0  # requests sent to the replica holding a prefix of theirs
+        self.moves = 0  # prefixes moved to balance the routed traffic
+        # decayed tokens routed per replica and through each prefix (block hash), in
+        # units that grow by 1/(1 - 1/WINDOW) a request instead of decaying every entry
+        self.routed = [0.0] * replicas
+        self.traffic: dict[int, float] = {}
+        self._unit = 1.0
 
     def resize(self, replicas: int) -> None:
         """More or fewer replicas (scaling): new ones start unloaded; prefixes that point
         past the end are forgotten as they are met."""
         self.load = (self.load + [0] * replicas)[:replicas]
         self.up = (self.up + [True] * replicas)[:replicas]
+        self.routed = (self.routed + [0.0] * replicas)[:replicas]
 
     def set_up(self, replica: int, up: bool) -> None:
         """A replica that failed (or sleeps) takes no requests until it is up again."""
@@ -79,24 +88,30 @@ class Router:
             self._next += 1
         else:
             hashes = prefix_hashes(prompt, self.block_size) if policy == "cache" else []
-            choice = self._cached(hashes, live, cost)
-            hit = choice is not None
+            matched, choice = self._cached(hashes, live, cost)
+            home = choice is not None  # the prompt follows (or now moves) its prefix
             if choice is None:
                 choice = self._least_of_two(live)
+            elif (to := self._rebalanced(choice, matched, live)) is not None:
+                choice = to
+                self.moves += 1
             else:
                 self.hits += 1
             for h in hashes:  # blocks nobody holds (or a replica that is down held) now live
                 owner = self.prefixes.get(h)  # there; an overflow keeps its prefix's home
-                if hit or owner is None or not self._live(owner):
+                if home or owner is None or not self._live(owner):
                     self.prefixes[h] = choice
                 self.prefixes.move_to_end(h)
             while len(self.prefixes) > self.cfg.max_prefixes:
-                self.prefixes.popitem(last=False)
+                self.traffic.pop(self.prefixes.popitem(last=False)[0], None)
+            self._count(choice, hashes, cost)
         self.load[choice] += cost
         return choice
 
-    def _cached(self, hashes: list[int], live: list[int], cost: int) -> int | None:
-        """The live replica holding the longest prefix, unless it is overloaded."""
+    def _cached(self, hashes: list[int], live: list[int], cost: int
+                ) -> tuple[int | None, int | None]:
+        """(the longest prefix hash a live replica holds, that replica), the replica None
+        when it is overloaded; (None, None) without a prefix."""
         floor = min(self.load[r] for r in live)
         for h in reversed(hashes):  # the longest prefix first
             r = self.prefixes.get(h)
@@ -105,8 +120,31 @@ class Router:
             load = self.load[r] + cost
             overloaded = (load > self.cfg.max_imbalance * floor
                           and load - floor > self.cfg.balance_tokens)
-            return None if overloaded else r  # overloaded: balance instead
-        return None
+            return h, None if overloaded else r  # overloaded: balance instead
+        return None, None
+
+    def _rebalanced(self, home: int, matched: int | None, live: list[int]) -> int | None:
+        """The replica the prefix `matched` should move to from `home`, or None to stay."""
+        least = min(live, key=self.routed.__getitem__)
+        gap = self.routed[home] - self.routed[least]
+        mean = sum(self.routed[r] for r in live) / len(live)
+        if gap <= self.cfg.rebalance_gap * mean or self.traffic.get(matched, 0.0) >= gap:
+            return None
+        return least
+
+    def _count(self, replica: int, hashes: list[int], cost: int) -> None:
+        """Add a request's tokens to the decayed traffic of its replica and of every prefix
+        of its prompt (a prefix's traffic: all requests that share it)."""
+        self._unit /= 1.0 - 1.0 / WINDOW
+        if self._unit > 1e100:  # rescale before floats run out
+            self.routed = [v / self._unit for v in self.routed]
+            self.traffic = {h: v / self._unit for h, v in self.traffic.items()}
+            self._unit = 1.0
+        add = cost * self._unit
+        self.routed[replica] += add
+        traffic = self.traffic
+        for h in hashes:
+            traffic[h] = traffic.get(h, 0.0) + add
 
     def _live(self, replica: int) -> bool:
         return replica < len(self.up) and self.up[replica]
@@ -114,8 +152,8 @@ class Router:
     def _least_of_two(self, live: list[int]) -> int:
         if len(live) == 1:
             return live[0]
-        a, b = self.rng.sample(live, 2)
-        return a if self.load[a] <= self.load[b] else b
+        a, b = self.rng.sample(live, 2)  # ties (say, nothing outstanding): routed less
+        return min((a, b), key=lambda r: (self.load[r], self.routed[r]))
 
     def done(self, replica: int, cost: int) -> None:
         """A request picked with `cost` finished (or failed) on `replica`."""
