@@ -523,6 +523,18 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     rebalance_gap: float = 0.1
     # prompt prefixes remembered per router for cache routing (an LRU of block hashes)
     max_prefixes: int = 65536
+    # replicas kept awake (None: all). Replicas past them are elastic: a router sends them
+    # requests only while every awake one has max_num_seqs of its requests outstanding; one
+    # idle for idle_sleep_s sleeps (its memory released, idle_sleep_level) and wakes on
+    # its next request
+    min_replicas: int | None = None
+    idle_sleep_s: float = 30.0
+    idle_sleep_level: Literal[1, 2] = 1
+
+    @property
+    def awake(self) -> int:
+        """Replicas [0, awake) never sleep when idle; the rest are elastic."""
+        return self.replicas if self.min_replicas is None else self.min_replicas
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -533,6 +545,11 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"max_prefixes must be >= 1, got {self.max_prefixes}")
         if self.balance_tokens < 0:
             raise ConfigError(f"balance_tokens must be >= 0, got {self.balance_tokens}")
+        if self.min_replicas is not None and not 0 <= self.min_replicas <= self.replicas:
+            raise ConfigError(f"min_replicas must be between 0 and replicas "
+                              f"({self.replicas}), got {self.min_replicas}")
+        if self.idle_sleep_s <= 0:
+            raise ConfigError(f"idle_sleep_s must be > 0, got {self.idle_sleep_s}")
         if self.rebalance_gap <= 0:
             raise ConfigError(f"rebalance_gap must be > 0, got {self.rebalance_gap}")
 

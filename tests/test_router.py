@@ -14,8 +14,9 @@ from raygraph.coordinator.router import Router, prefix_hashes
 BLOCK = 4
 
 
-def router(replicas: int = 2, **kw) -> Router:
-    return Router(replicas, ReplicaConfig(replicas=replicas, **kw), BLOCK, random.Random(0))
+def router(replicas: int = 2, spill_at: int = 64, **kw) -> Router:
+    return Router(replicas, ReplicaConfig(replicas=replicas, **kw), BLOCK, spill_at,
+                  random.Random(0))
 
 
 def test_prefix_hashes_are_chained_over_full_blocks_only():
@@ -136,3 +137,24 @@ def test_a_move_takes_the_whole_prefix_and_the_traffic_table_stays_bounded():
 def test_rebalance_gap_must_be_positive():
     with pytest.raises(ConfigError, match="rebalance_gap"):
         ReplicaConfig(rebalance_gap=0)
+
+
+def test_elastic_replicas_take_requests_only_while_the_awake_ones_are_full():
+    r = router(3, spill_at=2, min_replicas=1, routing="load")
+    picks = [r.pick([i] * 8, cost=1) for i in range(2)]
+    assert picks == [0, 0]  # replica 0 has room for its batch
+    spilled = {r.pick([9] * 8, cost=1) for _ in range(4)}
+    assert spilled <= {0, 1, 2} and spilled & {1, 2}  # full: elastic replicas take some
+    for replica in range(3):
+        for _ in range(r.requests[replica]):
+            r.done(replica, 1)
+    assert r.requests == [0, 0, 0] and r.pick([5] * 8, cost=1) == 0  # room again: awake only
+    r.set_up(0, False)  # the only awake replica is down: the elastic ones serve
+    assert r.pick([5] * 8, cost=1) in (1, 2)
+
+
+def test_min_replicas_is_bounded_by_replicas():
+    with pytest.raises(ConfigError, match="min_replicas"):
+        ReplicaConfig(replicas=2, min_replicas=3)
+    assert ReplicaConfig(replicas=3).awake == 3
+    assert ReplicaConfig(replicas=3, min_replicas=0).awake == 0

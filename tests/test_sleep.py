@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raygraph.client.connect import start_coordinator
-from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.config import CacheConfig, GraphConfig, ReplicaConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.pages import PagePool
 from raygraph.engine.scheduler import Scheduler
@@ -191,6 +191,30 @@ def test_sleep_control_refuses_level_2_with_offload_and_recovers_from_a_failed_s
     asyncio.run(run())
 
 
+def test_an_idle_sleep_wakes_for_the_next_request_and_an_operator_sleep_does_not():
+    async def run():
+        flight = [0]
+        c, calls = control(flight)
+        await c.sleep_idle(1)
+        assert c.asleep and c.idle and c.idle_sleeps == 1
+        await asyncio.gather(c.wake_for_request(), c.wake_for_request())  # one wake for both
+        assert c.phase == "awake" and not c.idle and calls.count("wake_up") == 1
+        c.check_admit()
+        flight[0] = 1  # a request in flight: the idle sleep gives up, serving on
+        await c.sleep_idle(1)
+        assert c.phase == "awake" and not c.idle and c.idle_sleeps == 1
+        flight[0] = 0
+        await c.sleep(1)  # an operator's sleep: a request does not wake it
+        await c.wake_for_request()
+        assert c.asleep and not c.idle
+        with pytest.raises(Asleep):
+            c.check_admit()
+        await c.sleep_idle(1)  # asleep already by the operator's call: it stays that way
+        assert c.asleep and not c.idle and c.idle_sleeps == 1
+
+    asyncio.run(run())
+
+
 # ---- the coordinator on local Ray --------------------------------------------------------
 @pytest.fixture(scope="module")
 def coord(ray_session):
@@ -275,3 +299,40 @@ def test_cli_sleep_and_wake_errors_are_one_line():
     assert explain(BadRequest("sleep level 2 is not available with weight offload"))[0] == 2
     with pytest.raises(SystemExit):
         main(["sleep", "--level", "3"])
+
+
+def test_an_elastic_replica_sleeps_when_idle_and_a_burst_wakes_it(ray_session):
+    """Two replicas, one kept awake: the other sleeps once idle, takes the part of a burst
+    past replica 0's batch (waking for it, with the same greedy tokens), and sleeps again."""
+    ray = ray_session
+    cfg = config(coordinator_name="elastic-test", step_timeout_s=60,
+                 replica=ReplicaConfig(replicas=2, min_replicas=1, idle_sleep_s=0.5,
+                                       routing="load"))
+    handle = start_coordinator(cfg)
+
+    def replica(r: int) -> dict:
+        return ray.get(handle.stats.remote())["replicas"][r]
+
+    def wait_for(check, what: str) -> None:
+        deadline = time.time() + 30
+        while not check():
+            assert time.time() < deadline, what
+            time.sleep(0.05)
+
+    try:
+        wait_for(lambda: replica(1)["idle_asleep"], "replica 1 never slept when idle")
+        assert not replica(0)["asleep"] and not ray.get(handle.is_sleeping.remote())
+        assert ray.get(handle.stats.remote())["healthy"]
+        prompts = [PROMPTS[i % 3] for i in range(16)]  # 8 fill replica 0's batch
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        outs = [r.token_ids for r in ray.get(handle.generate.remote(prompts, params))]
+        one = {i: r.token_ids for i, r in enumerate(ray.get(handle.generate.remote(
+            PROMPTS, params)))}
+        assert outs == [one[i % 3] for i in range(16)]
+        woke = replica(1)
+        assert woke["idle_sleeps"] >= 1 and woke["generation_tokens"] > 0
+        wait_for(lambda: replica(1)["idle_asleep"], "replica 1 did not sleep again")
+        assert replica(1)["idle_sleeps"] >= 2
+    finally:
+        ray.get(handle.shutdown.remote())
+        ray.kill(handle)

@@ -130,9 +130,9 @@ class ReplicaStreams:
 
     REFRESH_S = 1.0
 
-    def __init__(self, coord: Any, cfg: ReplicaConfig, block_size: int) -> None:
+    def __init__(self, coord: Any, cfg: ReplicaConfig, block_size: int, spill_at: int) -> None:
         self.coord = coord
-        self.router = Router(cfg.replicas, cfg, block_size)
+        self.router = Router(cfg.replicas, cfg, block_size, spill_at)
         self.hubs: list[StreamHub | None] = [None] * cfg.replicas
         self.costs: dict[int, int] = {}  # open request -> its tokens on the router
         for r in range(cfg.replicas):  # none is used before the coordinator names its engine
@@ -145,7 +145,7 @@ class ReplicaStreams:
     def from_info(coord: Any, info: dict) -> ReplicaStreams:
         """Over the coordinator whose `describe()` is `info`."""
         return ReplicaStreams(coord, msgspec.convert(info["replica_config"], ReplicaConfig),
-                              info["block_size"])
+                              info["block_size"], info["spill_at"])
 
     async def _refresh(self) -> None:
         """Ask the coordinator for the engines unless every hub is fine, at most every

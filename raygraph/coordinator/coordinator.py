@@ -44,7 +44,7 @@ class Coordinator:
         self.cfg = cfg
         n = cfg.replica.replicas
         self.replicas = [ReplicaState(r, None, "starting") for r in range(n)]
-        self.router = Router(n, cfg.replica, cfg.cache.block_size)
+        self.router = Router(n, cfg.replica, cfg.cache.block_size, spill_at(cfg))
         self.restarts = 0  # engines started again after theirs died
         self._pgs: dict[int, Any] = {}  # replica -> its placement group
         self._starting = [asyncio.Lock() for _ in range(n)]
@@ -289,6 +289,7 @@ class Coordinator:
         info = await self._on_one("describe", self._serving()[0].replica) \
             if self._serving() else {}
         return {**info, "replicas": len(self.replicas), "block_size": self.cfg.cache.block_size,
+                "spill_at": spill_at(self.cfg),
                 "replica_config": msgspec.to_builtins(self.cfg.replica),
                 "serving": len(self._serving()),
                 "nodes": [s.node_id for s in self.replicas]}
@@ -362,6 +363,12 @@ class Coordinator:
 
     def ping(self) -> bool:
         return True
+
+
+def spill_at(cfg: Any) -> int:
+    """A replica's batch: the requests outstanding on each awake replica before a router
+    sends requests to elastic ones too."""
+    return cfg.scheduler.max_num_seqs * cfg.parallel.dp
 
 
 def merge_stats(per: list[dict]) -> dict:

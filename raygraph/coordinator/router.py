@@ -10,6 +10,11 @@ replica). The request then goes, as in load routing, to the less loaded of two r
 picked at random, and the prefix keeps its home: a burst does not move (and recompute)
 every busy prefix. A home that is down is replaced by the next replica sent the prefix.
 
+Replicas past `ReplicaConfig.awake` are elastic: a request goes to them only while every
+awake replica has `spill_at` (its batch's worth of) requests of this router outstanding, so
+an elastic replica that saw no request for a while sleeps (engine/engine.py) and a burst
+wakes it.
+
 Load is the tokens this router has outstanding on each replica (prompt + max_tokens of every
 request not finished), so each router sees only its own traffic: a bounded approximation of
 the engines' real state that needs no message per step. The prefix map is an LRU of block
@@ -48,11 +53,15 @@ def prefix_hashes(prompt: str | Sequence[int] | bytes, block: int) -> list[int]:
 
 
 class Router:
-    def __init__(self, replicas: int, cfg: ReplicaConfig, block_size: int,
+    def __init__(self, replicas: int, cfg: ReplicaConfig, block_size: int, spill_at: int,
                  rng: random.Random | None = None) -> None:
+        """`spill_at`: a replica's batch (max_num_seqs x DP groups), past which elastic
+        replicas take requests too."""
         self.cfg = cfg
         self.block_size = block_size
+        self.spill_at = spill_at
         self.load = [0] * replicas  # outstanding tokens per replica
+        self.requests = [0] * replicas  # outstanding requests per replica
         self.up = [True] * replicas  # replicas that take requests
         self.prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica
         self.rng = rng or random.Random()
@@ -69,6 +78,7 @@ class Router:
         """More or fewer replicas (scaling): new ones start unloaded; prefixes that point
         past the end are forgotten as they are met."""
         self.load = (self.load + [0] * replicas)[:replicas]
+        self.requests = (self.requests + [0] * replicas)[:replicas]
         self.up = (self.up + [True] * replicas)[:replicas]
         self.routed = (self.routed + [0.0] * replicas)[:replicas]
 
@@ -79,9 +89,7 @@ class Router:
     def pick(self, prompt: str | Sequence[int] | bytes, cost: int) -> int:
         """The replica for a prompt that will cost `cost` tokens; it counts as outstanding
         there until `done`. ValueError when no replica is up."""
-        live = [r for r, ok in enumerate(self.up) if ok]
-        if not live:
-            raise ValueError("no replica is serving")
+        live = self._admitting()
         policy = self.cfg.routing
         if policy == "round-robin":
             choice = live[self._next % len(live)]
@@ -99,14 +107,26 @@ class Router:
                 self.hits += 1
             for h in hashes:  # blocks nobody holds (or a replica that is down held) now live
                 owner = self.prefixes.get(h)  # there; an overflow keeps its prefix's home
-                if home or owner is None or not self._live(owner):
+                if home or owner is None or owner not in live:
                     self.prefixes[h] = choice
                 self.prefixes.move_to_end(h)
             while len(self.prefixes) > self.cfg.max_prefixes:
                 self.traffic.pop(self.prefixes.popitem(last=False)[0], None)
             self._count(choice, hashes, cost)
         self.load[choice] += cost
+        self.requests[choice] += 1
         return choice
+
+    def _admitting(self) -> list[int]:
+        """The replicas a request may go to: the awake ones that are up, unless each has a
+        batch of requests outstanding (then the elastic ones too). ValueError when none."""
+        live = [r for r, ok in enumerate(self.up) if ok]
+        if not live:
+            raise ValueError("no replica is serving")
+        awake = [r for r in live if r < self.cfg.awake]
+        if any(self.requests[r] < self.spill_at for r in awake):
+            return awake
+        return live
 
     def _cached(self, hashes: list[int], live: list[int], cost: int
                 ) -> tuple[int | None, int | None]:
@@ -115,7 +135,7 @@ class Router:
         floor = min(self.load[r] for r in live)
         for h in reversed(hashes):  # the longest prefix first
             r = self.prefixes.get(h)
-            if r is None or not self._live(r):
+            if r is None or r not in live:
                 continue
             load = self.load[r] + cost
             overloaded = (load > self.cfg.max_imbalance * floor
@@ -146,9 +166,6 @@ class Router:
         for h in hashes:
             traffic[h] = traffic.get(h, 0.0) + add
 
-    def _live(self, replica: int) -> bool:
-        return replica < len(self.up) and self.up[replica]
-
     def _least_of_two(self, live: list[int]) -> int:
         if len(live) == 1:
             return live[0]
@@ -159,3 +176,4 @@ class Router:
         """A request picked with `cost` finished (or failed) on `replica`."""
         if replica < len(self.load):
             self.load[replica] = max(0, self.load[replica] - cost)
+            self.requests[replica] = max(0, self.requests[replica] - 1)

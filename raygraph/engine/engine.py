@@ -110,6 +110,8 @@ class Engine:
         self.capture: Capture | None = None  # with the worker group
         self._progress = StartupProgress()
         self._stopped = asyncio.Event()
+        self._active_at = time.monotonic()  # the last request's arrival
+        self._idle_task: asyncio.Task | None = None
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -125,6 +127,8 @@ class Engine:
         self.healthy = True
         self.unhealthy_reason = None
         self._wake.set()  # a background capture starts at once, traffic or not
+        if self.replica >= self.cfg.replica.awake and self._idle_task is None:
+            self._idle_task = self.loop.create_task(self._sleep_when_idle())
         freeze_heap()
         log.info("replica %d ready in %.1fs: %s", self.replica, time.perf_counter() - t0,
                  self.describe())
@@ -217,6 +221,8 @@ class Engine:
             "prefix_cache_hit_rate": round(kv["prefix_cache_hit_rate"], 4),
             "kv_cache": kv,  # the pools of every DP group (engine/kv_cache.merge_stats)
             "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
+            "idle_asleep": self.sleeper.asleep and self.sleeper.idle,  # wakes on a request
+            "idle_sleeps": self.sleeper.idle_sleeps,
             "kv_wake_error": self.sleeper.kv_error,  # a staged wake's mapping stopped short
             # counters for /metrics (cumulative; every HTTP replica reads the same)
             "prompt_tokens": self.clients.prompt_tokens,
@@ -342,7 +348,25 @@ class Engine:
         return await self.sleeper.wake_up()
 
     def is_sleeping(self) -> bool:
-        return self.sleeper.asleep
+        """Asleep by an operator's call (a replica asleep because idle serves on: its next
+        request wakes it)."""
+        return self.sleeper.asleep and not self.sleeper.idle
+
+    async def _sleep_when_idle(self) -> None:
+        """An elastic replica (past ReplicaConfig.awake) sleeps once no request came for
+        idle_sleep_s and its background capture is done."""
+        rc = self.cfg.replica
+        while not self._stopping:
+            await asyncio.sleep(min(1.0, rc.idle_sleep_s / 4))
+            if self.clients.requests:
+                self._active_at = time.monotonic()
+            bg = self.capture.background if self.capture else None
+            if (time.monotonic() - self._active_at >= rc.idle_sleep_s and self.healthy
+                    and not self.recovering and self.sleeper.phase == "awake"
+                    and (bg is None or bg.done)):
+                log.info("replica %d idle for %.0fs: sleeping at level %d", self.replica,
+                         rc.idle_sleep_s, rc.idle_sleep_level)
+                await self.sleeper.sleep_idle(rc.idle_sleep_level)
 
     def sleep_level(self) -> int:
         """0 awake, else the level the workers sleep at."""
@@ -452,9 +476,12 @@ class Engine:
 
     async def _wait_serving(self) -> None:
         """While the worker group restarts, new requests wait for it (as long as the model
-        takes to load) instead of failing; if the restart fails, _submit reports why."""
+        takes to load) instead of failing; if the restart fails, _submit reports why. A
+        replica asleep because idle wakes first."""
+        self._active_at = time.monotonic()
         while self.recovering:
             await asyncio.sleep(0.05)
+        await self.sleeper.wake_for_request()
 
     def _submit(self, prompts: Any, params: Any, stream: bool = False) -> list[Request]:
         reqs, seqs = self._requests(prompts, params, stream)

@@ -65,6 +65,9 @@ class SleepControl:
         self.kv_error: str | None = None  # why the background mapping stopped short
         self._woke_at = 0.0
         self._poll_at = 0.0
+        self.idle = False  # asleep (or going to sleep) because idle: a request wakes it
+        self.idle_sleeps = 0  # idle sleeps so far
+        self._waking: asyncio.Task | None = None
 
     @property
     def asleep(self) -> bool:
@@ -79,6 +82,36 @@ class SleepControl:
             raise Asleep("going to sleep (finishing the requests in flight); POST /wake_up")
 
     async def sleep(self, level: int = 1, wait: bool = True) -> dict:
+        """An operator's sleep: requests are refused (Asleep) until wake_up."""
+        self.idle = False
+        return await self._sleep(level, wait)
+
+    async def sleep_idle(self, level: int) -> None:
+        """An elastic replica with nothing in flight sleeps; its next request wakes it
+        (wake_for_request). Requests that came meanwhile keep it awake."""
+        if self.phase != "awake":
+            return
+        self.idle = True
+        try:
+            await self._sleep(level, wait=False)
+        except Exception as e:  # busy again, or the workers could not: serve on awake
+            self.idle = False
+            log.info("not going to sleep when idle: %s", last_line(e))
+            return
+        self.idle_sleeps += 1
+
+    async def wake_for_request(self) -> None:
+        """Before admitting a request: end an idle sleep (one wake for every request that
+        comes during it). An operator's sleep is left alone: check_admit refuses."""
+        while self.idle and self.phase == "draining":  # an idle sleep is finishing
+            await asyncio.sleep(0.002)
+        if self.idle and self.phase == "asleep" and (self._waking is None
+                                                      or self._waking.done()):
+            self._waking = asyncio.get_running_loop().create_task(self.wake_up())
+        if self._waking is not None and not self._waking.done():
+            await asyncio.shield(self._waking)
+
+    async def _sleep(self, level: int, wait: bool) -> dict:
         if level not in (1, 2):
             raise BadRequest(f"sleep level must be 1 (graph pool and KV cache) or 2 (also "
                              f"the weights), got {level!r}")
@@ -133,6 +166,7 @@ class SleepControl:
         return stats
 
     async def wake_up(self) -> dict:
+        self.idle = False
         if self.phase == "draining":  # the sleep waiting for requests gives up
             self.phase = "awake"
             return {"level": 0, "cancelled_sleep": True}
