@@ -1,10 +1,12 @@
 """Random-weight HF checkpoints of named shapes, for benchmarks (weights need not be trained
-to time a step)."""
+to time a step), or only their config.json for `--load-format dummy` (the workers draw the
+weights on the device: shapes too large to write to disk can be timed)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +36,15 @@ PRESETS = {
                           rope_type="llama3", rope_theta=500000.0, factor=8.0,
                           low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
+    # Llama-3.1-70B's config.json (70.6 B params, 141 GB in bf16): for config-only dummy runs
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=131072, rms_norm_eps=1e-5,
+                       bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+                       rope_parameters=dict(
+                           rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                           low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position_embeddings=8192)),
     # Qwen2.5-7B's shape (7.6 B params: q/k/v biases, 152064 vocabulary, untied)
     "qwen2.5-7b": dict(arch="Qwen2", hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -53,6 +64,17 @@ PRESETS = {
 }
 
 
+def hf_config(preset: str, **extra: object) -> tuple[str, Any]:
+    """(architecture prefix, transformers config) of a preset."""
+    import transformers
+
+    kw = dict(PRESETS[preset])
+    arch = kw.pop("arch", "Llama")
+    cfg_cls = getattr(transformers, f"{arch}Config")
+    return arch, cfg_cls(**{"max_position_embeddings": 4096, **kw, **extra},
+                         architectures=[f"{arch}ForCausalLM"])
+
+
 def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16") -> Path:
     import transformers
 
@@ -60,18 +82,37 @@ def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16"
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(0)
-    kw = dict(PRESETS[preset])
-    arch = kw.pop("arch", "Llama")
-    cfg = getattr(transformers, f"{arch}Config")(**{"max_position_embeddings": 4096, **kw})
+    arch, cfg = hf_config(preset)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out)
     return out
 
 
+def write_config(out: str | Path, preset: str, dtype: str = "bfloat16") -> Path:
+    """A directory holding only the preset's config.json (as make_random_checkpoint's, no
+    weights, no tokenizer): a model for `load_format = "dummy"`. Rewritten every call: it
+    costs nothing and follows edits to PRESETS."""
+    out = Path(out)
+    _, cfg = hf_config(preset, dtype=getattr(torch, dtype))
+    cfg.save_pretrained(out)
+    return out
+
+
+def bench_model(preset: str, load_format: str) -> str:
+    """The benchmarks' directory for `preset`: a random checkpoint, or for dummy weights its
+    config.json alone (a directory of its own: a config-only one is no checkpoint)."""
+    if load_format == "dummy":
+        return str(write_config(f"/tmp/raygraph-bench/{preset}-config", preset))
+    return str(make_random_checkpoint(f"/tmp/raygraph-bench/{preset}", preset))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
+    p.add_argument("--config-only", action="store_true",
+                   help="write config.json alone, for --load-format dummy")
     a = p.parse_args()
-    print(make_random_checkpoint(a.out, a.preset))
+    print(write_config(a.out, a.preset) if a.config_only else
+          make_random_checkpoint(a.out, a.preset))

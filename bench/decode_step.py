@@ -3,7 +3,10 @@ generate, on one GPU, in one run, against the HBM floor measured in the same run
 first, in a child process (its compiled CUDA-graph trees stay out of raygraph's process).
 
     python -m bench.decode_step [--preset llama-1b] [--batches 1 8 32 128] [--contexts 128 1024]
+                                [--load-format dummy]
 
+With --load-format dummy only the preset's config.json is written and the weights are drawn
+on the GPU; HF is not timed then (it has no weights to load).
 Prints one JSON line per (batch, context) and a markdown table.
 """
 
@@ -16,7 +19,7 @@ import time
 
 import torch
 
-from bench.checkpoints import make_random_checkpoint
+from bench.checkpoints import bench_model
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.protocol import SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
@@ -81,10 +84,10 @@ def median_replay_s(graph: torch.cuda.CUDAGraph, iters: int) -> float:
 
 
 def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
-                pool: str = "vmm") -> Worker:
+                pool: str = "vmm", load_format: str = "auto") -> Worker:
     blocks = max_batch * -(-(max_ctx + 1) // bs)
     cfg = ServeConfig(
-        model=model, device="cuda", dtype="bfloat16",
+        model=model, device="cuda", dtype="bfloat16", load_format=load_format,
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max_ctx + 64),
@@ -147,13 +150,16 @@ def main() -> None:
                    help="contexts at which HF static generate is timed (each compiles anew)")
     p.add_argument("--pool", default="vmm", choices=["vmm", "torch", "private"],
                    help="graph memory pool (GraphConfig.pool)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: config.json only, weights drawn on the GPU (no HF timing)")
     a = p.parse_args()
     bs = 16
-    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    model = bench_model(a.preset, a.load_format)
     bw = copy_bandwidth()
     print(json.dumps({"torch": torch.__version__, "graph_pool": a.pool}))
     max_b, max_c = max(a.batches), max(a.contexts)
-    hf_cases = [(b, c) for c in a.contexts if c in a.hf_contexts for b in a.batches]
+    hf_cases = [(b, c) for c in a.contexts if c in a.hf_contexts for b in a.batches
+                if a.load_format == "auto"]
     hf = {}
     if hf_cases:  # first, alone on the GPU, in a child process of this run
         import multiprocessing
@@ -164,7 +170,7 @@ def main() -> None:
     workers = {}
     for mode in ("eager", "graph"):
         t0 = time.perf_counter()
-        workers[mode] = make_worker(model, mode, max_b, max_c, bs, a.pool)
+        workers[mode] = make_worker(model, mode, max_b, max_c, bs, a.pool, a.load_format)
         cap = workers[mode].capture_all()
         if mode == "graph":
             print(json.dumps({"capture_s": round(time.perf_counter() - t0, 2),

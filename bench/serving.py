@@ -9,6 +9,7 @@ inter-token gap a batch-1 `generate_stream` client sees.
 
     python -m bench.serving [--batches 1 8 64 256] [--prompt-len 8] [--max-tokens 256]
                             [--model DIR | --preset llama-1b] [--tp N] [--device auto|cpu|cuda]
+                            [--load-format dummy]
 
 The in-process phase runs first and frees its memory before Ray starts, so the two never
 share the device. With --tp > 1 there is no in-process engine: engine_ms_per_step is the
@@ -31,6 +32,8 @@ requests run first, untimed, so shapes first seen at run time are not captured i
 --shared-prefix-len N starts every prompt with one random N-token prefix (then --input-len
 tokens of its own); the result has the prefix cache's hit rate over the timed requests.
 --no-prefix-caching (both modes) turns the coordinator's prefix cache off.
+--load-format dummy (both modes): random weights drawn on the device; with --preset only the
+preset's config.json is written (e.g. --preset llama3-70b --tp 8, nothing on disk to load).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import ray
 import torch
 
 from bench import load
-from bench.checkpoints import make_random_checkpoint
+from bench.checkpoints import bench_model
 from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
@@ -75,7 +78,8 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
               max_num_batched_tokens: int) -> ServeConfig:
     """The coordinator's config from the flags, resolved as start_coordinator would."""
     cfg = ServeConfig(
-        model=model, device=a.device, parallel=ParallelConfig(tp=a.tp),
+        model=model, device=a.device, load_format=a.load_format,
+        parallel=ParallelConfig(tp=a.tp),
         replica=ReplicaConfig(replicas=a.replicas, routing=a.routing),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
                           enable_prefix_caching=not a.no_prefix_caching),
@@ -311,6 +315,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--preset", default=None, help="random-weight checkpoint (bench/checkpoints.py)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: weights drawn on the device; with --preset only its "
+                        "config.json is written")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the coordinator (load mode; use --client mux)")
@@ -341,7 +348,7 @@ def main() -> None:
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL
     if a.preset:
-        model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+        model = bench_model(a.preset, a.load_format)
     name = a.preset or os.path.basename(os.path.normpath(model))
     if load.is_load_mode(a):
         return load_main(a, model, name)

@@ -70,6 +70,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="auto: on cuda a float16 or bfloat16 checkpoint's own torch_dtype, "
                         f"else bfloat16; float32 on cpu (default: {D.dtype})")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                   help="auto: the checkpoint's *.safetensors; dummy: random weights drawn "
+                        "on the device from config.json alone, to time a model's shapes "
+                        f"(default: {D.load_format})")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default: {D.cache.block_size})")
     p.add_argument("--num-kv-blocks", type=int, default=None,

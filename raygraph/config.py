@@ -566,6 +566,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
     # auto: on cuda a float16 or bfloat16 checkpoint's own torch_dtype, else bfloat16;
     # float32 on cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # auto: the checkpoint's *.safetensors; dummy: random weights drawn on the device from
+    # config.json's shapes alone (no weights on disk), to time a model's shapes
+    load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0  # the workers' sampling generator (a request's own seed overrides it)
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
@@ -582,6 +585,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
     model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):  # keywords are not type-checked
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.lora.enabled and self.offload.budget_bytes is not None:
             raise ConfigError("LoRA adapters (lora.max_loras > 0) and weight offload "
                               "(offload.budget_bytes) cannot be combined")

@@ -16,9 +16,10 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoke
 
 
 def resolve_model(model: str, revision: str | None = None,
-                  download_dir: str | None = None) -> str:
+                  download_dir: str | None = None, weights: bool = True) -> str:
     """A local directory as an absolute path; a hub id as its downloaded (or cached)
-    snapshot. ConfigError in one line when the id cannot be had."""
+    snapshot, without its *.safetensors unless `weights` (dummy weights need only the
+    configs). ConfigError in one line when the id cannot be had."""
     if os.path.isdir(model) or not HUB_ID.match(model):
         return os.path.abspath(model)
     from huggingface_hub import snapshot_download
@@ -32,7 +33,8 @@ def resolve_model(model: str, revision: str | None = None,
     what = f"model {model!r}" + (f" at revision {revision!r}" if revision else "")
     try:
         return snapshot_download(model, revision=revision, cache_dir=download_dir,
-                                 allow_patterns=ALLOW_PATTERNS)
+                                 allow_patterns=ALLOW_PATTERNS if weights else
+                                 [p for p in ALLOW_PATTERNS if p != "*.safetensors"])
     except GatedRepoError:
         why = "the repository is gated (accept its terms on huggingface.co, set HF_TOKEN)"
     except RepositoryNotFoundError:

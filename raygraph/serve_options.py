@@ -18,6 +18,7 @@ DEFAULT_MAX_LORAS = 4  # slots when adapters are named but max_loras is not
 FIELDS: dict[str, tuple[str, str]] = {
     "device": ("", "device"),
     "dtype": ("", "dtype"),
+    "load_format": ("", "load_format"),
     "tp": ("parallel", "tp"),
     "dp": ("parallel", "dp"),
     "ep": ("parallel", "ep"),
@@ -85,6 +86,7 @@ def build_config(options: Mapping[str, Any]) -> ServeConfig:
     top = updates.pop("", {})
     sections = {name: msgspec.structs.replace(getattr(cfg, name), **fields)
                 for name, fields in updates.items()}
+    dummy = top.get("load_format", cfg.load_format) == "dummy"  # no weights to download
     model = resolve_model(given.get("model", cfg.model), given.get("revision"),
-                          given.get("download_dir"))
+                          given.get("download_dir"), weights=not dummy)
     return msgspec.structs.replace(cfg, model=model, **top, **sections)

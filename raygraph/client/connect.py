@@ -109,9 +109,12 @@ def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygra
 def check_startup(cfg: ServeConfig) -> ModelConfig:
     """The checks that need no worker, run in the driver: a bad model path, config.json,
     layout or checkpoint file (damaged, a tensor missing or of the wrong shape or dtype) is
-    reported at once, by name, not as an actor that died."""
+    reported at once, by name, not as an actor that died. Dummy weights read no file but
+    config.json."""
     model = cfg.model_cfg()
     cfg.parallel.check_model(model)
+    if cfg.load_format == "dummy":
+        return model
     headers = read_headers(cfg.model)  # a damaged file fails before torch is imported
     from raygraph.model.loader import check_checkpoint  # torch: not for every client
 

@@ -1,6 +1,7 @@
 """HF checkpoint loading: config.json + *.safetensors (single file or sharded index),
 each rank reading only its own slice of every tensor, and the same checkpoint checked from
-its headers alone in the driver before any worker starts (`check_checkpoint`)."""
+its headers alone in the driver before any worker starts (`check_checkpoint`). Dummy weights
+(`init_dummy_weights`) take the same slicing path from tensors drawn on the device."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from zlib import crc32
 
 import msgspec
 import torch
@@ -23,12 +25,16 @@ from raygraph.model.moe import MoeForCausalLM
 from raygraph.model.parallel import Comm, load_shard
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DUMMY_STD = 0.02  # HF's initializer_range: activations stay O(1) through every layer
+
 
 def build_model(
     cfg: ModelConfig, comm: Comm, dtype: torch.dtype, device: torch.device,
     ep_comm: Comm | None = None, progress: Callable[[int, int], None] | None = None,
+    load_format: Literal["auto", "dummy"] = "auto",
 ) -> nn.Module:
-    """Construct the model on `device` and load this rank's shard of the checkpoint.
+    """Construct the model on `device` and load this rank's shard of the checkpoint (under
+    `load_format` "dummy": of random weights, see `init_dummy_weights`).
 
     `comm` is the TP group (attention, dense MLPs, shared experts; experts too without EP);
     `ep_comm`, for MoE models, the expert-parallel group that owns the experts between it.
@@ -39,7 +45,10 @@ def build_model(
     for module in model.modules():  # rotary tables stay fp32
         if hasattr(module, "cos"):
             module.float()
-    load_weights(model, cfg.path, comm, progress)
+    if load_format == "dummy":
+        init_dummy_weights(model, comm, progress)
+    else:
+        load_weights(model, cfg.path, comm, progress)
     return model.eval()
 
 
@@ -198,16 +207,56 @@ def load_weights(model: nn.Module, path: str, comm: Comm,
                 if slot is None:
                     continue
                 _check_shape(ckpt_name, file, stored, slot.shape)
-                full = f.get_tensor(ckpt_name)
-                if slot.part is None:
-                    load_shard(params[slot.name], full, slot.dim, comm)
-                else:
-                    owner = model.get_submodule(slot.name.rsplit(".", 1)[0])
-                    owner.load_part(params[slot.name], full, slot.part)
+                _copy_in(model, params, slot, f.get_tensor(ckpt_name), comm)
                 loaded.add((slot.name, slot.part))
                 sources[slot.name].append((ckpt_name, file))
     _check_complete(model, params, loaded, path)
     _check_finite(params, sources)
+
+
+def _copy_in(model: nn.Module, params: dict[str, nn.Parameter], slot: _Slot,
+             full: torch.Tensor, comm: Comm) -> None:
+    """This rank's slice of the full tensor `full` into the parameter (part) `slot` names."""
+    if slot.part is None:
+        load_shard(params[slot.name], full, slot.dim, comm)
+    else:
+        owner = model.get_submodule(slot.name.rsplit(".", 1)[0])
+        owner.load_part(params[slot.name], full, slot.part)
+
+
+def init_dummy_weights(model: nn.Module, comm: Comm,
+                       progress: Callable[[int, int], None] | None = None) -> None:
+    """Random weights in place of a checkpoint, to time a model's shapes with none on disk.
+    Each full (unsharded) checkpoint tensor this rank needs is drawn on its parameter's device
+    from a seed of its checkpoint name alone and sliced as a loaded one is, so every TP and
+    EP layout holds the same model: normal(0, DUMMY_STD) matrices, ones for norm weights and
+    zeros for biases, as HF initialises them. Rotary tables are buffers: left as built."""
+    params = dict(model.named_parameters())
+    expected = sorted(_expected(model, params), key=str)
+    where = Path(model.config.path) / "config.json"  # names the model in an error
+    loaded: set[tuple[str, Part]] = set()
+    for done, (name, part) in enumerate(expected, 1):
+        ckpt_name = _hf_name(name, part)
+        slot = _slot(model, params, comm.world_size, ckpt_name, where)
+        assert slot is not None, ckpt_name  # every expected tensor has a slot on this rank
+        full = _dummy_tensor(ckpt_name, slot.shape, params[slot.name])
+        _copy_in(model, params, slot, full, comm)
+        loaded.add((slot.name, slot.part))
+        if progress is not None:
+            progress(done, len(expected))
+    _check_complete(model, params, loaded, model.config.path)
+    _check_finite(params, {})
+
+
+def _dummy_tensor(ckpt_name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """The full tensor `ckpt_name` of a dummy checkpoint, in `like`'s dtype on its device."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    if ckpt_name.endswith("norm.weight"):
+        return out.fill_(1.0)
+    if ckpt_name.endswith(".bias"):
+        return out.zero_()
+    gen = torch.Generator(device=like.device).manual_seed(crc32(ckpt_name.encode()))
+    return out.normal_(0.0, DUMMY_STD, generator=gen)
 
 
 def _check_finite(params: dict[str, nn.Parameter],
@@ -227,7 +276,7 @@ def _check_finite(params: dict[str, nn.Parameter],
         if not bad:
             continue
         dtype = params[name].dtype
-        for ckpt_name, file in sources[name]:
+        for ckpt_name, file in sources.get(name, ()):
             with safe_open(str(file), framework="pt") as f:
                 full = f.get_tensor(ckpt_name)
             stored, cast = (int((~t.isfinite()).sum()) for t in (full, full.to(dtype)))

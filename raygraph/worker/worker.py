@@ -183,7 +183,7 @@ class Worker:
         self.offload: OffloadEngine | None = None
         if self.cfg.offload.budget_bytes is None:
             self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm,
-                                     progress)
+                                     progress, self.cfg.load_format)
             if self.cfg.lora.enabled:  # A rows after W's: in the weights' arena too
                 append_slot_rows(self.model, self.cfg.lora)
             self.sleep_memory.take_weights(self.model)  # level-2 sleep can release them
@@ -194,7 +194,7 @@ class Worker:
                          slots.nbytes / 2**20)
         else:  # weights stay in host memory; the engine moves the rest to the device
             self.model = build_model(self.model_cfg, comm, self.dtype, torch.device("cpu"),
-                                     ep_comm, progress)
+                                     ep_comm, progress, self.cfg.load_format)
             self.offload = apply_offload(self.model, self.model.model, self.cfg.offload,
                                          self.device, self._one_token_forward)
             if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:
