@@ -524,11 +524,11 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     # prompt prefixes remembered per router for cache routing (an LRU of block hashes)
     max_prefixes: int = 65536
     # replicas kept awake (None: all). Replicas past them are elastic: a router sends them
-    # requests only while every awake one has max_num_seqs of its requests outstanding; one
-    # idle for idle_sleep_s sleeps (its memory released, idle_sleep_level) and wakes on
-    # its next request
+    # requests only while every awake one has max_num_seqs of its requests outstanding
     min_replicas: int | None = None
+    # an elastic replica with no request for this long sleeps, and wakes on its next one
     idle_sleep_s: float = 30.0
+    # the level an idle replica sleeps at (1: graph pool and KV cache; 2: the weights too)
     idle_sleep_level: Literal[1, 2] = 1
 
     @property
