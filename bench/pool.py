@@ -4,11 +4,10 @@
 
 Prints ns/op (the best of --repeats runs: the least disturbed by other processes) for:
 allocate + free of one page, allocate + cache + unpin of one page in a full cache (each
-allocation evicts), retain + unpin, a Pin handle, a lookup hit, a lookup hit pinned and
-unpinned, a best-fit range in a fragmented pool (worst case: the only fit at the end),
-stats(); and the pool's calls in a
-256-sequence decode step (a new page every page_size tokens, a finished sequence's pages
-cached and its successor's prefix hit). Loop overhead is included, not subtracted.
+allocation evicts), retain + unpin, a lookup hit, a lookup hit pinned and unpinned, stats();
+and the pool's calls in a 256-sequence decode step (a new page every page_size tokens, a
+finished sequence's pages cached and its successor's prefix hit). Loop overhead is included,
+not subtracted.
 """
 
 from __future__ import annotations
@@ -76,17 +75,6 @@ def retain_unpin(pool: PagePool) -> Callable[[int], None]:
     return run
 
 
-def pin_handle(pool: PagePool) -> Callable[[int], None]:
-    pin, pages = pool.pin, pool.allocate(1)
-
-    def run(iters: int) -> None:
-        for _ in range(iters):
-            with pin(pages):
-                pass
-
-    return run
-
-
 def lookup_hit(pool: PagePool, then_pin: bool) -> Callable[[int], None]:
     lookup, retain, unpin = pool.lookup, pool.retain, pool.unpin
     [p] = pool.allocate(1)
@@ -105,21 +93,6 @@ def lookup_hit(pool: PagePool, then_pin: bool) -> Callable[[int], None]:
             unpin(hit)
 
     return run_pinned if then_pin else run
-
-
-def fragmented_range(pages: int) -> Callable[[int], None]:
-    """Every 8th page pinned, the rest free (runs of 7), but for one run of 15 at the end:
-    a range of 8 scans the whole free map (in C) to find it."""
-    pool = PagePool(pages, 16)
-    end = pages - pages % 8 - 8
-    pool.free([p for p in pool.allocate_range(pages) if p % 8 or p == end])
-    allocate_range, free = pool.allocate_range, pool.free
-
-    def run(iters: int) -> None:
-        for _ in range(iters):
-            free(allocate_range(8))
-
-    return run
 
 
 def decode_steps(pages: int, seqs: int = 256) -> Callable[[int], None]:
@@ -177,10 +150,8 @@ def main() -> None:
         ("allocate(1) + cache + unpin, evicting", alloc_cache_evict(half_pinned(a.pages)),
          a.iters),
         ("retain + unpin, one page", retain_unpin(half_pinned(a.pages)), a.iters),
-        ("with pin(...) handle, one page", pin_handle(half_pinned(a.pages)), a.iters),
         ("lookup hit", lookup_hit(half_pinned(a.pages), False), a.iters),
         ("lookup hit + retain + unpin", lookup_hit(half_pinned(a.pages), True), a.iters),
-        ("allocate_range(8) + free, worst case", fragmented_range(a.pages), few),
         ("stats()", lambda k: [stats_pool.stats() for _ in range(k)] and None, 20),
         ("decode step, 256 sequences", decode_steps(a.pages), few),
     ]

@@ -47,7 +47,7 @@ def test_64_concurrent_clients_mixed_lengths(ray_session, coord, tiny_llama):
     assert stats["kv_utilization"] == 0.0
     # prefix caching is on: preempted sequences recomputed from their blocks left cached
     kv = stats["kv_cache"]
-    assert kv["prefix_cache_hits"] > 0 and kv["pages"]["pinned"] == {"kv": 0, "adapter": 0}
+    assert kv["prefix_cache_hits"] > 0 and kv["pages"]["pinned"] == 0
 
 
 BAD = [

@@ -129,22 +129,16 @@ class CoordinatorCollector:
                            "cached (not computed).", kv["prefix_cache_hits"])
         pages = G("raygraph:pool_pages", "Page pool pages by state (free, cached: unpinned "
                   "but kept for their content, pinned: in use, offline: not mapped yet after "
-                  "a wake) and content kind (free and offline pages: none).",
+                  "a wake) and content kind (kv; free and offline pages: none).",
                   labels=["model_name", "state", "kind"])
-        pages.add_metric([self.model, "free", "none"], kv["pages"]["free"])
-        pages.add_metric([self.model, "offline", "none"], kv["pages"]["offline"])
-        for state in ("cached", "pinned"):
-            for kind, n in kv["pages"][state].items():
-                pages.add_metric([self.model, state, kind], n)
+        for state in ("free", "offline", "cached", "pinned"):
+            kind = "kv" if state in ("cached", "pinned") else "none"
+            pages.add_metric([self.model, state, kind], kv["pages"][state])
         yield pages
         evictions = C("raygraph:pool_evictions", "Cached pages evicted (LRU) by content "
-                      "kind.", labels=["model_name", "kind"])
-        for kind, n in kv["evictions"].items():
-            evictions.add_metric([self.model, kind], n)
+                      "kind (kv).", labels=["model_name", "kind"])
+        evictions.add_metric([self.model, "kv"], kv["evictions"])
         yield evictions
-        yield self._family(G, "pool_fragmentation_ratio", "Largest run of free pages / free "
-                           "pages (1: one run; the most fragmented DP group).",
-                           kv["fragmentation"])
         yield self._histogram("pool_allocate_seconds", "Time of one KV page allocation "
                               "call by the scheduler (sampled: one call in "
                               f"{ALLOCATE_SAMPLE}).", kv["allocate_seconds"])

@@ -195,8 +195,7 @@ class Engine:
         }
 
     def stats(self) -> dict:
-        """Figures for clients and /metrics. Reads every DP group's page pool (O(pages), ~3 ms
-        at 100k pages): fine per scrape, not per step."""
+        """Figures for clients and /metrics."""
         ss = self.schedulers
         kv = merge_stats([s.kv.stats() for s in ss])
         core = self.core or EngineCore([], None, False)

@@ -21,7 +21,7 @@ from bisect import bisect_left
 
 import msgspec
 
-from raygraph.engine.pages import KINDS, PagePool
+from raygraph.engine.pages import PagePool
 from raygraph.engine.sequence import Sequence
 from raygraph.protocol import ALLOCATE_SAMPLE
 
@@ -51,10 +51,9 @@ class KVCacheStats(msgspec.Struct, frozen=True):
 
     num_pages: int
     free: int
-    cached: dict[str, int]  # per kind: unpinned pages kept for their content
-    pinned: dict[str, int]  # per kind: pages in use
-    evictions: dict[str, int]  # per kind, since start
-    fragmentation: float  # largest free run / free pages (1.0: one run, or none free)
+    cached: int  # unpinned pages kept for their content
+    pinned: int  # pages in use
+    evictions: int  # since start
     prefix_cache_queries: int  # known tokens of admitted sequences, looked up
     prefix_cache_hits: int  # of those, tokens found cached (not computed)
     allocate_counts: list[int]  # per ALLOCATE_BUCKETS bucket (+ one above), sampled calls
@@ -66,25 +65,23 @@ class KVCacheStats(msgspec.Struct, frozen=True):
     def usage(self) -> float:
         """Online pages in use (pinned), 0 to 1: cached pages are free to take, offline
         ones are left out."""
-        return sum(self.pinned.values()) / max(1, self.num_pages - self.offline)
+        return self.pinned / max(1, self.num_pages - self.offline)
 
 
 def merge_stats(stats: list[KVCacheStats]) -> dict:
     """Every DP group's pool as one dict of builtins: page counts, evictions, queries, hits
-    and the allocation histogram summed; usage of the fullest group, fragmentation of the
-    most fragmented."""
-    def total(field: str) -> dict[str, int]:
-        return {k: sum(getattr(s, field)[k] for s in stats) for k in KINDS}
+    and the allocation histogram summed; usage of the fullest group."""
+    def total(field: str) -> int:
+        return sum(getattr(s, field) for s in stats)
 
     queries = sum(s.prefix_cache_queries for s in stats)
     hits = sum(s.prefix_cache_hits for s in stats)
     return {
         "usage": max((s.usage for s in stats), default=0.0),
-        "num_pages": sum(s.num_pages for s in stats),
-        "pages": {"free": sum(s.free for s in stats), "cached": total("cached"),
-                  "pinned": total("pinned"), "offline": sum(s.offline for s in stats)},
+        "num_pages": total("num_pages"),
+        "pages": {"free": total("free"), "cached": total("cached"), "pinned": total("pinned"),
+                  "offline": total("offline")},
         "evictions": total("evictions"),
-        "fragmentation": min((s.fragmentation for s in stats), default=1.0),
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "allocate_seconds": {
@@ -118,9 +115,9 @@ class KVCacheManager:
         call is timed into allocate_seconds."""
         self._allocations += 1
         if self._allocations % ALLOCATE_SAMPLE:
-            return self.pool.allocate(n, "kv", owner)
+            return self.pool.allocate(n, owner)
         t0 = time.perf_counter()
-        pages = self.pool.allocate(n, "kv", owner)
+        pages = self.pool.allocate(n, owner)
         self.allocate_seconds.observe(time.perf_counter() - t0)
         return pages
 
@@ -204,9 +201,6 @@ class KVCacheManager:
         return hashes
 
     def stats(self) -> KVCacheStats:
-        """O(pages) (PagePool.stats): read when stats or metrics are asked for, never per
-        step."""
         p, h = self.pool.stats(), self.allocate_seconds
-        return KVCacheStats(p.num_pages, p.free, p.cached, p.pinned, p.evictions,
-                            p.fragmentation, self.queries, self.hits, list(h.counts), h.sum,
-                            h.count, p.offline)
+        return KVCacheStats(p.num_pages, p.free, p.cached, p.pinned, p.evictions, self.queries,
+                            self.hits, list(h.counts), h.sum, h.count, p.offline)
