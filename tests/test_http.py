@@ -89,15 +89,19 @@ def headers(path: str, *lines: str, key: str | None = KEY) -> str:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sample name (with labels) -> value."""
+    """Sample name (with labels but model and replica) -> value summed over replicas.
+    Every raygraph sample names its replica."""
     status, text = http(url + "/metrics")
     assert status == 200
-    out = {}
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name.startswith("raygraph:"):
+                assert s.labels.get("replica", "").isdigit(), s
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+                              if k not in ("model_name", "replica"))
+            name = f"{s.name}{{{labels}}}" if labels else s.name
+            out[name] = out.get(name, 0.0) + s.value
     return out
 
 

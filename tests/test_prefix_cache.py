@@ -212,13 +212,20 @@ def test_pool_metrics_sum_dp_groups() -> None:
     calls = sum(s.kv._allocations for s in groups)
     assert kv["allocate_seconds"]["count"] == sum(kv["allocate_seconds"]["counts"]) == sum(
         n // ALLOCATE_SAMPLE for n in (s.kv._allocations for s in groups)) and calls > 0
-    text = Metrics("m").render(stats).decode()
+    # two serving replicas with these figures and one failed: a series per serving replica
+    per = [{**stats, "replica": r, "state": "serving"} for r in (0, 2)]
+    text = Metrics("m").render({"replicas": [per[0], {"replica": 1, "state": "failed"},
+                                             per[1]]}).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in fams.values() for s in f.samples}
+    assert {dict(labels)["replica"] for _, labels in values} == {"0", "2"}
 
     def value(name: str, **labels: str) -> float:
-        return values[(name, tuple(sorted({"model_name": "m", **labels}.items())))]
+        one, other = (values[(name, tuple(sorted({"model_name": "m", "replica": r,
+                                                  **labels}.items())))] for r in "02")
+        assert one == other
+        return one
 
     assert value("raygraph:prefix_cache_queries_total") == kv["prefix_cache_queries"]
     assert value("raygraph:prefix_cache_hits_total") == 16
@@ -230,8 +237,8 @@ def test_pool_metrics_sum_dp_groups() -> None:
     assert value("raygraph:pool_allocate_seconds_count") == kv["allocate_seconds"]["count"]
     assert value("raygraph:pool_allocate_seconds_bucket", le="+Inf") == kv[
         "allocate_seconds"]["count"]
-    assert len([k for k in values if k[0] == "raygraph:pool_allocate_seconds_bucket"]) == len(
-        ALLOCATE_BUCKETS) + 1
+    assert len([k for k in values if k[0] == "raygraph:pool_allocate_seconds_bucket"]) == 2 * (
+        len(ALLOCATE_BUCKETS) + 1)  # per replica
 
 
 def test_flag_config_and_protocol(tmp_path) -> None:

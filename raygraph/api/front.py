@@ -208,7 +208,7 @@ class Front:
         for g, rs in zip(groups.values(), outs):
             for c, r in zip(g, rs):
                 results[c[0]] = r
-                self.metrics.finished(r.timing, len(r.token_ids))
+                self.metrics.finished(r.request_id, r.timing, len(r.token_ids))
         return [results[c[0]] for c in choices]
 
     async def result_logprobs(self, results: list[GenerateResult], shape: Shape | None
@@ -256,7 +256,7 @@ class Front:
                     await queue.put((index, delta))
                     if delta.finish_reason is not None:
                         done.add(rid)
-                        self.metrics.finished(delta.timing, tokens, gaps)
+                        self.metrics.finished(rid, delta.timing, tokens, gaps)
                         return
                     delta = await self.streams.next(rid)
                     now = time.perf_counter()
