@@ -48,9 +48,9 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
     @app.get("/health")
     async def health() -> Response:
-        ok, why = await front.probe()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": why},
-                            status_code=200 if ok else 503)
+        ok, why, replicas = await front.probe()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": why,
+                             "replicas": replicas}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

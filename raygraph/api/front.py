@@ -278,19 +278,24 @@ class Front:
                 t.cancel()
             self.streams.cancel([r for r in rids if r not in done])
 
-    async def probe(self) -> tuple[bool, str]:
-        """(serving, why not) from the coordinator."""
+    async def probe(self) -> tuple[bool, str, list[dict]]:
+        """(serving, why not, each replica's state) from the coordinator: serving while one
+        replica serves. A replica asleep because idle counts as serving (a request wakes
+        it); its state says "asleep"."""
         try:
             stats = await asyncio.wait_for(self.coord.stats.remote(), self.cfg.probe_timeout_s)
+            replicas = [{"replica": r["replica"], "node_id": r.get("node_id"),
+                         "state": "asleep" if r.get("asleep") else r["state"],
+                         "reason": r.get("reason")} for r in stats.get("replicas", [])]
             if not stats["healthy"]:
-                return False, f"not serving: {stats['reason'] or 'not started'}"
+                return False, f"not serving: {stats['reason'] or 'not started'}", replicas
             if await self.coord.is_sleeping.remote():
-                return False, "asleep; POST /wake_up"
+                return False, "asleep; POST /wake_up", replicas
         except asyncio.TimeoutError:
-            return False, f"the coordinator did not answer in {self.cfg.probe_timeout_s}s"
+            return False, f"the coordinator did not answer in {self.cfg.probe_timeout_s}s", []
         except Exception as e:
-            return False, translate(e).message
-        return True, "ok"
+            return False, translate(e).message, []
+        return True, "ok", replicas
 
     async def stats(self) -> tuple[dict, int]:
         """The coordinator's stats and, with weight offload, the bytes it copied."""

@@ -221,7 +221,7 @@ class Engine:
             "kv_cache": kv,  # the pools of every DP group (engine/kv_cache.merge_stats)
             "asleep": self.sleeper.asleep, "sleep_level": self.sleeper.level,
             "idle_asleep": self.sleeper.asleep and self.sleeper.idle,  # wakes on a request
-            "idle_sleeps": self.sleeper.idle_sleeps,
+            "idle_sleeps": self.sleeper.idle_sleeps, "last_wake_s": self.sleeper.last_wake_s,
             "kv_wake_error": self.sleeper.kv_error,  # a staged wake's mapping stopped short
             # counters for /metrics (cumulative; every HTTP replica reads the same)
             "prompt_tokens": self.clients.prompt_tokens,

@@ -67,6 +67,7 @@ class SleepControl:
         self._poll_at = 0.0
         self.idle = False  # asleep (or going to sleep) because idle: a request wakes it
         self.idle_sleeps = 0  # idle sleeps so far
+        self.last_wake_s = 0.0  # the last wake's seconds, workers' mapping included
         self._waking: asyncio.Task | None = None
 
     @property
@@ -178,6 +179,7 @@ class SleepControl:
         pages = sum(p.num_pages for p in self.pools())
         out = summary(stats, time.perf_counter() - t0, level=level, kv_blocks=pages,
                       kv_blocks_ready=ready)
+        self.last_wake_s = out["seconds"]
         log.info("awake: mapped %.1f MiB per rank again in %.3fs; %d of %d KV blocks ready%s",
                  max(out["bytes"]) / 2**20, out["seconds"], ready, pages,
                  ", the rest mapping in the background" if ready < pages else "")
