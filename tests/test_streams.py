@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from raygraph.client.streams import StreamHub
-from raygraph.errors import BadRequest
-from raygraph.protocol import SamplingParams
+from raygraph.client.streams import ReplicaStreams, StreamHub
+from raygraph.config import ReplicaConfig
+from raygraph.errors import BadRequest, WorkerFailure
+from raygraph.protocol import ReplicaState, SamplingParams, StreamDelta, replica_of
 from raygraph.requests import encode_prompt, pack_ids
 
 
@@ -218,3 +219,65 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
     burst(1)
     Engine._drain_inbox(c)
     assert admitted == [6, 7, 8]
+
+
+class ScriptedEngine:
+    """An engine's stream methods: ids from `first` up; deltas sent through `send`; `lose()`
+    ends the subscription as a dead engine's does."""
+
+    def __init__(self, replica: int) -> None:
+        self._actor_id = replica
+        self.ids = iter(range((replica << 48) + 1, (replica + 1) << 48))
+        self.opened: list[int] = []
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.submit_streams = Method(self._submit)
+        self.subscribe = Method(self._subscribe)
+        self.cancel = Method(lambda rids: None)
+
+    async def _submit(self, name: str, requests: list) -> list[int]:
+        rids = [next(self.ids) for _ in requests]
+        self.opened += rids
+        return rids
+
+    async def _subscribe(self, name: str):
+        while (batch := await self.sink.get()) is not None:
+            yield asyncio.sleep(0, batch)  # awaited by the hub, as a Ray ref is
+
+    def send(self, rid: int, tokens: list[int], finish: str | None = None) -> None:
+        self.sink.put_nowait([StreamDelta(rid, tokens, None, finish)])
+
+    def lose(self) -> None:
+        self.sink.put_nowait(None)  # the subscription ends: the hub fails its streams
+
+
+class ScriptedCoordinator:
+    def __init__(self, engines: list[ScriptedEngine]) -> None:
+        states = [ReplicaState(e._actor_id, e, "serving") for e in engines]
+        self.replica_states = Method(lambda: asyncio.sleep(0, states))
+
+
+def test_a_stream_lost_before_its_first_token_is_opened_again_on_another_replica():
+    async def run() -> None:
+        engines = [ScriptedEngine(0), ScriptedEngine(1)]
+        streams = ReplicaStreams(ScriptedCoordinator(engines), ReplicaConfig(
+            replicas=2, routing="round-robin"), block_size=4, spill_at=8)
+        params = SamplingParams(max_tokens=2)
+        quiet, started = await streams.open([1, 2], params), await streams.open([3], params)
+        assert (replica_of(quiet), replica_of(started)) == (0, 1)
+        other = await streams.open([4], params)  # replica 0 again
+        engines[0].send(other, [7])
+        assert (await streams.next(other)).token_ids == [7]  # it has a token now
+        engines[0].lose()
+        nxt = asyncio.ensure_future(streams.next(quiet))
+        await until(lambda: len(engines[1].opened) == 2)  # opened again on replica 1
+        moved = engines[1].opened[-1]
+        engines[1].send(moved, [5, 6], "length")
+        delta = await nxt
+        assert delta.request_id == quiet and delta.token_ids == [5, 6]  # the id it had
+        with pytest.raises(WorkerFailure):  # part of its answer was sent: it fails
+            await streams.next(other)
+        engines[1].send(started, [9], "length")
+        assert (await streams.next(started)).token_ids == [9]
+        assert streams.unsent == {} and streams.alias == {} and streams.router.load == [0, 0]
+
+    asyncio.run(run())

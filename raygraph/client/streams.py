@@ -5,6 +5,7 @@ router that picks the replica of each new stream."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from typing import Any
@@ -16,6 +17,8 @@ from raygraph.coordinator.router import Router
 from raygraph.errors import WorkerFailure, last_line
 from raygraph.protocol import SamplingParams, StreamDelta, replica_of
 from raygraph.requests import pack_ids, take_deltas
+
+log = logging.getLogger("raygraph.client")
 
 
 class StreamHub:
@@ -126,7 +129,11 @@ class ReplicaStreams:
     """Streams over every replica: a StreamHub per engine, the replica of each new stream
     picked by a Router. The engines come from the coordinator (`replica_states`), asked
     again at most every REFRESH_S when one is not serving, so a replica started again is
-    used once it serves. A request id names its replica (protocol.replica_of)."""
+    used once it serves. A request id names its replica (protocol.replica_of).
+
+    A stream whose engine is lost before its first token is opened again on another
+    replica (its client has seen nothing of it); it keeps the id it was opened with. One
+    lost after a token ends with the error: its client has part of an answer."""
 
     REFRESH_S = 1.0
 
@@ -135,6 +142,9 @@ class ReplicaStreams:
         self.router = Router(cfg.replicas, cfg, block_size, spill_at)
         self.hubs: list[StreamHub | None] = [None] * cfg.replicas
         self.costs: dict[int, int] = {}  # open request -> its tokens on the router
+        # open streams with no token yet: what to open again if their engine is lost
+        self.unsent: dict[int, tuple[list[int], SamplingParams]] = {}
+        self.alias: dict[int, int] = {}  # a stream opened again: its first id -> its id now
         for r in range(cfg.replicas):  # none is used before the coordinator names its engine
             self.router.set_up(r, False)
         self._checked = -1e9
@@ -181,6 +191,11 @@ class ReplicaStreams:
 
     async def open(self, prompt: list[int], params: SamplingParams) -> int:
         """Start a stream on the replica the router picks; its request id."""
+        rid = await self._open(prompt, params)
+        self.unsent[rid] = (prompt, params)
+        return rid
+
+    async def _open(self, prompt: list[int], params: SamplingParams) -> int:
         await self._refresh()
         cost = len(prompt) + params.max_tokens
         try:
@@ -201,20 +216,51 @@ class ReplicaStreams:
             self.router.done(replica_of(rid), cost)
 
     async def next(self, request_id: int) -> StreamDelta:
-        """StreamHub.next on the request's replica."""
+        """StreamHub.next on the request's replica; opened again elsewhere if that engine
+        is lost before the stream's first token."""
+        rid = self.alias.get(request_id, request_id)
+        hub = self.hubs[replica_of(rid)]
         try:
-            delta = await self.hubs[replica_of(request_id)].next(request_id)
-        except BaseException:
-            self._ended(request_id)
+            delta = await hub.next(rid)
+        except WorkerFailure:
+            if hub.failed and request_id in self.unsent and await self._resend(request_id, rid):
+                return await self.next(request_id)
+            self._forget(request_id, rid)
             raise
+        except BaseException:
+            self._forget(request_id, rid)
+            raise
+        if delta.token_ids:
+            self.unsent.pop(request_id, None)
         if delta.finish_reason is not None:
-            self._ended(request_id)
-        return delta
+            self._forget(request_id, rid)
+        return delta if rid == request_id else msgspec.structs.replace(
+            delta, request_id=request_id)
+
+    async def _resend(self, request_id: int, rid: int) -> bool:
+        """Open a stream whose engine was lost again on another replica; False if none
+        serves (the stream then ends with its error)."""
+        prompt, params = self.unsent[request_id]
+        self._ended(rid)
+        self.router.set_up(replica_of(rid), False)
+        try:
+            self.alias[request_id] = await self._open(prompt, params)
+        except WorkerFailure:
+            return False
+        log.warning("replica %d was lost before request %d's first token: sent to replica %d",
+                    replica_of(rid), request_id, replica_of(self.alias[request_id]))
+        return True
+
+    def _forget(self, request_id: int, rid: int) -> None:
+        self._ended(rid)
+        self.unsent.pop(request_id, None)
+        self.alias.pop(request_id, None)
 
     def cancel(self, request_ids: list[int]) -> None:
         by_replica: dict[int, list[int]] = {}
-        for rid in request_ids:
-            self._ended(rid)
+        for request_id in request_ids:
+            rid = self.alias.get(request_id, request_id)
+            self._forget(request_id, rid)
             by_replica.setdefault(replica_of(rid), []).append(rid)
         for replica, rids in by_replica.items():
             hub = self.hubs[replica]
