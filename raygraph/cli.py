@@ -1,5 +1,9 @@
-"""`raygraph demo | serve | generate | check-capture | stop | sleep | wake`: one line per
-error, exit 2 for bad input and 1 for a runtime failure (`--verbose` shows the traceback)."""
+"""`raygraph demo | serve | generate | check-capture | submit | stop | sleep | wake | scale`:
+one line per error, exit 2 for bad input and 1 for a runtime failure (`--verbose` shows the
+traceback).
+
+Over 500 lines because it is every command's parser and handler in one place, the way a
+user reads `raygraph --help`; the logic each calls lives in client/, api/ and the actors."""
 
 from __future__ import annotations
 
@@ -395,6 +399,15 @@ def cmd_wake(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(a: argparse.Namespace) -> int:
+    import ray
+
+    connect(a.address or "auto", log_to_driver=False)
+    out = ray.get(get_coordinator().scale.remote(a.replicas))
+    print(f"{out['replicas']} replica(s) (was {out['was']}), {out['serving']} serving")
+    return 0
+
+
 def cmd_submit(a: argparse.Namespace) -> int:
     """`ray job submit` of deploy/job.py. Ray's job CLI sends the auth token only when
     RAY_AUTH_MODE=token; set it when this machine holds a token (a cluster without auth
@@ -502,10 +515,15 @@ def main(argv: list[str] | None = None) -> int:
     wake = sub.add_parser("wake", help="map the workers' memory back and serve again")
     wake.add_argument("--address", default=None,
                       help="the Ray address `raygraph serve` printed (default: auto)")
+    scale = sub.add_parser("scale", help="run N replicas of the model: start new ones, or "
+                           "drain and stop the highest-numbered")
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--address", default=None,
+                       help="the Ray address `raygraph serve` printed (default: auto)")
     a = parser.parse_args(argv)
     handlers = {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate,
                 "check-capture": cmd_check_capture, "submit": cmd_submit, "stop": cmd_stop,
-                "sleep": cmd_sleep, "wake": cmd_wake}
+                "sleep": cmd_sleep, "wake": cmd_wake, "scale": cmd_scale}
     try:
         return handlers[a.cmd](a)
     except KeyboardInterrupt:

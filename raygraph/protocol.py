@@ -79,6 +79,9 @@ class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
 
 
 # an engine numbers its requests from replica << REPLICA_SHIFT: a request id names its replica
+# every router asks the coordinator for the replicas at least this often (a replica that
+# leaves is drained only after it)
+ROUTES_REFRESH_S = 5.0
 REPLICA_SHIFT = 48
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raygraph.client.connect import start_coordinator
-from raygraph.config import CacheConfig, GraphConfig, ReplicaConfig, SchedulerConfig, ServeConfig
+from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.pages import PagePool
 from raygraph.engine.scheduler import Scheduler
@@ -300,39 +300,3 @@ def test_cli_sleep_and_wake_errors_are_one_line():
     with pytest.raises(SystemExit):
         main(["sleep", "--level", "3"])
 
-
-def test_an_elastic_replica_sleeps_when_idle_and_a_burst_wakes_it(ray_session):
-    """Two replicas, one kept awake: the other sleeps once idle, takes the part of a burst
-    past replica 0's batch (waking for it, with the same greedy tokens), and sleeps again."""
-    ray = ray_session
-    cfg = config(coordinator_name="elastic-test", step_timeout_s=60,
-                 replica=ReplicaConfig(replicas=2, min_replicas=1, idle_sleep_s=0.5,
-                                       routing="load"))
-    handle = start_coordinator(cfg)
-
-    def replica(r: int) -> dict:
-        return ray.get(handle.stats.remote())["replicas"][r]
-
-    def wait_for(check, what: str) -> None:
-        deadline = time.time() + 30
-        while not check():
-            assert time.time() < deadline, what
-            time.sleep(0.05)
-
-    try:
-        wait_for(lambda: replica(1)["idle_asleep"], "replica 1 never slept when idle")
-        assert not replica(0)["asleep"] and not ray.get(handle.is_sleeping.remote())
-        assert ray.get(handle.stats.remote())["healthy"]
-        prompts = [PROMPTS[i % 3] for i in range(16)]  # 8 fill replica 0's batch
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
-        outs = [r.token_ids for r in ray.get(handle.generate.remote(prompts, params))]
-        one = {i: r.token_ids for i, r in enumerate(ray.get(handle.generate.remote(
-            PROMPTS, params)))}
-        assert outs == [one[i % 3] for i in range(16)]
-        woke = replica(1)
-        assert woke["idle_sleeps"] >= 1 and woke["generation_tokens"] > 0
-        wait_for(lambda: replica(1)["idle_asleep"], "replica 1 did not sleep again")
-        assert replica(1)["idle_sleeps"] >= 2
-    finally:
-        ray.get(handle.shutdown.remote())
-        ray.kill(handle)

@@ -15,7 +15,7 @@ import msgspec
 from raygraph.config import ReplicaConfig
 from raygraph.coordinator.router import Router
 from raygraph.errors import WorkerFailure, last_line
-from raygraph.protocol import SamplingParams, StreamDelta, replica_of
+from raygraph.protocol import ROUTES_REFRESH_S, SamplingParams, StreamDelta, replica_of
 from raygraph.requests import pack_ids, take_deltas
 
 log = logging.getLogger("raygraph.client")
@@ -158,11 +158,14 @@ class ReplicaStreams:
                               info["block_size"], info["spill_at"])
 
     async def _refresh(self) -> None:
-        """Ask the coordinator for the engines unless every hub is fine, at most every
-        REFRESH_S, one call for all the opens waiting on it."""
-        if self._all_up and all(h is not None and not h.failed for h in self.hubs):
+        """Ask the coordinator for the engines when a hub is not fine (at most every
+        REFRESH_S) or every ROUTES_REFRESH_S (replicas come and go), one call for all the
+        opens waiting on it."""
+        fresh = time.monotonic() - self._checked < ROUTES_REFRESH_S
+        hubs = self.hubs[:len(self.router.up)]  # past it: replicas scaled away
+        if fresh and self._all_up and all(h is not None and not h.failed for h in hubs):
             return
-        for r, hub in enumerate(self.hubs):
+        for r, hub in enumerate(hubs):
             if hub is not None and hub.failed:  # its engine is gone: no new stream there
                 self.router.set_up(r, False)
         if self._asking is None:
@@ -179,6 +182,9 @@ class ReplicaStreams:
     async def _ask(self) -> None:
         self._checked = time.monotonic()
         states = await self.coord.replica_states.remote()
+        if len(states) != len(self.router.up):  # scaled; a removed replica's hub stays
+            self.hubs += [None] * (len(states) - len(self.hubs))  # for its open streams
+            self.router.resize(len(states))
         for s in states:
             hub = self.hubs[s.replica]
             if s.state != "serving":

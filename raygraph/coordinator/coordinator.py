@@ -27,9 +27,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raygraph.coordinator.router import Router
 from raygraph.engine.engine import Engine
 from raygraph.engine.group import place_workers
-from raygraph.errors import WorkerFailure, last_line
+from raygraph.errors import BadRequest, WorkerFailure, last_line
 from raygraph.process import setup_logging
-from raygraph.protocol import GenerateResult, ReplicaState, StartupProgress, StreamDelta
+from raygraph.protocol import (
+    ROUTES_REFRESH_S,
+    GenerateResult,
+    ReplicaState,
+    StartupProgress,
+    StreamDelta,
+)
 from raygraph.requests import parse_params, split_prompts
 
 log = logging.getLogger("raygraph.coordinator")
@@ -251,6 +257,60 @@ class Coordinator:
                 yield await ref
         finally:
             self.router.done(replica, cost)
+
+    # ---- scaling ------------------------------------------------------------------------
+    async def scale(self, replicas: int) -> dict:
+        """Run `replicas` engines: new ones start (placed as at start-up) and serve once
+        ready; the highest-numbered ones beyond it finish their requests and stop, their
+        placement released. Request ids name replicas by number, so numbers stay dense."""
+        if replicas < 1:
+            raise BadRequest(f"replicas must be >= 1, got {replicas}")
+        old = len(self.replicas)
+        rc = self.cfg.replica
+        if rc.min_replicas is not None and rc.min_replicas > replicas:
+            raise BadRequest(f"replicas must be >= min_replicas ({rc.min_replicas}), "
+                             f"got {replicas}")
+        self.cfg = msgspec.structs.replace(self.cfg, replica=msgspec.structs.replace(
+            rc, replicas=replicas))
+        if replicas > old:
+            self.replicas += [ReplicaState(r, None, "starting") for r in range(old, replicas)]
+            self._starting += [asyncio.Lock() for _ in range(old, replicas)]
+            self._watchers += [None] * (replicas - old)
+            self.router.resize(replicas)
+            for r in range(old, replicas):
+                self.router.set_up(r, False)  # until it serves
+            await asyncio.gather(*(self._start_replica(r) for r in range(old, replicas)))
+            for r in range(old, replicas):
+                self._watch(r)
+        else:
+            for r in range(replicas, old):
+                self.router.set_up(r, False)
+            await asyncio.gather(*(self._stop_replica(r) for r in range(replicas, old)))
+            del self.replicas[replicas:], self._starting[replicas:], self._watchers[replicas:]
+            self.router.resize(replicas)
+        log.info("scaled from %d to %d replica(s)", old, replicas)
+        return {"replicas": replicas, "serving": len(self._serving()), "was": old}
+
+    async def _stop_replica(self, replica: int) -> None:
+        """Stop one replica for good. It leaves the routes first: every router learns of it
+        within ROUTES_REFRESH_S (requests sent meanwhile are served); then its requests
+        finish (at most step_timeout_s), and its engine and placement go."""
+        task = self._watchers[replica]
+        if task is not None:
+            task.cancel()
+        state = self.replicas[replica]
+        self.replicas[replica] = ReplicaState(replica, None, "stopped", "scaled down")
+        if state.engine is not None:
+            try:
+                await asyncio.sleep(ROUTES_REFRESH_S)
+                left = await state.engine.drain.remote(self.cfg.step_timeout_s)
+                if left:
+                    log.warning("replica %d stops with %d request(s) unfinished", replica, left)
+                await state.engine.shutdown.remote()
+            except RayActorError:
+                pass
+            ray.kill(state.engine)
+        self._release(replica)
 
     # ---- state and operator calls ------------------------------------------------------
     def _why_not(self) -> str:

@@ -123,7 +123,8 @@ class Router:
         live = [r for r, ok in enumerate(self.up) if ok]
         if not live:
             raise ValueError("no replica is serving")
-        awake = [r for r in live if r < self.cfg.awake]
+        n = len(self.up) if self.cfg.min_replicas is None else self.cfg.min_replicas
+        awake = [r for r in live if r < n]
         if any(self.requests[r] < self.spill_at for r in awake):
             return awake
         return live

@@ -683,6 +683,14 @@ class Engine:
         self.workers = []
         self.core = None
 
+    async def drain(self, timeout: float) -> int:
+        """Wait, at most `timeout` seconds, until no request is in flight: the replica is
+        leaving (new requests are still served). Returns how many are left."""
+        deadline = time.monotonic() + timeout
+        while self.clients.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.clients.requests)
+
     async def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
