@@ -150,6 +150,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
     c = object.__new__(Engine)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     c.recovering, c._sinks, c.schedulers = False, {}, [None]  # one DP group
+    c.sleeper = types.SimpleNamespace(wake_for_request=lambda: asyncio.sleep(0))  # awake
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
     registered: dict[int, types.SimpleNamespace] = {}
 
