@@ -1,7 +1,8 @@
-"""The coordinator: the named actor every client finds. It starts the engines (one per
-replica, each with its own worker group, placed over the cluster's nodes), routes the
-requests of Ray clients to them, restarts a replica whose engine died, and fans operator
-calls (sleep, LoRA) out to every replica.
+"""The coordinator: the named actor every client finds. Its ReplicaSet (replicas.py) starts
+the engines (one per replica, each with its own worker group, placed over the cluster's
+nodes), restarts a replica whose engine died and scales their number; the coordinator routes
+the requests of Ray clients to them and fans operator calls (sleep, LoRA) out to every
+replica.
 
 HTTP servers ask it for the engines (`replicas`) and send their streams to them directly,
 so a streamed token never passes through here. A replica fails alone: its requests end
@@ -19,28 +20,17 @@ from typing import Any
 
 import msgspec
 import ray
-from ray._private.state import available_resources_per_node
 from ray.exceptions import RayActorError
-from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raygraph.coordinator.replicas import ReplicaSet
 from raygraph.coordinator.router import Router
-from raygraph.engine.engine import Engine
-from raygraph.engine.group import place_workers
-from raygraph.errors import BadRequest, WorkerFailure, last_line
+from raygraph.errors import WorkerFailure, last_line
 from raygraph.process import setup_logging
-from raygraph.protocol import (
-    ROUTES_REFRESH_S,
-    GenerateResult,
-    ReplicaState,
-    StartupProgress,
-    StreamDelta,
-)
+from raygraph.protocol import GenerateResult, ReplicaState, StartupProgress, StreamDelta
 from raygraph.requests import parse_params, split_prompts
 
 log = logging.getLogger("raygraph.coordinator")
 
-RETRY_S = 5.0  # a replica that could not start is tried again this often
 CHARS_PER_TOKEN = 4  # a text prompt's cost estimate for routing
 
 
@@ -48,15 +38,9 @@ class Coordinator:
     def __init__(self, cfg: Any) -> None:
         setup_logging()
         self.cfg = cfg
-        n = cfg.replica.replicas
-        self.replicas = [ReplicaState(r, None, "starting") for r in range(n)]
-        self.router = Router(n, cfg.replica, cfg.cache.block_size, spill_at(cfg))
-        self.restarts = 0  # engines started again after theirs died
-        self._pgs: dict[int, Any] = {}  # replica -> its placement group
-        self._starting = [asyncio.Lock() for _ in range(n)]
-        self._watchers: list[asyncio.Task | None] = [None] * n
-        self._stopping = False
-        self._first_start = True
+        self.router = Router(cfg.replica.replicas, cfg.replica, cfg.cache.block_size,
+                             spill_at(cfg))
+        self.fleet = ReplicaSet(cfg, self.router)  # the engines: placement, restarts, scale
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # a detached service whose process died: Ray restarted it, nobody calls start()
             self._reason = "the coordinator's process died; starting it again"
@@ -69,24 +53,9 @@ class Coordinator:
     async def start(self) -> dict:
         """Start every replica and wait until each serves; the first failure is raised (the
         caller kills this actor, and the engines with it)."""
-        self._first_start = True
-        await asyncio.gather(*(self._start_again(r) for r in range(len(self.replicas))))
-        self._first_start = False
+        await self.fleet.start()
         self._reason = None
-        for r in range(len(self.replicas)):
-            self._watch(r)
         return await self.describe()
-
-    async def _start_again(self, replica: int) -> None:
-        """A replica whose engine lives (a retry after a failed capture tore its group down)
-        starts its workers again in its own placement; others start from scratch."""
-        state = self.replicas[replica]
-        if state.engine is None or state.state == "stopped":
-            return await self._start_replica(replica, raise_errors=True)
-        await state.engine.start.remote()
-        self.replicas[replica] = ReplicaState(replica, state.engine, "serving",
-                                              node_id=state.node_id)
-        self.router.set_up(replica, True)
 
     async def recover(self) -> None:
         """`start` after Ray restarted this actor; a failure stays in /health and the log."""
@@ -98,107 +67,27 @@ class Coordinator:
                             f"{type(e).__name__}: {last_line(e)}")
             log.error(self._reason)
 
-    def _node_for(self, replica: int) -> str | None:
-        """The node for a replica's engine (its workers pack beside it): among live nodes
-        with room for its workers now, the one holding the fewest other replicas (spread)
-        or the most (pack). None when no node has room."""
-        world = self.cfg.parallel.world_size
-        unit = "GPU" if self.cfg.device == "cuda" else "CPU"
-        free = available_resources_per_node()
-        fits = [node for node, res in free.items() if res.get(unit, 0) >= world]
-        used = [s.node_id for s in self.replicas if s.replica != replica and s.engine]
-        sign = 1 if self.cfg.replica.placement == "spread" else -1
-        return min(fits, key=lambda node: (sign * used.count(node), node), default=None)
-
-    async def _start_replica(self, replica: int, raise_errors: bool = False) -> None:
-        """Start (or start again) one replica: its placement group on a node with room,
-        its engine inside it (beside its workers), loaded and serving. One at a time per
-        replica: two would each place a group, and one would be lost."""
-        async with self._starting[replica]:
-            await self._place_and_start(replica, raise_errors)
-
-    async def _place_and_start(self, replica: int, raise_errors: bool) -> None:
-        self._release(replica)  # a lost engine's placement: its resources count as free
-        node = self._node_for(replica)
-        if node is None and not self._first_start:  # its supervisor tries again
-            self.replicas[replica] = ReplicaState(
-                replica, None, "failed", f"waiting for a node with room for "
-                f"{self.cfg.parallel.world_size} worker(s)")
-            self.router.set_up(replica, False)
-            return
-        engine = None
-        try:
-            pg = self._pgs[replica] = await place_workers(self.cfg, node)
-            engine = ray.remote(Engine).options(
-                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
-            ).remote(self.cfg, replica, pg)
-            self.replicas[replica] = ReplicaState(replica, engine, "starting", node_id=node)
-            await engine.start.remote()
-            where = await engine.node_id.remote()
-        except Exception as e:
-            if engine is not None:
-                ray.kill(engine)
-            self._release(replica)
-            why = f"{type(e).__name__}: {last_line(e)}"
-            self.replicas[replica] = ReplicaState(replica, None, "failed", why)
-            self.router.set_up(replica, False)
-            log.error("replica %d could not start: %s", replica, why)
-            if raise_errors:
-                raise
-            return
-        self.replicas[replica] = ReplicaState(replica, engine, "serving", node_id=where)
-        self.router.set_up(replica, True)
-        log.info("replica %d serving on node %s", replica, where[:12])
-
-    def _release(self, replica: int) -> None:
-        """Remove a replica's placement group: its resources go back to the cluster."""
-        pg = self._pgs.pop(replica, None)
-        if pg is not None:
-            remove_placement_group(pg)
-
-    def _watch(self, replica: int) -> None:
-        task = self._watchers[replica]
-        if task is None or task.done():
-            self._watchers[replica] = asyncio.get_running_loop().create_task(
-                self._supervise(replica))
-
-    async def _supervise(self, replica: int) -> None:
-        """Notice the replica's engine dying (its process, or its node) and start it again,
-        every RETRY_S until there is room for it."""
-        while not self._stopping:
-            state = self.replicas[replica]
-            if state.state == "serving":
-                try:
-                    await state.engine.wait_stopped.remote()
-                    if self._stopping:
-                        return
-                    why = "its engine stopped"
-                except RayActorError as e:
-                    why = f"its engine died: {last_line(e)}"
-                if self._stopping:
-                    return
-                log.error("replica %d failed: %s; starting it again", replica, why)
-                self.replicas[replica] = ReplicaState(replica, None, "failed", why)
-                self.router.set_up(replica, False)
-                self.restarts += 1
-            await self._start_replica(replica)
-            if self.replicas[replica].state != "serving":
-                await asyncio.sleep(RETRY_S)
+    @property
+    def replicas(self) -> list[ReplicaState]:
+        return self.fleet.states
 
     def _serving(self) -> list[ReplicaState]:
-        return [s for s in self.replicas if s.state == "serving"]
+        return self.fleet.serving()
 
     def engine(self, replica: int = 0) -> Any:
         """A serving replica's engine handle (ValueError otherwise)."""
-        state = self.replicas[replica]
-        if state.state != "serving":
-            raise ValueError(f"replica {replica} is {state.state}: {state.reason}")
-        return state.engine
+        return self.fleet.engine(replica)
 
     def replica_states(self) -> list[ReplicaState]:
         """Every replica: its engine handle (None unless serving) and state. HTTP servers
         read this to send their streams to the engines directly."""
-        return list(self.replicas)
+        return list(self.fleet.states)
+
+    async def scale(self, replicas: int) -> dict:
+        """Run `replicas` engines (replicas.ReplicaSet.scale)."""
+        out = await self.fleet.scale(replicas)
+        self.cfg = self.fleet.cfg
+        return out
 
     # ---- requests ----------------------------------------------------------------------
     async def _routed(self, prompt: Any, params: Any,
@@ -258,60 +147,6 @@ class Coordinator:
         finally:
             self.router.done(replica, cost)
 
-    # ---- scaling ------------------------------------------------------------------------
-    async def scale(self, replicas: int) -> dict:
-        """Run `replicas` engines: new ones start (placed as at start-up) and serve once
-        ready; the highest-numbered ones beyond it finish their requests and stop, their
-        placement released. Request ids name replicas by number, so numbers stay dense."""
-        if replicas < 1:
-            raise BadRequest(f"replicas must be >= 1, got {replicas}")
-        old = len(self.replicas)
-        rc = self.cfg.replica
-        if rc.min_replicas is not None and rc.min_replicas > replicas:
-            raise BadRequest(f"replicas must be >= min_replicas ({rc.min_replicas}), "
-                             f"got {replicas}")
-        self.cfg = msgspec.structs.replace(self.cfg, replica=msgspec.structs.replace(
-            rc, replicas=replicas))
-        if replicas > old:
-            self.replicas += [ReplicaState(r, None, "starting") for r in range(old, replicas)]
-            self._starting += [asyncio.Lock() for _ in range(old, replicas)]
-            self._watchers += [None] * (replicas - old)
-            self.router.resize(replicas)
-            for r in range(old, replicas):
-                self.router.set_up(r, False)  # until it serves
-            await asyncio.gather(*(self._start_replica(r) for r in range(old, replicas)))
-            for r in range(old, replicas):
-                self._watch(r)
-        else:
-            for r in range(replicas, old):
-                self.router.set_up(r, False)
-            await asyncio.gather(*(self._stop_replica(r) for r in range(replicas, old)))
-            del self.replicas[replicas:], self._starting[replicas:], self._watchers[replicas:]
-            self.router.resize(replicas)
-        log.info("scaled from %d to %d replica(s)", old, replicas)
-        return {"replicas": replicas, "serving": len(self._serving()), "was": old}
-
-    async def _stop_replica(self, replica: int) -> None:
-        """Stop one replica for good. It leaves the routes first: every router learns of it
-        within ROUTES_REFRESH_S (requests sent meanwhile are served); then its requests
-        finish (at most step_timeout_s), and its engine and placement go."""
-        task = self._watchers[replica]
-        if task is not None:
-            task.cancel()
-        state = self.replicas[replica]
-        self.replicas[replica] = ReplicaState(replica, None, "stopped", "scaled down")
-        if state.engine is not None:
-            try:
-                await asyncio.sleep(ROUTES_REFRESH_S)
-                left = await state.engine.drain.remote(self.cfg.step_timeout_s)
-                if left:
-                    log.warning("replica %d stops with %d request(s) unfinished", replica, left)
-                await state.engine.shutdown.remote()
-            except RayActorError:
-                pass
-            ray.kill(state.engine)
-        self._release(replica)
-
     # ---- state and operator calls ------------------------------------------------------
     def _why_not(self) -> str:
         if self._reason:
@@ -333,7 +168,7 @@ class Coordinator:
         merged = merge_stats([p for p in per if p.get("state") == "serving"])
         healthy = any(p.get("healthy") for p in per)
         merged.update(healthy=healthy, reason=None if healthy else self._why_not(),
-                      replicas=per, replica_restarts=self.restarts)
+                      replicas=per, replica_restarts=self.fleet.restarts)
         return merged
 
     async def _replica_stats(self, s: ReplicaState) -> dict:
@@ -404,21 +239,7 @@ class Coordinator:
         await self._on_one("inject_fault", replica, rank, kind, phase, key)
 
     async def shutdown(self) -> None:
-        self._stopping = True
-        await asyncio.gather(*(s.engine.shutdown.remote() for s in self._serving()),
-                             return_exceptions=True)
-        for s in self.replicas:
-            if s.engine is not None:
-                ray.kill(s.engine)
-        for task in self._watchers:
-            if task is not None:
-                task.cancel()
-        for r in range(len(self.replicas)):
-            self._release(r)
-        self.replicas = [ReplicaState(s.replica, None, "stopped", "shut down")
-                         for s in self.replicas]
-        for r in range(len(self.replicas)):
-            self.router.set_up(r, False)
+        await self.fleet.shutdown()
         self._reason = "shut down"
 
     def ping(self) -> bool:
