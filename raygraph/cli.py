@@ -62,6 +62,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="engines of the model, each with its own workers (tp*dp of them), "
                         f"KV cache and graphs, behind one front door (default: "
                         f"{D.replica.replicas})")
+    p.add_argument("--min-replicas", type=int, default=None,
+                   help="replicas kept awake; the rest sleep when idle and wake for a burst "
+                        "(default: all)")
+    p.add_argument("--idle-sleep-s", type=float, default=None,
+                   help="an elastic replica with no request for this long sleeps "
+                        f"(default: {D.replica.idle_sleep_s:g})")
     p.add_argument("--placement", choices=["spread", "pack"], default=None,
                    help="spread: replicas over the cluster's nodes; pack: where Ray puts them "
                         f"(default: {D.replica.placement})")

@@ -23,6 +23,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "dp": ("parallel", "dp"),
     "ep": ("parallel", "ep"),
     "replicas": ("replica", "replicas"),
+    "min_replicas": ("replica", "min_replicas"),
+    "idle_sleep_s": ("replica", "idle_sleep_s"),
     "placement": ("replica", "placement"),
     "routing": ("replica", "routing"),
     "block_size": ("cache", "block_size"),

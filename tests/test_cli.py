@@ -67,7 +67,8 @@ def test_offload_budget_below_floor_is_one_line_exit_2():
 
 def test_help_lists_every_command_and_shows_defaults():
     top = raygraph("--help").stdout
-    for cmd in ("demo", "serve", "generate", "check-capture", "submit", "stop"):
+    for cmd in ("demo", "serve", "generate", "check-capture", "submit", "stop", "sleep", "wake",
+                "scale"):
         assert cmd in top
     serve = raygraph("serve", "--help").stdout
     assert "(default: 1)" in serve and "(default: 16)" in serve  # --tp, --block-size
