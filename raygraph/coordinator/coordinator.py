@@ -39,9 +39,13 @@ CHARS_PER_TOKEN = 4  # a text prompt's cost estimate for routing
 
 
 class Coordinator:
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, engine_cls: type = Engine) -> None:
+        """`engine_cls`: the engine actor's class, built as (cfg, replica, placement group).
+        A benchmark passes a stand-in with Engine's surface and no model (bench/frontdoor.py's
+        NullEngine), so the front door is measured without one."""
         setup_logging()
         self.cfg = cfg
+        self.engine_cls = engine_cls
         n = cfg.replica.replicas
         self.replicas = [ReplicaState(r, None, "starting") for r in range(n)]
         self.router = Router(n, cfg.replica, cfg.cache.block_size)
@@ -123,7 +127,7 @@ class Coordinator:
         engine = None
         try:
             pg = self._pgs[replica] = await place_workers(self.cfg, node)
-            engine = ray.remote(Engine).options(
+            engine = ray.remote(self.engine_cls).options(
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
             ).remote(self.cfg, replica, pg)
             self.replicas[replica] = ReplicaState(replica, engine, "starting", node_id=node)
