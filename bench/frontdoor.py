@@ -23,8 +23,9 @@ replica, about `--seconds` of requests):
 
 Per point: delivered output tok/s against the ideal (replicas x streams x 1000/step_ms); the
 front process's CPU over the timed load (psutil, all threads) per 1k tokens, per request and
-in cores; tokens per chunk (deltas merge when the front lags); the engines' mean step period
-(above --step-ms: they were short of CPU) and CPU. A table to stderr, a JSON line to stdout.
+in cores; deltas per engine message (the front pays per message and per delta) and tokens
+per chunk (deltas merge when the front lags); the engines' mean step period (above
+--step-ms: they were short of CPU) and CPU. A table to stderr, a JSON line to stdout.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class NullEngine:
         self.steps = 0
         self.step_time_s = 0.0  # from each busy step to the next, summed
         self.tokens_generated = 0
+        self.messages = 0  # subscription messages sent
 
     async def start(self) -> dict:
         self._task = asyncio.get_running_loop().create_task(self._step_loop())
@@ -99,7 +101,7 @@ class NullEngine:
     def stats(self) -> dict:
         return {"healthy": True, "reason": None, "steps": self.steps,
                 "step_time_s": self.step_time_s, "tokens_generated": self.tokens_generated,
-                "running": len(self.running)}
+                "messages": self.messages, "running": len(self.running)}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -123,6 +125,7 @@ class NullEngine:
                 batch = [await sink.get()]
                 while not sink.empty():
                     batch.append(sink.get_nowait())
+                self.messages += 1
                 yield batch
         finally:
             self._sinks.pop(name, None)
@@ -274,7 +277,7 @@ async def run_point(a: argparse.Namespace, replicas: int, expect_tok_s: float) -
     front = cpu[{"mux": "bench", "http": "http", "generate": "coordinator"}[a.client]]
     tokens, done = s["total_output_tokens"], s["completed"]
     chunks = sum(len(r.token_chunks) for r in records if r.ok)
-    steps = after["steps"] - stats["steps"]
+    steps, msgs = (after[k] - stats[k] for k in ("steps", "messages"))
     return {"replicas": replicas, "streams": streams, "requests": done, "failed": s["failed"],
             "duration_s": s["duration_s"], "output_tokens": tokens,
             "output_tok_s": s["output_throughput"],
@@ -283,6 +286,8 @@ async def run_point(a: argparse.Namespace, replicas: int, expect_tok_s: float) -
             "front_cpu_s_per_1k_tok": round(1e3 * front / max(1, tokens), 4),
             "front_cpu_ms_per_request": round(1e3 * front / max(1, done), 3),
             "tokens_per_chunk": round(tokens / max(1, chunks), 2),
+            "messages_per_s": round(msgs / secs),  # engine -> front (none: generate)
+            "deltas_per_message": round(tokens / msgs, 1) if msgs else None,
             "engines_cpu_s_per_1k_tok": round(1e3 * cpu["engines"] / max(1, tokens), 4),
             "engine_step_ms": round(1e3 * (after["step_time_s"] - stats["step_time_s"])
                                     / max(1, steps), 2),
@@ -296,7 +301,8 @@ COLUMNS = [("replicas", "replicas"), ("streams", "streams"), ("requests", "reque
            ("output_tok_s", "delivered tok/s"), ("ideal_tok_s", "ideal tok/s"),
            ("ratio", "delivered/ideal"), ("front_cpu_s_per_1k_tok", "front CPU s / 1k tok"),
            ("front_cpu_ms_per_request", "front CPU ms / request"), ("front_cores", "front cores"),
-           ("tokens_per_chunk", "tok/chunk"), ("engine_step_ms", "engine step ms"),
+           ("deltas_per_message", "deltas/msg"), ("tokens_per_chunk", "tok/chunk"),
+           ("engine_step_ms", "engine step ms"),
            ("engines_cpu_s_per_1k_tok", "engines CPU s / 1k tok"),
            ("median_ttft_ms", "TTFT p50 ms")]
 
