@@ -41,7 +41,11 @@ class StreamHub:
         self._open_task: asyncio.Task | None = None
 
     def _queue(self, request_id: int) -> asyncio.Queue[StreamDelta]:
-        return self.queues.setdefault(request_id, asyncio.Queue())
+        """The request's queue, made on first use (setdefault would build one per delta)."""
+        q = self.queues.get(request_id)
+        if q is None:
+            q = self.queues[request_id] = asyncio.Queue()
+        return q
 
     async def _pump(self) -> None:
         gen = self.engine.subscribe.options(num_returns="streaming").remote(self.name)

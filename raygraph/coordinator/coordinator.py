@@ -35,12 +35,16 @@ CHARS_PER_TOKEN = 4  # a text prompt's cost estimate for routing
 
 
 class Coordinator:
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, engine_cls: type | None = None) -> None:
+        """`engine_cls`: the engine actor's class, built as (cfg, replica, placement group);
+        Engine unless a benchmark passes a stand-in with its surface and no model
+        (bench/frontdoor.py's NullEngine), to measure the front door alone."""
         setup_logging()
         self.cfg = cfg
         self.router = Router(cfg.replica.replicas, cfg.replica, cfg.cache.block_size,
                              spill_at(cfg))
-        self.fleet = ReplicaSet(cfg, self.router)  # the engines: placement, restarts, scale
+        # the engines: placement, restarts, scale
+        self.fleet = ReplicaSet(cfg, self.router, engine_cls)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # a detached service whose process died: Ray restarted it, nobody calls start()
             self._reason = "the coordinator's process died; starting it again"

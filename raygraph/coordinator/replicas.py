@@ -28,9 +28,10 @@ RETRY_S = 5.0  # a replica that could not start is tried again this often
 
 
 class ReplicaSet:
-    def __init__(self, cfg: Any, router: Router) -> None:
+    def __init__(self, cfg: Any, router: Router, engine_cls: type | None = None) -> None:
         self.cfg = cfg
         self.router = router
+        self.engine_cls = engine_cls or Engine
         n = cfg.replica.replicas
         self.states = [ReplicaState(r, None, "starting") for r in range(n)]
         self.restarts = 0  # engines started again after theirs died
@@ -90,7 +91,7 @@ class ReplicaSet:
         engine = None
         try:
             pg = self._pgs[replica] = await place_workers(self.cfg, node)
-            engine = ray.remote(Engine).options(
+            engine = ray.remote(self.engine_cls).options(
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
             ).remote(self.cfg, replica, pg)
             self.states[replica] = ReplicaState(replica, engine, "starting", node_id=node)
