@@ -106,9 +106,10 @@ def test_prefix_caching_with_preemption_generates_hf_greedy_tokens(ray_session, 
     assert stats["preemptions"] > 0 and kv["prefix_cache_hits"] >= 8 * 3
     assert kv["num_pages"] == 8 * dp and kv["pages"]["pinned"] == 0
     text = Metrics("m").render(stats).decode()  # the coordinator's figures, as /metrics
-    assert f'raygraph:prefix_cache_hits_total{{model_name="m"}} {kv["prefix_cache_hits"]}.0' \
-        in text.splitlines()
-    assert 'raygraph:pool_pages{kind="kv",model_name="m",state="pinned"} 0.0' in text
+    assert (f'raygraph:prefix_cache_hits_total{{model_name="m",replica="0"}} '
+            f'{kv["prefix_cache_hits"]}.0') in text.splitlines()
+    assert 'raygraph:pool_pages{kind="kv",model_name="m",replica="0",state="pinned"} 0.0' \
+        in text
 
 
 def wait_captured(ray, coord, timeout: float = 120.0) -> dict:
