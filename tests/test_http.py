@@ -1,5 +1,6 @@
 """The HTTP front door with the official `openai` client against a real server: the default
-model on CPU, the coordinator and the HTTP actor (port 0) on the test session's Ray."""
+model on CPU, the coordinator and the HTTP actor (port 0) on the test session's Ray. Over
+500 lines because every route shares one served coordinator (starting one costs ~20 s)."""
 
 from __future__ import annotations
 

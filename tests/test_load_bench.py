@@ -269,10 +269,12 @@ def test_prefix_hit_rate_from_counters_and_metrics_text() -> None:
         "prefix_cache_queries": 1000, "prefix_cache_hits": 800, "prefix_cache_hit_rate": 0.8}
     assert prefix_hit_rate((5, 0), (5, 0))["prefix_cache_hit_rate"] == 0.0  # caching off
     assert prefix_hit_rate(None, (5, 0))["prefix_cache_hit_rate"] is None
-    text = ("# HELP raygraph:prefix_cache_hits_total x\n"
-            'raygraph:prefix_cache_queries_total{model_name="m"} 300.0\n'
-            'raygraph:prefix_cache_hits_total{model_name="m"} 120.0\n'
-            'raygraph:prefix_cache_hits_created{model_name="m"} 1.7e9\n')
+    text = ("# HELP raygraph:prefix_cache_hits_total x\n"  # two replicas: summed
+            'raygraph:prefix_cache_queries_total{model_name="m",replica="0"} 200.0\n'
+            'raygraph:prefix_cache_queries_total{model_name="m",replica="1"} 100.0\n'
+            'raygraph:prefix_cache_hits_total{model_name="m",replica="0"} 120.0\n'
+            'raygraph:prefix_cache_hits_total{model_name="m",replica="1"} 0.0\n'
+            'raygraph:prefix_cache_hits_created{model_name="m",replica="0"} 1.7e9\n')
     session = FakeSession(text)
     assert asyncio.run(metrics_counters(session, "http://h:1/")()) == (300.0, 120.0)
     assert session.urls == ["http://h:1/metrics"]

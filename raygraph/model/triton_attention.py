@@ -29,6 +29,9 @@ run side by side on two streams (two branches of a captured graph). The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
 
+Over 500 lines because the three kernels (splits, cascade, merge) share their tile and
+bounds logic and are launched together; apart, each would repeat it.
+
 Over 500 lines: decode (with its merge and the cascade's prefix kernel) and prefill share
 their tile loads, rotary and block-table indexing here.
 """
