@@ -52,7 +52,7 @@ from bench import load
 from raygraph.config import ReplicaConfig, ServeConfig
 from raygraph.process import freeze_heap
 from raygraph.protocol import REPLICA_SHIFT, GenerateResult, RequestTiming, StreamDelta
-from raygraph.requests import parse_params, split_prompts
+from raygraph.requests import batches, parse_params, split_prompts
 
 TEXT = " tok"  # each token's text, about what a tokenizer gives a token
 SATURATED = 0.9  # delivered / ideal below this: the front no longer keeps up
@@ -121,10 +121,7 @@ class NullEngine:
         """Engine.subscribe: what is queued for `name`, one message per batch."""
         sink = self._sinks.setdefault(name, asyncio.Queue())
         try:
-            while True:
-                batch = [await sink.get()]
-                while not sink.empty():
-                    batch.append(sink.get_nowait())
+            async for batch in batches(sink):
                 self.messages += 1
                 yield batch
         finally:

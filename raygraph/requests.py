@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -109,3 +110,12 @@ def take_deltas(queue: asyncio.Queue[StreamDelta], first: StreamDelta) -> Stream
             more.timing, more.stop_reason, more.error)
     return delta
 
+
+async def batches(sink: asyncio.Queue) -> AsyncIterator[list]:
+    """What is queued in `sink`, one list per wake-up: a subscriber gets one message per
+    batch, not one per item."""
+    while True:
+        batch = [await sink.get()]
+        while not sink.empty():
+            batch.append(sink.get_nowait())
+        yield batch

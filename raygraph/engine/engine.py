@@ -52,7 +52,13 @@ from raygraph.protocol import (
     StreamDelta,
     WorkerInfo,
 )
-from raygraph.requests import encode_prompt, parse_params, split_prompts, take_deltas
+from raygraph.requests import (
+    batches,
+    encode_prompt,
+    parse_params,
+    split_prompts,
+    take_deltas,
+)
 from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger("raygraph.engine")
@@ -413,10 +419,7 @@ class Engine:
         its `error`. Call with num_returns="streaming"; closing it cancels its streams."""
         sink = self._sinks.setdefault(name, asyncio.Queue())
         try:
-            while True:
-                batch = [await sink.get()]
-                while not sink.empty():
-                    batch.append(sink.get_nowait())
+            async for batch in batches(sink):
                 yield batch
         finally:
             self._sinks.pop(name, None)
