@@ -1,5 +1,6 @@
-"""What a client checks on its side of the engine: sampling params and prompts as they are
-checked, token ids packed for a call, and stream deltas merged."""
+"""Request handling every process shares (clients, HTTP servers, the coordinator, the
+engine): sampling params and prompts checked, token ids packed for a call, stream deltas
+merged and batched."""
 
 from __future__ import annotations
 

@@ -163,25 +163,31 @@ class ReplicaStreams:
 
     async def _refresh(self) -> None:
         """Ask the coordinator for the engines when a hub is not fine (at most every
-        REFRESH_S) or every ROUTES_REFRESH_S (replicas come and go), one call for all the
-        opens waiting on it."""
+        REFRESH_S; the opens wait for the one call) or every ROUTES_REFRESH_S (replicas come
+        and go; then in the background, the open goes on)."""
         fresh = time.monotonic() - self._checked < ROUTES_REFRESH_S
         hubs = self.hubs[:len(self.router.up)]  # past it: replicas scaled away
-        if fresh and self._all_up and all(h is not None and not h.failed for h in hubs):
+        healthy = self._all_up and all(h is not None and not h.failed for h in hubs)
+        if healthy and fresh:
             return
         for r, hub in enumerate(hubs):
             if hub is not None and hub.failed:  # its engine is gone: no new stream there
                 self.router.set_up(r, False)
-        if self._asking is None:
-            if time.monotonic() - self._checked < self.REFRESH_S and any(self.router.up):
+        if self._asking is None or self._asking.done():
+            if (not healthy and time.monotonic() - self._checked < self.REFRESH_S
+                    and any(self.router.up)):
                 return
             self._asking = asyncio.get_running_loop().create_task(self._ask())
-        task = self._asking
-        try:
-            await asyncio.shield(task)
-        finally:
-            if self._asking is task and task.done():
-                self._asking = None
+            self._asking.add_done_callback(self._asked)
+        if not healthy:
+            await asyncio.shield(self._asking)
+
+    def _asked(self, task: asyncio.Task) -> None:
+        if self._asking is task:
+            self._asking = None
+        if not task.cancelled() and task.exception() is not None:  # opens waiting see it
+            log.warning("asking the coordinator for the replicas: %s",
+                        last_line(task.exception()))
 
     async def _ask(self) -> None:
         self._checked = time.monotonic()

@@ -40,7 +40,6 @@ class Coordinator:
         Engine unless a benchmark passes a stand-in with its surface and no model
         (bench/frontdoor.py's NullEngine), to measure the front door alone."""
         setup_logging()
-        self.cfg = cfg
         self.router = Router(cfg.replica.replicas, cfg.replica, cfg.cache.block_size,
                              spill_at(cfg))
         # the engines: placement, restarts, scale
@@ -72,6 +71,11 @@ class Coordinator:
             log.error(self._reason)
 
     @property
+    def cfg(self) -> Any:
+        """The serving config, as scaling last left it (the fleet's)."""
+        return self.fleet.cfg
+
+    @property
     def replicas(self) -> list[ReplicaState]:
         return self.fleet.states
 
@@ -89,9 +93,7 @@ class Coordinator:
 
     async def scale(self, replicas: int) -> dict:
         """Run `replicas` engines (replicas.ReplicaSet.scale)."""
-        out = await self.fleet.scale(replicas)
-        self.cfg = self.fleet.cfg
-        return out
+        return await self.fleet.scale(replicas)
 
     # ---- requests ----------------------------------------------------------------------
     async def _routed(self, prompt: Any, params: Any,
