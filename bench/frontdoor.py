@@ -2,7 +2,7 @@
 spend per request and per streamed token, and the replica count where one front process
 stops keeping up.
 
-A NullEngine has Engine's surface as the front door calls it (`subscribe`, `submit_streams`,
+A NullEngine has Engine's surface as the front door calls it (`channel`, `submit_streams`,
 `cancel`, `generate`, `describe`, `stats`, start-up and supervision) and no model: every
 `--step-ms` each running request gets one token, as StreamDeltas queued per subscription
 and sent in batches as Engine sends them, so the front's work per token is the real one.
@@ -49,10 +49,11 @@ import psutil
 import ray
 
 from bench import load
+from raygraph.channel import ChannelAddress, DeltaChannel
 from raygraph.config import ReplicaConfig, ServeConfig
 from raygraph.process import freeze_heap
 from raygraph.protocol import REPLICA_SHIFT, GenerateResult, RequestTiming, StreamDelta
-from raygraph.requests import batches, parse_params, split_prompts
+from raygraph.requests import parse_params, split_prompts
 
 TEXT = " tok"  # each token's text, about what a tokenizer gives a token
 SATURATED = 0.9  # delivered / ideal below this: the front no longer keeps up
@@ -71,8 +72,8 @@ class Running:
 
 class NullEngine:
     """Engine as the front door sees it, without a model: output token i of every request
-    is id i. A step emits every running request's token at once, and `subscribe` sends
-    each subscriber what is queued as one message, as Engine does. So a subscriber of n
+    is id i. A step emits every running request's token at once, and its delta channel
+    sends each subscriber what is queued as one frame, as Engine does. So a subscriber of n
     streams gets one message of n deltas per step while it keeps up."""
 
     STEP_S = 0.015  # set per run by null_engine
@@ -81,7 +82,7 @@ class NullEngine:
         self.cfg, self.replica = cfg, replica
         self.vocab_size = cfg.model_cfg().vocab_size
         self._ids = itertools.count(replica << REPLICA_SHIFT)  # ids name their replica
-        self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}
+        self.subscribers = DeltaChannel(self._unsubscribed)
         self.running: dict[int, Running] = {}
         self._work = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -89,7 +90,6 @@ class NullEngine:
         self.steps = 0
         self.step_time_s = 0.0  # from each busy step to the next, summed
         self.tokens_generated = 0
-        self.messages = 0  # subscription messages sent
 
     async def start(self) -> dict:
         self._task = asyncio.get_running_loop().create_task(self._step_loop())
@@ -101,7 +101,7 @@ class NullEngine:
     def stats(self) -> dict:
         return {"healthy": True, "reason": None, "steps": self.steps,
                 "step_time_s": self.step_time_s, "tokens_generated": self.tokens_generated,
-                "messages": self.messages, "running": len(self.running)}
+                "messages": self.subscribers.frames, "running": len(self.running)}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -115,23 +115,20 @@ class NullEngine:
     async def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self.subscribers.close()
         self._stopped.set()
 
-    async def subscribe(self, name: str) -> AsyncIterator[list[StreamDelta]]:
-        """Engine.subscribe: what is queued for `name`, one message per batch."""
-        sink = self._sinks.setdefault(name, asyncio.Queue())
-        try:
-            async for batch in batches(sink):
-                self.messages += 1
-                yield batch
-        finally:
-            self._sinks.pop(name, None)
-            for rid in [rid for rid, r in self.running.items() if r.sink is sink]:
-                del self.running[rid]
+    async def channel(self) -> ChannelAddress:
+        """Engine.channel: what is queued for a subscriber goes one frame per batch."""
+        return await self.subscribers.address(ray.util.get_node_ip_address())
+
+    def _unsubscribed(self, sink: asyncio.Queue) -> None:
+        for rid in [rid for rid, r in self.running.items() if r.sink is sink]:
+            del self.running[rid]
 
     async def submit_streams(self, name: str, requests: list[tuple[Any, Any]]
                              ) -> list[int | Exception]:
-        sink = self._sinks.setdefault(name, asyncio.Queue())
+        sink = self.subscribers.sink(name)
         return [self._add(sink, None, params) for _, params in requests]
 
     def cancel(self, request_ids: list[int]) -> None:

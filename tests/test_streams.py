@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from raygraph.channel import DeltaChannel
 from raygraph.client.streams import ReplicaStreams, StreamHub
 from raygraph.config import ReplicaConfig
 from raygraph.errors import BadRequest, WorkerFailure
@@ -29,7 +30,7 @@ class Recorder:
         self.calls: list[tuple[list[Any], asyncio.Future]] = []
         self.cancelled: list[int] = []
         self.submit_streams = Method(self._submit)
-        self.subscribe = Method(self._subscribe)
+        self.channel = Method(self._channel)
         self.cancel = Method(self.cancelled.extend)
 
     def _submit(self, name: str, requests: list[tuple[Any, Any]]) -> asyncio.Future:
@@ -37,9 +38,8 @@ class Recorder:
         self.calls.append(([encode_prompt(p, None, 2**20) for p, _ in requests], fut))
         return fut
 
-    async def _subscribe(self, name: str):
+    async def _channel(self) -> None:
         await asyncio.Event().wait()  # no deltas: these tests only open
-        yield
 
     def answer(self, call: int, errors: dict[int, Exception] | None = None) -> None:
         prompts, fut = self.calls[call]
@@ -149,7 +149,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
 
     c = object.__new__(Engine)  # the method's own state only: no workers, no model
     c.cfg = ServeConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
-    c.recovering, c._sinks, c.schedulers = False, {}, [None]  # one DP group
+    c.recovering, c.subscribers, c.schedulers = False, DeltaChannel(print), [None]  # one DP group
     c.sleeper = types.SimpleNamespace(wake_for_request=lambda: asyncio.sleep(0))  # awake
     c._inbox, c._wake = queue.SimpleQueue(), threading.Event()
     registered: dict[int, types.SimpleNamespace] = {}
@@ -162,7 +162,7 @@ def test_a_burst_reaches_the_step_thread_a_step_at_a_time():
         return (req,), [(seq, None)]
 
     def enqueue(seqs):  # as the coordinator's, checking each request is registered first
-        assert all(registered[s.seq_id].deltas is c._sinks["hub"] for s, _ in seqs)
+        assert all(registered[s.seq_id].deltas is c.subscribers.sinks["hub"] for s, _ in seqs)
         Engine._enqueue(c, seqs)
 
     c._requests, c._enqueue = requests, enqueue
@@ -223,32 +223,30 @@ def test_sequences_queued_before_a_failure_are_dropped_after_the_restart():
 
 
 class ScriptedEngine:
-    """An engine's stream methods: ids from `first` up; deltas sent through `send`; `lose()`
-    ends the subscription as a dead engine's does."""
+    """An engine's stream methods over a real delta channel: ids from `first` up; deltas
+    sent through `send`; `lose()` closes the channel as a dead engine's process does."""
 
     def __init__(self, replica: int) -> None:
         self._actor_id = replica
         self.ids = iter(range((replica << 48) + 1, (replica + 1) << 48))
         self.opened: list[int] = []
-        self.sink: asyncio.Queue = asyncio.Queue()
+        self.deltas = DeltaChannel(lambda sink: None)
+        self.name = ""
         self.submit_streams = Method(self._submit)
-        self.subscribe = Method(self._subscribe)
+        self.channel = Method(lambda: self.deltas.address("127.0.0.1"))
         self.cancel = Method(lambda rids: None)
 
     async def _submit(self, name: str, requests: list) -> list[int]:
+        self.name = name
         rids = [next(self.ids) for _ in requests]
         self.opened += rids
         return rids
 
-    async def _subscribe(self, name: str):
-        while (batch := await self.sink.get()) is not None:
-            yield asyncio.sleep(0, batch)  # awaited by the hub, as a Ray ref is
-
     def send(self, rid: int, tokens: list[int], finish: str | None = None) -> None:
-        self.sink.put_nowait([StreamDelta(rid, tokens, None, finish)])
+        self.deltas.sink(self.name).put_nowait(StreamDelta(rid, tokens, None, finish))
 
     def lose(self) -> None:
-        self.sink.put_nowait(None)  # the subscription ends: the hub fails its streams
+        self.deltas.close()  # the channel closes: the hub fails its streams
 
 
 class ScriptedCoordinator:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from raygraph.channel import read_deltas
 from raygraph.config import ReplicaConfig
 from raygraph.coordinator.router import Router
 from raygraph.errors import WorkerFailure, last_line
@@ -22,13 +23,13 @@ log = logging.getLogger("raygraph.client")
 
 
 class StreamHub:
-    """This process's streams on one engine, over one subscription (`Engine.subscribe`): one
-    Ray message per batch of deltas, demultiplexed here into a queue per request. A Ray
-    stream per request cost ~0.2 ms a message on each side and capped 64 streams."""
+    """This process's streams on one engine: opened with Ray calls, their deltas read from
+    the engine's delta channel (raygraph/channel.py) a batch per frame, demultiplexed here
+    into a queue per request."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.failed = False  # the subscription ended: this engine is gone
+        self.failed = False  # the channel closed: this engine is gone
         self.name = f"http-{secrets.token_hex(6)}"
         # open requests: from open() until their last delta is taken or they are cancelled
         self.queues: dict[int, asyncio.Queue[StreamDelta]] = {}
@@ -48,11 +49,11 @@ class StreamHub:
         return q
 
     async def _pump(self) -> None:
-        gen = self.engine.subscribe.options(num_returns="streaming").remote(self.name)
-        why = "the engine closed this process's stream subscription"
+        why = "the engine closed this process's delta channel"
         try:
-            async for ref in gen:
-                for delta in await ref:
+            address = await self.engine.channel.remote()
+            async for batch in read_deltas(address, self.name):
+                for delta in batch:
                     rid = delta.request_id
                     if rid not in self._cancelled:
                         self._queue(rid).put_nowait(delta)
@@ -61,10 +62,21 @@ class StreamHub:
                     elif delta.finish_reason is not None:
                         self._cancelled.discard(rid)
         except Exception as e:  # the engine is gone: every open stream ends with it
-            why = f"the stream subscription failed: {last_line(e)}"
+            why = f"the delta channel failed: {last_line(e)}"
+        self._fail(why)
+
+    def _fail(self, why: str) -> None:
         self.failed = True
         for rid, q in self.queues.items():
             q.put_nowait(StreamDelta(rid, [], None, "error", error=why))
+
+    def lost(self, why: str) -> None:
+        """The engine is gone (the coordinator says so) though its channel is still open, as
+        it is until TCP notices a node lost without a word: its streams end now."""
+        if not self.failed:
+            if self._pump_task is not None:
+                self._pump_task.cancel()
+            self._fail(why)
 
     async def open(self, prompt: list[int], params: SamplingParams) -> int:
         """Start a stream; its request id. Opens made while a call is on its way go together
@@ -197,6 +209,9 @@ class ReplicaStreams:
             self.router.resize(len(states))
         for s in states:
             hub = self.hubs[s.replica]
+            if hub is not None and s.state in ("failed", "starting") and (
+                    s.engine is None or hub.engine._actor_id != s.engine._actor_id):
+                hub.lost(f"replica {s.replica} was lost: {s.reason}")
             if s.state != "serving":
                 self.router.set_up(s.replica, False)
                 continue

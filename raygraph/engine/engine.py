@@ -2,8 +2,9 @@
 group. The coordinator starts one per replica, placed with its workers.
 
 Requests arrive on the actor's event loop (`generate` and `generate_stream` from the
-coordinator; `subscribe` and `submit_streams` from HTTP servers directly, so a token goes
-from here to its client in one hop). The step loop runs on its own thread and does only the
+coordinator; `submit_streams` from HTTP servers directly, their deltas sent back over each
+server's delta channel, raygraph/channel.py, so a token goes from here to its client in
+one hop). The step loop runs on its own thread and does only the
 step (engine/core.py): drain new requests, schedule, send the deltas over the compiled graph
 (engine/group.py), apply the tokens of the step before. Detokenization, stop strings and
 stream fan-out run on the event loop, beside it.
@@ -29,6 +30,7 @@ from typing import Any
 import msgspec
 import ray
 
+from raygraph.channel import ChannelAddress, DeltaChannel
 from raygraph.config import ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
@@ -53,7 +55,6 @@ from raygraph.protocol import (
     WorkerInfo,
 )
 from raygraph.requests import (
-    batches,
     encode_prompt,
     parse_params,
     split_prompts,
@@ -97,7 +98,7 @@ class Engine:
         self._ids = itertools.count(replica << REPLICA_SHIFT)  # request ids name their replica
         # sequences with smaller ids were failed with a worker group (_fail_in_flight)
         self._stale_below = 0
-        self._sinks: dict[str, asyncio.Queue[StreamDelta]] = {}  # subscriber -> its deltas
+        self.subscribers = DeltaChannel(self._unsubscribed)  # streams' deltas, per process
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> step thread
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -411,20 +412,17 @@ class Engine:
             if req.finish_reason is None:  # cancelled (the client went away): stop computing
                 self._abort(req.seq_id)
 
-    # ---- multiplexed streams: one Ray stream per client process (an HTTP replica) --------
-    async def subscribe(self, name: str) -> AsyncIterator[list[StreamDelta]]:
-        """Every delta of the streams submitted under `name` (`submit_stream`), as they come,
-        batched: one Ray message per batch instead of one per request and step (each costs
-        the coordinator ~0.2 ms). A delta with finish_reason "error" carries the error as
-        its `error`. Call with num_returns="streaming"; closing it cancels its streams."""
-        sink = self._sinks.setdefault(name, asyncio.Queue())
-        try:
-            async for batch in batches(sink):
-                yield batch
-        finally:
-            self._sinks.pop(name, None)
-            for req in [r for r in self.clients.requests.values() if r.deltas is sink]:
-                self._abort(req.seq_id)
+    # ---- multiplexed streams: one delta channel per client process (an HTTP server) -----
+    async def channel(self) -> ChannelAddress:
+        """Where a process that streams requests from here reads their deltas
+        (raygraph/channel.py): every delta of the streams it submits under its name, in
+        batches. A delta with finish_reason "error" carries the error as its `error`.
+        Closing the connection cancels its streams."""
+        return await self.subscribers.address(ray.util.get_node_ip_address())
+
+    def _unsubscribed(self, sink: asyncio.Queue) -> None:
+        for req in [r for r in self.clients.requests.values() if r.deltas is sink]:
+            self._abort(req.seq_id)
 
     async def submit_streams(self, name: str, requests: list[tuple[Any, Any]]
                              ) -> list[int | Exception]:
@@ -441,7 +439,7 @@ class Engine:
         await self._wait_serving()
         # nothing is emitted before this returns: deltas come from this loop, which does not
         # yield below
-        sink = self._sinks.setdefault(name, asyncio.Queue())
+        sink = self.subscribers.sink(name)
         # a step's worth for every DP group: each scheduler's first step fills
         step_tokens = self.cfg.scheduler.max_num_batched_tokens * len(self.schedulers)
         out: list[int | Exception] = []
@@ -701,6 +699,7 @@ class Engine:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
         self._stop_workers()
+        self.subscribers.close()
         self.healthy = False
         self.unhealthy_reason = "shut down"
         self._stopped.set()
