@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -22,7 +23,6 @@ from raygraph.api.schemas import (
     UnloadLoRARequest,
     envelope,
     finish_reason,
-    json_text,
     new_id,
     usage,
 )
@@ -31,8 +31,12 @@ from raygraph.protocol import GenerateResult, StreamDelta
 __all__ = ["HttpConfig", "build_app"]
 
 
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json_text(obj)}\n\n"
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event. msgspec writes it (a streamed chunk's JSON is most of the
+    server's work per token); the values are finite already (Logprobs clamps them), and
+    any other non-finite float would be written as null."""
+    data = obj.encode() if isinstance(obj, str) else msgspec.json.encode(obj)
+    return b"data: " + data + b"\n\n"
 
 
 def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = None) -> FastAPI:
@@ -93,7 +97,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             return JSONResponse(envelope(kind, rid, name, out, usage(prompt_tokens, n)))
         deltas = await front.open_streams(choices)
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[bytes]:
             offsets: dict[int, int] = {}
             n = 0
             async for i, d in deltas:
@@ -134,7 +138,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         deltas = await front.open_streams(choices)
         kind = "chat.completion.chunk"
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[bytes]:
             for i in range(len(choices)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None, "stop_reason": None}
@@ -212,7 +216,7 @@ def ending(r: GenerateResult | StreamDelta) -> dict:
     return {"finish_reason": finish_reason(r.finish_reason), "stop_reason": r.stop_reason}
 
 
-async def _guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """A stream that fails after its 200 ends with one OpenAI error event, then [DONE]."""
     try:
         async for e in events:
