@@ -65,6 +65,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-replicas", type=int, default=None,
                    help="replicas kept awake; the rest sleep when idle and wake for a burst "
                         "(default: all)")
+    p.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscaling: start replicas, up to this many, while every one has "
+                        "requests waiting or a full KV cache (default: off)")
     p.add_argument("--idle-sleep-s", type=float, default=None,
                    help="an elastic replica with no request for this long sleeps "
                         f"(default: {D.replica.idle_sleep_s:g})")

@@ -530,6 +530,12 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     idle_sleep_s: float = 30.0
     # the level an idle replica sleeps at (1: graph pool and KV cache; 2: the weights too)
     idle_sleep_level: Literal[1, 2] = 1
+    # autoscaling (None: off): while every serving replica has requests waiting or its KV
+    # cache nearly full for upscale_delay_s, another starts, up to this many. Replicas
+    # past min_replicas (None: the starting count) are elastic: idle, they sleep
+    max_replicas: int | None = None
+    # how long every serving replica must stay saturated before the autoscaler adds one
+    upscale_delay_s: float = 10.0
 
     @property
     def awake(self) -> int:
@@ -552,6 +558,18 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"idle_sleep_s must be > 0, got {self.idle_sleep_s}")
         if self.rebalance_gap <= 0:
             raise ConfigError(f"rebalance_gap must be > 0, got {self.rebalance_gap}")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ConfigError(f"max_replicas must be >= replicas ({self.replicas}), "
+                              f"got {self.max_replicas}")
+        if self.upscale_delay_s < 0:
+            raise ConfigError(f"upscale_delay_s must be >= 0, got {self.upscale_delay_s}")
+
+    def pinned(self) -> ReplicaConfig:
+        """With autoscaling, min_replicas defaults to the starting count: replicas the
+        autoscaler adds are elastic for every router and engine."""
+        if self.max_replicas is None or self.min_replicas is not None:
+            return self
+        return msgspec.structs.replace(self, min_replicas=self.replicas)
 
 
 # ServeConfig fields that resolved() fills in: no file or flag sets them
@@ -626,8 +644,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
         return auto_dtype(device, self.model_cfg().checkpoint_dtype)
 
     def resolved(self, num_gpus: float) -> ServeConfig:
-        """Pin 'auto' device, dtype and capture given the GPUs the cluster offers, and the
-        LoRA target modules (every worker builds the same layers from it)."""
+        """Pin 'auto' device, dtype and capture given the GPUs the cluster offers, the LoRA
+        target modules (every worker builds the same layers from it) and the replicas kept
+        awake."""
         device = self.device
         if device == "auto":
             device = "cuda" if num_gpus >= self.parallel.world_size else "cpu"
@@ -637,7 +656,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
                 graph, capture="background" if device == "cuda" else "lazy")
         cfg = msgspec.structs.replace(self, model_config=self.model_cfg())
         return msgspec.structs.replace(cfg, device=device, dtype=cfg.weights_dtype(device),
-                                       graph=graph, lora=self.lora.resolved())
+                                       graph=graph, lora=self.lora.resolved(),
+                                       replica=self.replica.pinned())
 
 
 def load_toml(path: str | os.PathLike[str]) -> ServeConfig:

@@ -25,6 +25,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "replicas": ("replica", "replicas"),
     "min_replicas": ("replica", "min_replicas"),
     "idle_sleep_s": ("replica", "idle_sleep_s"),
+    "max_replicas": ("replica", "max_replicas"),
     "placement": ("replica", "placement"),
     "routing": ("replica", "routing"),
     "block_size": ("cache", "block_size"),

@@ -1,8 +1,8 @@
 """The coordinator: the named actor every client finds. Its ReplicaSet (replicas.py) starts
 the engines (one per replica, each with its own worker group, placed over the cluster's
-nodes), restarts a replica whose engine died and scales their number; the coordinator routes
-the requests of Ray clients to them and fans operator calls (sleep, LoRA) out to every
-replica.
+nodes), restarts a replica whose engine died and scales their number (by hand, or by its
+Autoscaler, autoscale.py); the coordinator routes the requests of Ray clients to them and
+fans operator calls (sleep, LoRA) out to every replica.
 
 HTTP servers ask it for the engines (`replicas`) and send their streams to them directly,
 so a streamed token never passes through here. A replica fails alone: its requests end
@@ -22,6 +22,7 @@ import msgspec
 import ray
 from ray.exceptions import RayActorError
 
+from raygraph.coordinator.autoscale import Autoscaler
 from raygraph.coordinator.replicas import ReplicaSet
 from raygraph.coordinator.router import Router
 from raygraph.errors import WorkerFailure, last_line
@@ -44,6 +45,7 @@ class Coordinator:
                              spill_at(cfg))
         # the engines: placement, restarts, scale
         self.fleet = ReplicaSet(cfg, self.router, engine_cls)
+        self.autoscaler = Autoscaler(self.fleet)  # with replica.max_replicas
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # a detached service whose process died: Ray restarted it, nobody calls start()
             self._reason = "the coordinator's process died; starting it again"
@@ -58,6 +60,7 @@ class Coordinator:
         caller kills this actor, and the engines with it)."""
         await self.fleet.start()
         self._reason = None
+        self.autoscaler.start()
         return await self.describe()
 
     async def recover(self) -> None:
@@ -174,7 +177,8 @@ class Coordinator:
         merged = merge_stats([p for p in per if p.get("state") == "serving"])
         healthy = any(p.get("healthy") for p in per)
         merged.update(healthy=healthy, reason=None if healthy else self._why_not(),
-                      replicas=per, replica_restarts=self.fleet.restarts)
+                      replicas=per, replica_restarts=self.fleet.restarts,
+                      scale_ups=self.autoscaler.scale_ups)
         return merged
 
     async def _replica_stats(self, s: ReplicaState) -> dict:
@@ -245,6 +249,7 @@ class Coordinator:
         await self._on_one("inject_fault", replica, rank, kind, phase, key)
 
     async def shutdown(self) -> None:
+        self.autoscaler.stop()
         await self.fleet.shutdown()
         self._reason = "shut down"
 
