@@ -307,6 +307,14 @@ class ParallelConfig(msgspec.Struct, frozen=True):
                 f"tp={self.tp} must divide intermediate_size={model.intermediate_size}"
             )
         check_ep(model, self.ep, self.tp)
+        if model.quant is not None and model.quant.block is not None:
+            cols = model.quant.block[1]
+            for name, n in (("num_heads * head_dim", model.num_heads * model.head_dim),
+                            ("intermediate_size", model.intermediate_size)):
+                if self.tp > 1 and (n // self.tp) % cols:
+                    raise ConfigError(f"tp={self.tp} splits {name}={n} into {n // self.tp} "
+                                      f"columns a rank, not a multiple of the FP8 weight "
+                                      f"blocks' {cols}")
 
 
 class CacheConfig(msgspec.Struct, frozen=True):

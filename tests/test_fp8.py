@@ -20,6 +20,7 @@ from raygraph.config import (
     ConfigError,
     GraphConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServeConfig,
 )
@@ -28,7 +29,7 @@ from raygraph.graph.inputs import batch_from, host_inputs
 from raygraph.model import ops
 from raygraph.model.checkpoint import CheckpointError
 from raygraph.model.context import forward_context
-from raygraph.model.loader import build_model
+from raygraph.model.loader import build_model, check_checkpoint
 from raygraph.model.parallel import Comm
 from raygraph.model.quant import FP8, Fp8Weight, fp8_weight
 from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
@@ -96,6 +97,7 @@ def fp8_layers(m: torch.nn.Module) -> dict[str, torch.nn.Module]:
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_each_format_loads_as_its_dequantized_weights(checkpoints, name: str) -> None:
     quant, ref = checkpoints(name)
+    check_checkpoint(ModelConfig.from_pretrained(str(quant)))  # the driver's check agrees
     got, want = model(quant), model(ref)
     layers = fp8_layers(got)
     assert len(layers) == 2 * 4  # q|k|v, o, gate|up, down of both layers
@@ -263,3 +265,23 @@ def test_lora_or_offload_with_fp8_is_refused(checkpoints) -> None:
         with pytest.raises(ConfigError, match="cannot be combined with LoRA adapters or "
                                               "weight offload"):
             cfg.model_cfg()
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_by_name(checkpoints, tmp_path: Path) -> None:
+    quant, _ = checkpoints("fp8-block")
+    path = Path(shutil.copytree(quant, tmp_path / "blocks"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [16, 16]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight_scale_inv "
+                                              r"in model.safetensors: shape \(3, 3\), the "
+                                              r"config implies \(4, 8\)"):
+        check_checkpoint(ModelConfig.from_pretrained(str(path)))
+
+
+def test_blocks_a_tp_split_would_cut_are_refused_up_front(checkpoints) -> None:
+    quant, _ = checkpoints("fp8-block")  # blocks of 48 columns; o_proj's 64 split in 32s
+    with pytest.raises(ConfigError, match="tp=2 splits num_heads \\* head_dim=64 into 32 "
+                                          "columns a rank, not a multiple of the FP8 weight "
+                                          "blocks' 48"):
+        ParallelConfig(tp=2).check_model(ModelConfig.from_pretrained(str(quant)))
