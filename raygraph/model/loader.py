@@ -231,11 +231,11 @@ def _slot(model: nn.Module, params: dict[str, nn.Parameter], world: int, ckpt_na
     if isinstance(part, tuple) and not owner.owns(part):
         return None
     leaf = name.rsplit(".", 1)[1]
-    if leaf == "weight_scale":
+    if leaf == "weight_scale":  # its rows split as W's; its columns (groups): see _copy_in
         weight = f"{name.rsplit('.', 1)[0]}.weight"
-        _, shape = _full_shape(model, weight, params[weight], world, part)
-        return _Slot(name, part, None, stored_scale_shape(model.config.quant, shape),
-                     weight=shape)
+        dim, shape = _full_shape(model, weight, params[weight], world, part)
+        return _Slot(name, part, 0 if dim == 0 else None,
+                     stored_scale_shape(model.config.quant, shape), weight=shape)
     if leaf in QUANT_SCALARS:
         return _Slot(name, part, None, (1,))
     dim, shape = _full_shape(model, name, params[name], world, part)
@@ -300,14 +300,11 @@ def _copy_in(model: nn.Module, params: dict[str, nn.Parameter], slot: _Slot,
     if leaf in QUANT_SCALARS:
         param.data.copy_(full.reshape(1))
         return
-    if slot.weight is not None:  # a weight scale, as rows [out, groups]: split as W's rows
+    if slot.weight is not None:  # a weight scale, as rows [out, groups]
         full = scale_rows(full, model.config.quant, slot.weight)
         groups = param.shape[1]
         if isinstance(owner, RowParallelLinear) and full.shape[1] != groups:  # W's columns
             full = full.narrow(1, comm.rank * groups, groups)
-        if slot.part is None:
-            load_shard(param, full, 0 if owner.shard_dim == 0 else None, comm)
-            return
     if slot.part is None:
         load_shard(param, full, slot.dim, comm)
     else:

@@ -63,7 +63,7 @@ def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     padded = x.float()
     if groups * group != cols:
         padded = torch.nn.functional.pad(padded, (0, groups * group - cols))
-    amax = padded.view(rows, groups, -1).abs().amax(dim=-1)
+    amax = padded.view(rows, groups, group).abs().amax(dim=-1)
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return quantize_with(x, scale, group), scale
 
