@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from raygraph.config import (
@@ -285,3 +286,26 @@ def test_blocks_a_tp_split_would_cut_are_refused_up_front(checkpoints) -> None:
                                           "columns a rank, not a multiple of the FP8 weight "
                                           "blocks' 48"):
         ParallelConfig(tp=2).check_model(ModelConfig.from_pretrained(str(quant)))
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_the_scaled_mm_path_on_torchs_cpu_kernel(monkeypatch, activations: str) -> None:
+    """ops.fp8_gemm's arguments (row-wise scales, the column-major weight, the static scale
+    expanded) through torch's CPU _scaled_mm, where this torch has one: the GPU path's math,
+    against the reference path in float32 (the GPU kernel itself: tests/gpu/test_fp8_gpu.py)."""
+    torch.manual_seed(2)
+    x, w = torch.randn(16, 64).to(torch.bfloat16), torch.randn(32, 64)
+    scale = w.abs().amax(dim=1, keepdim=True) / 448
+    weight = Fp8Weight((w / scale).to(FP8), scale, 64, activations,
+                       torch.tensor([0.01]) if activations == "static" else None)
+    try:
+        torch._scaled_mm(weight.data, weight.data.t(), scale_a=scale, scale_b=scale.view(1, -1),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU _scaled_mm with row-wise scales")
+    monkeypatch.setattr(ops, "_scaled_mm_applies", lambda x, w: True)
+    bias = torch.randn(32).to(torch.bfloat16)
+    got = ops.fp8_gemm(x, weight, bias).float()
+    want = F.linear(*ops.dense_operands(x.float(), weight), bias.float())
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * want.abs().max().item())
