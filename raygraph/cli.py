@@ -87,6 +87,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's *.safetensors; dummy: random weights drawn "
                         "on the device from config.json alone, to time a model's shapes "
                         f"(default: {D.load_format})")
+    p.add_argument("--quantization", choices=["auto", "fp8"], default=None,
+                   help="auto: as the checkpoint is stored (FP8 checkpoints run in FP8); fp8: "
+                        "quantize a bf16/fp16/fp32 checkpoint's linear layers to FP8 at load "
+                        f"(default: {D.quantization})")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default: {D.cache.block_size})")
     p.add_argument("--num-kv-blocks", type=int, default=None,

@@ -16,6 +16,7 @@ import msgspec
 
 from raygraph.adapter_files import LORA_MODULES, adapter_targets
 from raygraph.generation import eos_token_ids
+from raygraph.quantization import ONLINE, QuantConfig, QuantError, read_quant_config
 
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
 
@@ -88,6 +89,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # FP8 linear layers: the checkpoint's quantization_config, or quantized at load
+    # (ServeConfig.quantization); None: the weights run in the model's dtype
+    quant: QuantConfig | None = None
 
     @property
     def family(self) -> str:
@@ -145,6 +149,13 @@ class ModelConfig(msgspec.Struct, frozen=True):
         # Qwen3Config's head_dim defaults to 128, the others' to hidden / heads
         head_dim = hf.get("head_dim") or (
             128 if arch == "Qwen3ForCausalLM" else hf["hidden_size"] // num_heads)
+        try:
+            quant = read_quant_config(path, hf, cfg_file)
+        except QuantError as e:
+            raise ConfigError(str(e)) from None
+        if quant is not None and SUPPORTED_ARCHITECTURES[arch] != "llama":
+            raise ConfigError(f"FP8 checkpoints of MoE models ({arch}) are not supported yet: "
+                              "the experts are not quantized")
         return ModelConfig(
             path=str(path),
             architecture=arch,
@@ -169,6 +180,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             # config.json's, generation_config.json's and the tokenizer's: each one stops
             eos_token_ids=eos_token_ids(path, hf.get("eos_token_id")),
             checkpoint_dtype=_torch_dtype(hf),
+            quant=quant,
             **_moe_fields(hf, arch),
         )
 
@@ -295,6 +307,14 @@ class ParallelConfig(msgspec.Struct, frozen=True):
                 f"tp={self.tp} must divide intermediate_size={model.intermediate_size}"
             )
         check_ep(model, self.ep, self.tp)
+        if model.quant is not None and model.quant.block is not None:
+            cols = model.quant.block[1]
+            for name, n in (("num_heads * head_dim", model.num_heads * model.head_dim),
+                            ("intermediate_size", model.intermediate_size)):
+                if self.tp > 1 and (n // self.tp) % cols:
+                    raise ConfigError(f"tp={self.tp} splits {name}={n} into {n // self.tp} "
+                                      f"columns a rank, not a multiple of the FP8 weight "
+                                      f"blocks' {cols}")
 
 
 class CacheConfig(msgspec.Struct, frozen=True):
@@ -587,6 +607,10 @@ class ServeConfig(msgspec.Struct, frozen=True):
     # auto: the checkpoint's *.safetensors; dummy: random weights drawn on the device from
     # config.json's shapes alone (no weights on disk), to time a model's shapes
     load_format: Literal["auto", "dummy"] = "auto"
+    # auto: as the checkpoint is stored (an FP8 checkpoint runs its linear layers in FP8);
+    # fp8: a bf16/fp16/fp32 checkpoint's linear layers quantized to FP8 e4m3 at load (one
+    # scale per output channel, activations quantized per token), halving their memory
+    quantization: Literal["auto", "fp8"] = "auto"
     seed: int = 0  # the workers' sampling generator (a request's own seed overrides it)
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
@@ -605,6 +629,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):  # keywords are not type-checked
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in ("auto", "fp8"):
+            raise ConfigError(f"quantization must be 'auto' or 'fp8', got {self.quantization!r}")
         if self.lora.enabled and self.offload.budget_bytes is not None:
             raise ConfigError("LoRA adapters (lora.max_loras > 0) and weight offload "
                               "(offload.budget_bytes) cannot be combined")
@@ -631,8 +657,21 @@ class ServeConfig(msgspec.Struct, frozen=True):
 
     def model_cfg(self) -> ModelConfig:
         """The model's config.json: read once by resolved() and carried from then on (a
-        config not resolved, as a test's own worker gets, reads it here)."""
-        return self.model_config or ModelConfig.from_pretrained(self.model)
+        config not resolved, as a test's own worker gets, reads it here), with `quantization`
+        applied: the one place the model's FP8 layout is decided."""
+        if self.model_config is not None:
+            return self.model_config
+        model = ModelConfig.from_pretrained(self.model)
+        quant = model.quant
+        if quant is None and self.quantization == "fp8":
+            if model.num_experts:
+                raise ConfigError(f"quantization='fp8' is not supported for MoE models "
+                                  f"({model.architecture}) yet: the experts are not quantized")
+            quant = ONLINE
+        if quant is not None and (self.lora.enabled or self.offload.budget_bytes is not None):
+            raise ConfigError(f"FP8 weights ({quant.method}) cannot be combined with LoRA "
+                              "adapters or weight offload yet")
+        return msgspec.structs.replace(model, quant=quant)
 
     def weights_dtype(self, device: str) -> str:
         """The dtype the weights run in on `device`: the one asked for, or for "auto"

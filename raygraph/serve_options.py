@@ -19,6 +19,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "device": ("", "device"),
     "dtype": ("", "dtype"),
     "load_format": ("", "load_format"),
+    "quantization": ("", "quantization"),
     "tp": ("parallel", "tp"),
     "dp": ("parallel", "dp"),
     "ep": ("parallel", "ep"),

@@ -9,8 +9,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-# what a model's weights may be stored as (cast to the model's dtype on load): bytes per element
-FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
+# what a model's weights may be stored as (cast to the model's dtype on load, FP8 e4m3 kept
+# for the layers an FP8 config quantizes): bytes per element
+FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1}
 MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too
 
 

@@ -18,11 +18,21 @@ from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from raygraph.config import ModelConfig, check_ep
+from raygraph.config import ConfigError, ModelConfig, check_ep
 from raygraph.model.checkpoint import CheckpointError, StoredTensor, read_headers
 from raygraph.model.llama import LlamaForCausalLM
 from raygraph.model.moe import MoeForCausalLM
-from raygraph.model.parallel import Comm, load_shard
+from raygraph.model.parallel import Comm, LoRARows, RowParallelLinear, load_shard
+from raygraph.model.quant import (
+    FP8,
+    add_kv_scales,
+    local_group,
+    make_fp8,
+    quantize_layer,
+    scale_rows,
+    stored_scale_shape,
+)
+from raygraph.quantization import ONLINE
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DUMMY_STD = 0.02  # HF's initializer_range: activations stay O(1) through every layer
@@ -39,16 +49,24 @@ def build_model(
     `comm` is the TP group (attention, dense MLPs, shared experts; experts too without EP);
     `ep_comm`, for MoE models, the expert-parallel group that owns the experts between it.
     """
+    if load_format == "dummy" and cfg.quant is not None:  # random weights, quantized
+        cfg = msgspec.structs.replace(cfg, quant=ONLINE)
     with torch.device(device):
         model = _new_model(cfg, comm, ep_comm)
     model.to(dtype=dtype)
     for module in model.modules():  # rotary tables stay fp32
         if hasattr(module, "cos"):
             module.float()
+    online = cfg.quant == ONLINE
+    if not online:
+        _make_fp8(model, comm.world_size)
     if load_format == "dummy":
         init_dummy_weights(model, comm, progress)
     else:
         load_weights(model, cfg.path, comm, progress)
+    if online:
+        for layer in _fp8_layers(model):
+            quantize_layer(layer)
     return model.eval()
 
 
@@ -68,13 +86,15 @@ def check_checkpoint(cfg: ModelConfig,
     # no parameter shape depends on the positions: rotary tables of one position will do
     with _ParametersOnMeta():
         model = _new_model(msgspec.structs.replace(cfg, max_position_embeddings=1), Comm())
+        if cfg.quant != ONLINE:
+            _make_fp8(model, 1)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, Part]] = set()
     for file, tensors in headers:
         for ckpt_name, stored in tensors.items():
             slot = _slot(model, params, 1, ckpt_name, file)
             if slot is not None:
-                _check_shape(ckpt_name, file, stored, slot.shape)
+                _check_shape(ckpt_name, file, stored, slot)
                 loaded.add((slot.name, slot.part))
     _check_complete(model, params, loaded, cfg.path)
 
@@ -91,6 +111,40 @@ class _ParametersOnMeta(TorchFunctionMode):
         if func in (torch.empty, torch.ones) and kwargs.get("device") is None:
             kwargs = {**kwargs, "device": "meta"}
         return func(*args, **kwargs)
+
+
+def _fp8_layers(model: nn.Module) -> list[LoRARows]:
+    """The linear layers held in FP8 under the model's QuantConfig: every decoder projection
+    whose HF modules the config does not ignore (fused parts must agree)."""
+    quant = model.config.quant
+    if quant is None:
+        return []
+    out = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoRARows):
+            continue
+        parts = range(len(layer.local_sizes)) if hasattr(layer, "local_sizes") else [None]
+        hf = [_hf_name(f"{name}.weight", p).removesuffix(".weight") for p in parts]
+        ignored = [quant.ignores(n) for n in hf]
+        if any(ignored) and not all(ignored):
+            raise ConfigError(f"the quantization config ignores only some of {hf}, which "
+                              "raygraph runs as one GEMM")
+        if not any(ignored):
+            out.append(layer)
+    return out
+
+
+def _make_fp8(model: nn.Module, world: int) -> None:
+    """FP8 weights and scales, for the checkpoint to fill, in the layers `_fp8_layers` names;
+    attention k/v scales where the checkpoint has them."""
+    quant = model.config.quant
+    for layer in _fp8_layers(model):
+        in_local = layer.weight.shape[1]
+        in_full = in_local * world if isinstance(layer, RowParallelLinear) else in_local
+        make_fp8(layer, local_group(quant, in_full, in_local), quant.activations)
+    if quant is not None and quant.kv_scales:
+        for attention in model.attention_layers():
+            add_kv_scales(attention)
 
 
 # HF projections that raygraph stacks into one GEMM: name -> (merged name, part)
@@ -110,6 +164,9 @@ Part = int | tuple[int, int] | None
 def _target(name: str) -> tuple[str, Part]:
     """Checkpoint tensor name -> (parameter name, part of a merged parameter or None)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    name = name.removesuffix("_inv")  # fine-grained FP8's weight_scale_inv
+    for kv in ("k", "v"):  # ModelOpt's k_proj.k_scale: the attention's k_scale
+        name = name.replace(f".{kv}_proj.{kv}_scale", f".{kv}_scale")
     parts = name.split(".")
     if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit():
         stacked, proj = EXPERT_PROJ[parts[-2]]
@@ -149,12 +206,15 @@ def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[st
 @dataclass(frozen=True)
 class _Slot:
     """Where a checkpoint tensor goes: a parameter (a part of it when merged), the dim this
-    rank's shard is cut along, and the full shape the tensor must have."""
+    rank's shard is cut along, the full shape the tensor must have, whether it is FP8, and
+    for a weight scale the full shape of the weight it scales."""
 
     name: str
     part: Part
     dim: int | None
     shape: tuple[int, ...]
+    fp8: bool = False
+    weight: tuple[int, ...] | None = None
 
 
 def _slot(model: nn.Module, params: dict[str, nn.Parameter], world: int, ckpt_name: str,
@@ -170,15 +230,30 @@ def _slot(model: nn.Module, params: dict[str, nn.Parameter], world: int, ckpt_na
     owner = model.get_submodule(name.rsplit(".", 1)[0])
     if isinstance(part, tuple) and not owner.owns(part):
         return None
+    leaf = name.rsplit(".", 1)[1]
+    if leaf == "weight_scale":  # its rows split as W's; its columns (groups): see _copy_in
+        weight = f"{name.rsplit('.', 1)[0]}.weight"
+        dim, shape = _full_shape(model, weight, params[weight], world, part)
+        return _Slot(name, part, 0 if dim == 0 else None,
+                     stored_scale_shape(model.config.quant, shape), weight=shape)
+    if leaf in QUANT_SCALARS:
+        return _Slot(name, part, None, (1,))
     dim, shape = _full_shape(model, name, params[name], world, part)
-    return _Slot(name, part, dim, shape)
+    return _Slot(name, part, dim, shape, fp8=params[name].dtype == FP8)
 
 
-def _check_shape(ckpt_name: str, file: Path, stored: StoredTensor,
-                 expect: tuple[int, ...]) -> None:
-    if stored.shape != expect:
+# one float per tensor: a static input scale (its fused parts' largest), attention k/v scales
+QUANT_SCALARS = ("input_scale", "k_scale", "v_scale")
+
+
+def _check_shape(ckpt_name: str, file: Path, stored: StoredTensor, slot: _Slot) -> None:
+    if stored.shape != slot.shape and not (stored.shape == () and slot.shape == (1,)):
         raise CheckpointError(f"{ckpt_name} in {file.name}: shape {stored.shape}, the config "
-                              f"implies {expect}")
+                              f"implies {slot.shape}")
+    if (stored.dtype == "F8_E4M3") != slot.fp8:
+        want = "F8_E4M3" if slot.fp8 else "not FP8: config.json quantizes no such layer"
+        raise CheckpointError(f"{ckpt_name} in {file.name}: stored as {stored.dtype}; "
+                              f"expected {want}")
 
 
 def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],
@@ -206,7 +281,7 @@ def load_weights(model: nn.Module, path: str, comm: Comm,
                 slot = _slot(model, params, comm.world_size, ckpt_name, file)
                 if slot is None:
                     continue
-                _check_shape(ckpt_name, file, stored, slot.shape)
+                _check_shape(ckpt_name, file, stored, slot)
                 _copy_in(model, params, slot, f.get_tensor(ckpt_name), comm)
                 loaded.add((slot.name, slot.part))
                 sources[slot.name].append((ckpt_name, file))
@@ -217,11 +292,23 @@ def load_weights(model: nn.Module, path: str, comm: Comm,
 def _copy_in(model: nn.Module, params: dict[str, nn.Parameter], slot: _Slot,
              full: torch.Tensor, comm: Comm) -> None:
     """This rank's slice of the full tensor `full` into the parameter (part) `slot` names."""
+    param, (owner_name, leaf) = params[slot.name], slot.name.rsplit(".", 1)
+    owner = model.get_submodule(owner_name)
+    if leaf == "input_scale":  # fused parts: the largest
+        param.data.copy_(torch.maximum(param.data, full.float().reshape(1)))
+        return
+    if leaf in QUANT_SCALARS:
+        param.data.copy_(full.reshape(1))
+        return
+    if slot.weight is not None:  # a weight scale, as rows [out, groups]
+        full = scale_rows(full, model.config.quant, slot.weight)
+        groups = param.shape[1]
+        if isinstance(owner, RowParallelLinear) and full.shape[1] != groups:  # W's columns
+            full = full.narrow(1, comm.rank * groups, groups)
     if slot.part is None:
-        load_shard(params[slot.name], full, slot.dim, comm)
+        load_shard(param, full, slot.dim, comm)
     else:
-        owner = model.get_submodule(slot.name.rsplit(".", 1)[0])
-        owner.load_part(params[slot.name], full, slot.part)
+        owner.load_part(param, full, slot.part)
 
 
 def init_dummy_weights(model: nn.Module, comm: Comm,
@@ -268,7 +355,11 @@ def _check_finite(params: dict[str, nn.Parameter],
     names = [n for n, p in params.items() if p.numel()]
     flags = []
     for name in names:
-        lo, hi = torch.aminmax(params[name])  # NaN propagates to both
+        p = params[name]
+        if p.dtype == FP8:  # e4m3fn has no inf; NaN is every exponent and mantissa bit set
+            flags.append(((p.view(torch.uint8) & 0x7F) == 0x7F).any())
+            continue
+        lo, hi = torch.aminmax(p)  # NaN propagates to both
         flags.append(~(lo.isfinite() & hi.isfinite()))
     if not flags or not torch.stack(flags).any().item():
         return
@@ -279,7 +370,7 @@ def _check_finite(params: dict[str, nn.Parameter],
         for ckpt_name, file in sources.get(name, ()):
             with safe_open(str(file), framework="pt") as f:
                 full = f.get_tensor(ckpt_name)
-            stored, cast = (int((~t.isfinite()).sum()) for t in (full, full.to(dtype)))
+            stored, cast = (int((~t.float().isfinite()).sum()) for t in (full, full.to(dtype)))
             if stored:
                 raise CheckpointError(f"{ckpt_name} in {file.name}: {stored} non-finite values")
             if cast:

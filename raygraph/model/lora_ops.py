@@ -75,14 +75,16 @@ def lora_active(w: LoRAWeights | None) -> bool:
     return w is not None and get_forward_context().lora is not None
 
 
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def lora_linear(x: torch.Tensor, weight: ops.Weight, bias: torch.Tensor | None,
                 w: LoRAWeights | None) -> torch.Tensor:
     """linear(x) plus each token's adapter delta (linear(x) alone when the layer has no LoRA
-    or the step reads no adapter). With LoRA, `weight` holds every slot's A after W's rows.
+    or the step reads no adapter). With LoRA, `weight` holds every slot's A after W's rows
+    (and is never FP8: the two are not combined).
     A few tokens: one GEMM over all of it, then the expand reads each token's own slot's u.
     More (prefill): the GEMM over W, and a shrink by each token's own slot only."""
     if w is None:
         return ops.linear(x, weight, bias)
+    assert isinstance(weight, torch.Tensor)
     n = sum(w.slices)
     if not lora_active(w):
         return ops.linear(x, weight[:n], bias)

@@ -10,9 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from raygraph.model.context import AttentionMetadata, get_forward_context
+from raygraph.model.quant import FP8, Fp8Weight, activations_as_quantized, quantize, quantize_with
 
 # rotary tables (cos, sin) [max_pos, D/2] that attention still has to apply to q and k
 Rope = tuple[torch.Tensor, torch.Tensor] | None
+# a linear layer's weight: [out, in] in the activations' dtype, or FP8 with its scales
+Weight = torch.Tensor | Fp8Weight
+# FP8 GEMMs of more rows than this go to torch._scaled_mm on a GPU; fewer (decode) read the
+# dequantized weight through the skinny kernels
+SCALED_MM_MIN_ROWS = 9
 
 
 def kernels(x: torch.Tensor) -> bool:
@@ -31,9 +37,48 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return supports(x, weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def _scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """torch._scaled_mm with row-wise scales computes it: on a GPU, bf16 activations quantized
+    by the GEMM (W8A8), one weight scale per output row, tiles of 16."""
+    n, k = w.shape
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] >= SCALED_MM_MIN_ROWS
+            and x.dtype == torch.bfloat16 and w.activations != "none"
+            and w.scale.shape[1] == 1 and n % 16 == 0 and k % 16 == 0)
+
+
+def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+    """x @ W^T (+ bias) of an FP8 weight through torch._scaled_mm (x quantized per token, or
+    by the static input scale), or None where it does not apply."""
+    if not _scaled_mm_applies(x, w):
+        return None
+    if w.activations == "static":
+        assert w.input_scale is not None
+        xq, x_scale = quantize_with(x, w.input_scale, 1), w.input_scale.expand(x.shape[0], 1)
+    else:
+        xq, x_scale = quantize(x, x.shape[1])
+    y = torch._scaled_mm(xq, w.data.t(), scale_a=x_scale.contiguous(),
+                         scale_b=w.scale.view(1, -1), out_dtype=x.dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def dense_operands(x: torch.Tensor, weight: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, W) for the GEMMs of plain weights: an FP8 weight dequantized to x's dtype, and x
+    quantized and dequantized as the FP8 GEMM would see it. The reference path (CPU) and
+    the GPU's for what _scaled_mm does not take (decode rows, blocks, weight-only)."""
+    if not isinstance(weight, Fp8Weight):
+        return x, weight
+    assert weight.data.dtype == FP8
+    return activations_as_quantized(x, weight), weight.dequantize(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias), as F.linear."""
+    if isinstance(weight, Fp8Weight):
+        y = fp8_gemm(x, weight, bias)
+        if y is not None:
+            return y
+        x, weight = dense_operands(x, weight)
     if _skinny(x, weight):
         from raygraph.model.triton_gemv import gemv
 
@@ -41,8 +86,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_silu_and_mul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """silu_and_mul(linear(x, weight)) with weight = [gate | up] on its rows."""
+    if isinstance(weight, Fp8Weight):
+        y = fp8_gemm(x, weight)
+        if y is not None:
+            return silu_and_mul(y)
+        x, weight = dense_operands(x, weight)
     if _skinny(x, weight) and (weight.shape[0] // 2) % 16 == 0:  # tiles of 16+ columns
         from raygraph.model.triton_gemv import gemv_silu_mul
 
@@ -51,7 +101,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_rotary(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, positions: torch.Tensor,
     cos_table: torch.Tensor, sin_table: torch.Tensor, head_dim: int, num_q_heads: int,
     num_k_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rope]:
@@ -59,7 +109,11 @@ def linear_rotary(
     rotary_or_defer): q [T, Hq, D], k and v [T, Hk, D], and the rotation still owed."""
     t = x.shape[0]
     sizes = [num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim]
-    if _skinny(x, weight) and head_dim % 16 == 0:  # tiles hold whole rotation pairs
+    qkv = fp8_gemm(x, weight, bias) if isinstance(weight, Fp8Weight) else None
+    if qkv is None:
+        x, weight = dense_operands(x, weight)
+    # the fused kernel's tiles hold whole rotation pairs
+    if qkv is None and _skinny(x, weight) and head_dim % 16 == 0:
         from raygraph.model.triton_gemv import gemv_rotary
 
         qkv = gemv_rotary(x, weight, bias, positions, cos_table, sin_table, head_dim,
@@ -67,7 +121,8 @@ def linear_rotary(
         q, k, v = qkv.split(sizes, dim=-1)
         rope = None
     else:
-        q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+        qkv = F.linear(x, weight, bias) if qkv is None else qkv
+        q, k, v = qkv.split(sizes, dim=-1)
         q, k, rope = rotary_or_defer(q.view(t, num_q_heads, head_dim),
                                      k.view(t, num_k_heads, head_dim), cos_table, sin_table,
                                      positions)

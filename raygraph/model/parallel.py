@@ -12,6 +12,7 @@ from torch import nn
 
 from raygraph.model import ops
 from raygraph.model.lora_ops import LoRAWeights, lora_linear
+from raygraph.model.quant import Fp8Layout, Fp8Weight, fp8_weight
 from raygraph.protocol import Collective
 
 
@@ -105,11 +106,19 @@ class LoRARows(nn.Module):
         super().__init__()
         self.out_local = out_local  # W's rows on this rank
         self.lora: LoRAWeights | None = None  # the adapter slots (raygraph/lora)
+        self.fp8: Fp8Layout | None = None  # set when W is held in FP8 (model/quant.py)
 
     @property
-    def base_weight(self) -> torch.Tensor:
-        """W, without the adapter rows after it."""
+    def base_weight(self) -> torch.Tensor | Fp8Weight:
+        """W, without the adapter rows after it (FP8 layers have none)."""
+        if self.fp8 is not None:
+            return fp8_weight(self)
         return self.weight[: self.out_local]
+
+    @property
+    def gemm_weight(self) -> torch.Tensor | Fp8Weight:
+        """What the layer's GEMM multiplies by: W and any adapter rows after it."""
+        return self.weight if self.fp8 is None else fp8_weight(self)
 
     def append_rows(self, rows: int) -> None:
         """`rows` more rows (zeros) after W's, in one new weight."""
@@ -131,7 +140,7 @@ class ColumnParallelLinear(LoRARows):
         self.shard_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lora_linear(x, self.weight, self.bias, self.lora)
+        return lora_linear(x, self.gemm_weight, self.bias, self.lora)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -177,7 +186,8 @@ class RowParallelLinear(LoRARows):
         # each rank's delta is partial (A split on the input), like its GEMM: one all-reduce.
         # With adapter rows y is a view of a wider GEMM output: made contiguous (a copy of
         # [T, out]) for the all-reduce and the ops after
-        return self.comm.all_reduce(lora_linear(x, self.weight, None, self.lora).contiguous())
+        return self.comm.all_reduce(
+            lora_linear(x, self.gemm_weight, None, self.lora).contiguous())
 
 
 class VocabParallelEmbedding(nn.Module):

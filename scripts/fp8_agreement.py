@@ -1,0 +1,89 @@
+"""How close `--quantization fp8` stays to the unquantized model: top-1 agreement of the next
+token under teacher forcing, and perplexity, over a text in windows of 256 tokens (CPU,
+float32 activations). tests/test_fp8_online.py asserts on the same measure.
+
+    python scripts/fp8_agreement.py FILE [--model DIR] [--windows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from raygraph.config import DEFAULT_MODEL, ServeConfig
+from raygraph.graph.inputs import batch_from, host_inputs
+from raygraph.model.context import forward_context
+from raygraph.model.loader import build_model
+from raygraph.model.parallel import Comm
+from raygraph.protocol import SeqChunk, StepPlan
+
+CPU = torch.device("cpu")
+WINDOW = 256  # the default model's training windows
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Agreement:
+    tokens: int  # next-token predictions compared
+    top1: float  # share whose argmax equals the reference's
+    ppl_ref: float
+    ppl_fp8: float
+
+
+def cpu_model(model: str, quantization: str) -> torch.nn.Module:
+    cfg = ServeConfig(model=model, quantization=quantization).model_cfg()
+    return build_model(cfg, Comm(), torch.float32, CPU)
+
+
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: every position's next-token logits, over a fresh paged cache."""
+    cfg = model.config
+    blocks = -(-len(ids) // BLOCK)
+    for layer in model.attention_layers():
+        shape = (blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+    plan = StepPlan(0, [SeqChunk(0, ids, 0, list(range(blocks)), False)])
+    batch = batch_from(host_inputs(plan, BLOCK), CPU)
+    with torch.no_grad(), forward_context(batch.ctx):
+        return model.compute_logits(model(batch.input_ids, batch.positions))
+
+
+def windows(text: str, model: str = DEFAULT_MODEL, limit: int | None = None) -> list[list[int]]:
+    ids = Tokenizer.from_file(f"{model}/tokenizer.json").encode(text).ids
+    out = [ids[i: i + WINDOW] for i in range(0, len(ids) - 16, WINDOW)]
+    return out[:limit]
+
+
+def agreement(ref: torch.nn.Module, fp8: torch.nn.Module, seqs: list[list[int]]) -> Agreement:
+    same = total = 0
+    nll_ref = nll_fp8 = 0.0
+    for ids in seqs:
+        want, got = logits(ref, ids)[:-1], logits(fp8, ids)[:-1]
+        target = torch.tensor(ids[1:])
+        same += int((want.argmax(-1) == got.argmax(-1)).sum())
+        total += len(target)
+        nll_ref += F.cross_entropy(want, target, reduction="sum").item()
+        nll_fp8 += F.cross_entropy(got, target, reduction="sum").item()
+    return Agreement(total, same / total, math.exp(nll_ref / total), math.exp(nll_fp8 / total))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("text", help="a UTF-8 text file")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--windows", type=int, default=None, help="at most this many windows")
+    a = p.parse_args()
+    with open(a.text, encoding="utf-8") as f:
+        seqs = windows(f.read(), a.model, a.windows)
+    r = agreement(cpu_model(a.model, "auto"), cpu_model(a.model, "fp8"), seqs)
+    print(f"{r.tokens} tokens: top-1 agreement {r.top1:.2%}; perplexity {r.ppl_ref:.3f} -> "
+          f"{r.ppl_fp8:.3f} ({r.ppl_fp8 / r.ppl_ref - 1:+.2%})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""GPU: FP8 linear layers. torch._scaled_mm (rows > 8, W8A8 per-channel) against the float32
+reference path; decode rows (dequantized weight through the skinny kernels); both inside a
+captured graph; and a whole FP8 checkpoint's logits on the GPU against the CPU's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raygraph.config import ModelConfig
+from raygraph.graph.inputs import prepare_batch
+from raygraph.model import ops
+from raygraph.model.context import forward_context
+from raygraph.model.loader import build_model
+from raygraph.model.parallel import Comm
+from raygraph.model.quant import Fp8Weight, activations_as_quantized, quantize
+from raygraph.protocol import SeqChunk, StepPlan
+from tests.fp8_checkpoints import FORMATS, write_fp8
+
+pytestmark = pytest.mark.gpu
+E4M3_U = 2.0**-4  # e4m3's unit roundoff
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
+def weight(n: int, k: int, activations: str, x_amax: float = 4.0) -> Fp8Weight:
+    w = torch.randn(n, k, device="cuda")
+    data, scale = quantize(w, k)
+    s = torch.tensor([x_amax / 448], device="cuda")
+    return Fp8Weight(data, scale, k, activations, s if activations == "static" else None)
+
+
+def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU path's math in float32: x quantized as the GEMM sees it, times dequantized W."""
+    x32 = x.float()
+    return F.linear(activations_as_quantized(x32, w), w.dequantize(torch.float32),
+                    None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("n, k", [(256, 512), (768, 256)])
+def test_scaled_mm_matches_the_reference_path(activations, rows, n, k) -> None:
+    torch.manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w, bias = weight(n, k, activations), torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    got = ops.fp8_gemm(x, w, bias)
+    assert got is not None and got.dtype == torch.bfloat16  # _scaled_mm took it
+    want = reference(x, w, bias)
+    # float32 accumulation in both; the output rounded to bf16 once (+ the bias add)
+    torch.testing.assert_close(got.float(), want, rtol=2 * BF16_EPS,
+                               atol=2 * BF16_EPS * want.abs().max().item())
+
+
+@pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
+def test_decode_rows_take_the_dequantized_weight(activations) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    w = weight(512, 256, activations)
+    assert ops.fp8_gemm(x, w) is None  # 8 rows or fewer: the skinny kernels
+    want = reference(x, w)
+    got = ops.linear(x, w)
+    # the dequantized weight and the fake-quantized x are rounded to bf16 first
+    torch.testing.assert_close(got.float(), want, rtol=0,
+                               atol=8 * BF16_EPS * want.abs().max().item())
+    gate, up = want.chunk(2, dim=-1)
+    both = ops.linear_silu_and_mul(x, w)
+    torch.testing.assert_close(both.float(), F.silu(gate) * up, rtol=0,
+                               atol=8 * BF16_EPS * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [4, 32])
+def test_fp8_linears_capture_and_replay(rows) -> None:
+    """No host sync on either path: replay gives the eager result bitwise."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    w = weight(512, 256, "dynamic")
+    eager = ops.linear(x, w)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.linear(x, w)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def prefill_logits(model: torch.nn.Module, prompt: list[int], device: torch.device
+                   ) -> torch.Tensor:
+    cfg, block = model.config, 16
+    blocks = -(-len(prompt) // block)
+    dtype = next(model.parameters()).dtype if device.type == "cpu" else torch.bfloat16
+    for layer in model.attention_layers():
+        shape = (blocks + 1, block, cfg.num_kv_heads, cfg.head_dim)
+        layer.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        layer.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+    batch = prepare_batch(StepPlan(0, [SeqChunk(0, prompt, 0, list(range(blocks)), False)]),
+                          block, device)
+    with torch.no_grad(), forward_context(batch.ctx):
+        return model.compute_logits(model(batch.input_ids, batch.positions)).float().cpu()
+
+
+@pytest.mark.parametrize("name", ["ct-channel-dynamic", "ct-tensor-static", "fp8-block",
+                                  "ct-channel-w8a16"])
+def test_fp8_checkpoint_logits_on_gpu_match_the_cpu(gpu_llama: Path, tmp_path: Path,
+                                                    name: str) -> None:
+    """The same FP8 model in bf16 on the GPU (_scaled_mm where it applies) and in float32 on
+    the CPU: its activations round to e4m3 from bf16 or from float32 values, so a few land
+    a step apart: within e4m3's precision, as the CPU tests hold W8A8 to its reference."""
+    write_fp8(gpu_llama, tmp_path / "q", tmp_path / "ref", FORMATS[name])
+    cfg = ModelConfig.from_pretrained(str(tmp_path / "q"))
+    prompt = list(range(5, 45))
+    cpu = prefill_logits(build_model(cfg, Comm(), torch.float32, torch.device("cpu")), prompt,
+                         torch.device("cpu"))
+    gpu = prefill_logits(build_model(cfg, Comm(), torch.bfloat16, torch.device("cuda")),
+                         prompt, torch.device("cuda"))
+    err = gpu - cpu
+    assert err.pow(2).mean().sqrt() <= E4M3_U * cpu.pow(2).mean().sqrt()
+    assert err.abs().max() <= 2 * E4M3_U * cpu.abs().max()
