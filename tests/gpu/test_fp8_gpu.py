@@ -67,8 +67,9 @@ def test_decode_rows_take_the_dequantized_weight(activations) -> None:
                                atol=8 * BF16_EPS * want.abs().max().item())
     gate, up = want.chunk(2, dim=-1)
     both = ops.linear_silu_and_mul(x, w)
-    torch.testing.assert_close(both.float(), F.silu(gate) * up, rtol=0,
-                               atol=8 * BF16_EPS * want.abs().max().item())
+    product = F.silu(gate) * up  # its error scales with its own magnitude, not gate's
+    torch.testing.assert_close(both.float(), product, rtol=0,
+                               atol=8 * BF16_EPS * product.abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [4, 32])
