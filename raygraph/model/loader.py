@@ -295,7 +295,7 @@ def _copy_in(model: nn.Module, params: dict[str, nn.Parameter], slot: _Slot,
     param, (owner_name, leaf) = params[slot.name], slot.name.rsplit(".", 1)
     owner = model.get_submodule(owner_name)
     if leaf == "input_scale":  # fused parts: the largest
-        param.data.copy_(torch.maximum(param.data, full.float().reshape(1)))
+        param.data.copy_(torch.maximum(param.data, full.float().reshape(1).to(param.device)))
         return
     if leaf in QUANT_SCALARS:
         param.data.copy_(full.reshape(1))
