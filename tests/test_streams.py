@@ -251,8 +251,8 @@ class ScriptedEngine:
 
 class ScriptedCoordinator:
     def __init__(self, engines: list[ScriptedEngine]) -> None:
-        states = [ReplicaState(e._actor_id, e, "serving") for e in engines]
-        self.replica_states = Method(lambda: asyncio.sleep(0, states))
+        self.states = [ReplicaState(e._actor_id, e, "serving") for e in engines]
+        self.replica_states = Method(lambda: asyncio.sleep(0, list(self.states)))
 
 
 def test_a_stream_lost_before_its_first_token_is_opened_again_on_another_replica():
@@ -278,5 +278,34 @@ def test_a_stream_lost_before_its_first_token_is_opened_again_on_another_replica
         engines[1].send(started, [9], "length")
         assert (await streams.next(started)).token_ids == [9]
         assert streams.unsent == {} and streams.alias == {} and streams.router.load == [0, 0]
+
+    asyncio.run(run())
+
+
+def test_a_replica_the_coordinator_reports_lost_ends_its_streams_with_the_channel_open():
+    """A node lost without a word leaves its channels open until TCP notices; the streams
+    on it end (or move, before a token) as soon as the coordinator says the engine is gone."""
+    async def run() -> None:
+        engines = [ScriptedEngine(0), ScriptedEngine(1)]
+        coord = ScriptedCoordinator(engines)
+        streams = ReplicaStreams(coord, ReplicaConfig(replicas=2, routing="round-robin"),
+                                 block_size=4, spill_at=8)
+        params = SamplingParams(max_tokens=2)
+        started = await streams.open([1], params)
+        quiet = await streams.open([2], params)
+        spoken = await streams.open([3], params)
+        assert [replica_of(r) for r in (started, quiet, spoken)] == [0, 1, 0]
+        engines[0].send(started, [7])
+        assert (await streams.next(started)).token_ids == [7]
+        coord.states[0] = ReplicaState(0, None, "failed", "its node died")
+        await streams._ask()  # the periodic refresh; nothing came over replica 0's channel
+        with pytest.raises(WorkerFailure, match="its node died"):
+            await asyncio.wait_for(streams.next(started), 5)  # not left hanging
+        nxt = asyncio.ensure_future(streams.next(spoken))  # no token yet: opened again
+        await until(lambda: len(engines[1].opened) == 2)
+        engines[1].send(engines[1].opened[-1], [4], "length")
+        assert (await nxt).token_ids == [4]
+        engines[1].send(quiet, [5], "length")  # the other replica's streams are untouched
+        assert (await streams.next(quiet)).token_ids == [5]
 
     asyncio.run(run())
