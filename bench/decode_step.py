@@ -3,10 +3,16 @@ generate, on one GPU, in one run, against the HBM floor measured in the same run
 first, in a child process (its compiled CUDA-graph trees stay out of raygraph's process).
 
     python -m bench.decode_step [--preset llama-1b] [--batches 1 8 32 128] [--contexts 128 1024]
-                                [--load-format dummy]
+                                [--load-format dummy] [--quantization fp8]
 
 With --load-format dummy only the preset's config.json is written and the weights are drawn
-on the GPU; HF is not timed then (it has no weights to load).
+on the GPU; HF is not timed then (it has no weights to load). --quantization fp8 quantizes the
+linear layers to FP8 e4m3 at load (one scale per output row, activations per token; HF is not
+timed: it would run bf16). FP8 against bf16 is two runs, the same but for that flag.
+
+The floor is the bytes a decode step reads over the copy bandwidth: every parameter (FP8
+weights at a byte an element, their float32 scales, the bf16 norms, lm_head) except an
+untied embedding table, of which a step reads only its tokens' rows; plus the KV cache.
 Prints one JSON line per (batch, context) and a markdown table.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -38,6 +45,25 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
         b.copy_(a)
     torch.cuda.synchronize()
     return 10 * nbytes / (time.perf_counter() - t0)
+
+
+def weight_read_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the parameters a decode step reads, by kind: FP8 weights, their scales, the
+    rest (bf16); an untied embedding table is left out (a step reads its tokens' rows)."""
+    heads = {id(m.weight) for name, m in model.named_modules() if name.endswith("lm_head")}
+    tables = {id(m.weight) for name, m in model.named_modules() if name.endswith("embed_tokens")}
+    out = {"fp8": 0, "scales": 0, "other": 0, "embedding_unread": 0}
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if id(p) in tables and id(p) not in heads:
+            out["embedding_unread"] += nbytes
+        elif p.dtype == torch.float8_e4m3fn:
+            out["fp8"] += nbytes
+        elif name.endswith(("weight_scale", "input_scale")):
+            out["scales"] += nbytes
+        else:
+            out["other"] += nbytes
+    return out
 
 
 def decode_plan(batch: int, context: int, block_size: int, step: int) -> StepPlan:
@@ -84,10 +110,12 @@ def median_replay_s(graph: torch.cuda.CUDAGraph, iters: int) -> float:
 
 
 def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
-                pool: str = "vmm", load_format: str = "auto") -> Worker:
+                pool: str = "vmm", load_format: str = "auto",
+                quantization: str = "auto") -> Worker:
     blocks = max_batch * -(-(max_ctx + 1) // bs)
     cfg = ServeConfig(
         model=model, device="cuda", dtype="bfloat16", load_format=load_format,
+        quantization=quantization,
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max_ctx + 64),
@@ -152,14 +180,19 @@ def main() -> None:
                    help="graph memory pool (GraphConfig.pool)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: config.json only, weights drawn on the GPU (no HF timing)")
+    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                   help="fp8: linear layers quantized to FP8 e4m3 at load (no HF timing)")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.decode_step times decode steps on a CUDA GPU: none is visible")
     bs = 16
     model = bench_model(a.preset, a.load_format)
     bw = copy_bandwidth()
-    print(json.dumps({"torch": torch.__version__, "graph_pool": a.pool}))
+    print(json.dumps({"torch": torch.__version__, "graph_pool": a.pool,
+                      "quantization": a.quantization}))
     max_b, max_c = max(a.batches), max(a.contexts)
     hf_cases = [(b, c) for c in a.contexts if c in a.hf_contexts for b in a.batches
-                if a.load_format == "auto"]
+                if a.load_format == "auto" and a.quantization == "auto"]
     hf = {}
     if hf_cases:  # first, alone on the GPU, in a child process of this run
         import multiprocessing
@@ -170,14 +203,18 @@ def main() -> None:
     workers = {}
     for mode in ("eager", "graph"):
         t0 = time.perf_counter()
-        workers[mode] = make_worker(model, mode, max_b, max_c, bs, a.pool, a.load_format)
+        workers[mode] = make_worker(model, mode, max_b, max_c, bs, a.pool, a.load_format,
+                                    a.quantization)
         cap = workers[mode].capture_all()
         if mode == "graph":
             print(json.dumps({"capture_s": round(time.perf_counter() - t0, 2),
                               "buckets": len(cap),
                               "capture_sum_s": round(sum(c.seconds for c in cap), 2)}))
     w = workers["graph"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in w.model.parameters())
+    read = weight_read_bytes(w.model)
+    weight_bytes = read["fp8"] + read["scales"] + read["other"]
+    print(json.dumps({"weights_read_gb": round(weight_bytes / 1e9, 3)}
+                     | {f"{k}_gb": round(v / 1e9, 3) for k, v in read.items()}))
     kv_token_bytes = w.kv_bytes_per_block() // bs
     for c in a.contexts:
         for b in a.batches:
@@ -194,7 +231,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nHBM copy bandwidth (read+write): {bw / 1e9:.0f} GB/s; "
-          f"weights {weight_bytes / 1e9:.2f} GB")
+          f"weights read a step {weight_bytes / 1e9:.2f} GB ({a.quantization})")
     print("| batch | context | eager ms | graph ms | replay only ms | HF static ms | floor ms "
           "| graph/eager |")
     print("|---|---|---|---|---|---|---|---|")

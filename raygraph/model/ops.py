@@ -16,8 +16,8 @@ from raygraph.model.quant import FP8, Fp8Weight, activations_as_quantized, quant
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 # a linear layer's weight: [out, in] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
-# FP8 GEMMs of more rows than this go to torch._scaled_mm on a GPU; fewer (decode) read the
-# dequantized weight through the skinny kernels
+# FP8 GEMMs of more rows than this go to torch._scaled_mm on a GPU; fewer (decode) stream the
+# FP8 weight through the skinny kernels
 SCALED_MM_MIN_ROWS = 9
 
 
@@ -28,8 +28,9 @@ def kernels(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Decode-sized GEMMs on a GPU go to the Triton skinny kernels (M <= 8 rows)."""
+def _skinny(x: torch.Tensor, weight: Weight) -> bool:
+    """Decode-sized GEMMs on a GPU go to the Triton skinny kernels (M <= 8 rows); an FP8
+    weight's read as its e4m3 bytes and scales."""
     if not kernels(x) or x.dim() != 2:
         return False
     from raygraph.model.triton_gemv import supports
@@ -65,7 +66,8 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
 def dense_operands(x: torch.Tensor, weight: Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, W) for the GEMMs of plain weights: an FP8 weight dequantized to x's dtype, and x
     quantized and dequantized as the FP8 GEMM would see it. The reference path (CPU) and
-    the GPU's for what _scaled_mm does not take (decode rows, blocks, weight-only)."""
+    the GPU's for what neither _scaled_mm nor the skinny kernels take (blocks or
+    weight-only past 8 rows)."""
     if not isinstance(weight, Fp8Weight):
         return x, weight
     assert weight.data.dtype == FP8
@@ -78,8 +80,11 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         y = fp8_gemm(x, weight, bias)
         if y is not None:
             return y
+    skinny = _skinny(x, weight)
+    if not skinny:  # an FP8 weight the skinny kernels do not take may take theirs dequantized
         x, weight = dense_operands(x, weight)
-    if _skinny(x, weight):
+        skinny = _skinny(x, weight)
+    if skinny:
         from raygraph.model.triton_gemv import gemv
 
         return gemv(x, weight, bias)
@@ -92,8 +97,11 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         y = fp8_gemm(x, weight)
         if y is not None:
             return silu_and_mul(y)
+    fused = (weight.shape[0] // 2) % 16 == 0 and _skinny(x, weight)  # tiles of 16+ columns
+    if not fused:
         x, weight = dense_operands(x, weight)
-    if _skinny(x, weight) and (weight.shape[0] // 2) % 16 == 0:  # tiles of 16+ columns
+        fused = (weight.shape[0] // 2) % 16 == 0 and _skinny(x, weight)
+    if fused:
         from raygraph.model.triton_gemv import gemv_silu_mul
 
         return gemv_silu_mul(x, weight)
@@ -110,10 +118,12 @@ def linear_rotary(
     t = x.shape[0]
     sizes = [num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim]
     qkv = fp8_gemm(x, weight, bias) if isinstance(weight, Fp8Weight) else None
-    if qkv is None:
-        x, weight = dense_operands(x, weight)
     # the fused kernel's tiles hold whole rotation pairs
-    if qkv is None and _skinny(x, weight) and head_dim % 16 == 0:
+    fused = qkv is None and head_dim % 16 == 0 and _skinny(x, weight)
+    if qkv is None and not fused:
+        x, weight = dense_operands(x, weight)
+        fused = head_dim % 16 == 0 and _skinny(x, weight)
+    if fused:
         from raygraph.model.triton_gemv import gemv_rotary
 
         qkv = gemv_rotary(x, weight, bias, positions, cos_table, sin_table, head_dim,

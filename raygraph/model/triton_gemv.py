@@ -17,6 +17,13 @@ One token (M = 1, batch-1 decode) takes a second kernel with the same epilogues:
 tensor-core tile to fill, so each program reduces 2-4 columns with FMAs and there are
 several programs per SM. More weight bytes are in flight, and the small GEMMs stream
 faster (bench/RESULTS.md, third decode pass).
+
+FP8 weights (`Fp8Weight`) stream as their e4m3 bytes: the kernels widen each tile in
+registers and apply the float32 scales, one a row (at the end) or one a row and GROUP input
+columns (per tile), so a step reads half a bf16 weight's bytes plus the scales. Activations
+are rounded to e4m3 and back as the FP8 GEMM sees them (`quant.activations_as_quantized`):
+by the static input scale, or per token (per token and group) from its amax, which a
+program finds in a pass over x before streaming the weight (x is at most 8 x K).
 """
 
 from __future__ import annotations
@@ -27,10 +34,21 @@ import torch
 import triton
 import triton.language as tl
 
+from raygraph.model.quant import FP8, FP8_MAX, MIN_SCALE, Fp8Weight
+
+# a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
+Weight = torch.Tensor | Fp8Weight
+
 MAX_M = 8  # tokens; above this cuBLAS is the better tool
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
+# activations of an FP8 weight: as they are, rounded to e4m3 per token (and group), or by the
+# static input scale
+X_AS_IS, X_DYNAMIC, X_STATIC = 0, 1, 2
+X_MODES = {"none": X_AS_IS, "dynamic": X_DYNAMIC, "static": X_STATIC}
+E4M3_MAX = tl.constexpr(FP8_MAX)
+SCALE_MIN = tl.constexpr(MIN_SCALE)
 
 
 class GemvConfig(NamedTuple):
@@ -49,6 +67,36 @@ def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _act_scale(amax):
+    """A token's (group's) e4m3 scale from its largest magnitude, as quant.quantize takes it."""
+    return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32)),
+                      SCALE_MIN)
+
+
+@triton.jit
+def _as_quantized(x, scale):
+    """x rounded to e4m3 at `scale` (broadcast against x) and back, in x's dtype: the values
+    the FP8 GEMM multiplies (quant.activations_as_quantized). x times 1 / scale: one division
+    a scale, not an element (x / scale may differ in its last bit, a different e4m3 value
+    only for an x within that bit of a rounding boundary)."""
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = tl.clamp(x.to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX)
+    return (q.to(tl.float8e4nv).to(tl.float32) * scale).to(x.dtype)
+
+
+@triton.jit
+def _row_amax(x_ptr, rm, mmask, stride_xm, K: tl.constexpr, BK: tl.constexpr):
+    """[BM] each token's largest magnitude over its K columns (padding rows: 0)."""
+    rk = tl.arange(0, BK)
+    amax = tl.zeros([rm.shape[0]], tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k0 + rk[None, :], mask=mmask[:, None],
+                    other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return amax
+
+
+@triton.jit
 def _silu_mul(gate, up):
     """SwiGLU rounded as the unfused ops round: gate and up already in the output dtype."""
     g = gate.to(tl.float32)
@@ -57,12 +105,16 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
-    M, stride_xm, stride_wn, stride_om, stride_c,
+    x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    M, stride_xm, stride_wn, stride_ws, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+    XQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
+    weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
+    added. XQ: how x is rounded to e4m3 first (X_AS_IS, X_DYNAMIC, X_STATIC)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
@@ -79,15 +131,36 @@ def _gemv_kernel(
     rk = tl.arange(0, BK)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    s_rows = ws_ptr + rows.to(tl.int64) * stride_ws
+    if XQ == 1 and GROUP == K:  # one scale a token
+        x_scale = _act_scale(_row_amax(x_ptr, rm, mmask, stride_xm, K, BK))[:, None]
+    elif XQ == 2:
+        x_scale = tl.load(xs_ptr)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+        if XQ == 1 and GROUP < K:  # this tile is the token's group
+            x_scale = _act_scale(tl.max(tl.abs(x.to(tl.float32)), axis=1))[:, None]
+        if XQ != 0:
+            x = _as_quantized(x, x_scale)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if FP8 and GROUP < K:
+            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
         if EPILOGUE == 1:  # up row n + N next to gate row n
-            w_up = tl.load(w_rows + N * stride_wn + k0)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+            w_up = tl.load(w_rows + N * stride_wn + k0).to(x.dtype)
+            if FP8 and GROUP < K:
+                s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP)
+                acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION) * s_up[None, :]
+            else:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    if FP8 and GROUP == K:
+        acc *= tl.load(s_rows, mask=nmask, other=0.0)[None, :]
+        if EPILOGUE == 1:
+            acc_up *= tl.load(s_rows + N * stride_ws)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -113,15 +186,30 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
+                  K: tl.constexpr, BK: tl.constexpr):
+    """[rows, BK] the row kernel's products of x [1, BK] (float32) and a weight tile; a
+    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups)."""
+    p = w.to(tl.float32) * x
+    if FP8 and GROUP < K:
+        groups: tl.constexpr = BK // GROUP
+        s = tl.load(ws_rows[:, None] + k0 // GROUP + tl.arange(0, groups)[None, :])
+        p = tl.reshape(tl.reshape(p, (p.shape[0], groups, GROUP)) * s[:, :, None], p.shape)
+    return p
+
+
+@triton.jit
 def _gemv1_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn, stride_c,
-    N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
+    stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, XQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
     weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
-    row sets: gate and up rows, or dims d and d + D/2 of a head."""
+    row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
+    a grouped weight's tile holds BK / GROUP groups."""
     pid = tl.program_id(0)
     if EPILOGUE == 2:
         rows = _pair_base(pid, BN // 2, HEAD_DIM) + tl.arange(0, BN // 2)
@@ -133,17 +221,36 @@ def _gemv1_kernel(
     rk = tl.arange(0, BK)
     w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    # FP8 scale rows (a masked-off row reads row 0's)
+    s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
+    s_b = ws_ptr + partner.to(tl.int64) * stride_ws
+    if XQ == 1 and GROUP == K:
+        x_scale = _act_scale(tl.max(_row_amax(x_ptr, tl.arange(0, 1), tl.arange(0, 1) < 1, 0,
+                                              K, BK)))
+    elif XQ == 2:
+        x_scale = tl.load(xs_ptr)
     acc = tl.zeros([rows.shape[0], BK], tl.float32)
     acc_b = tl.zeros([rows.shape[0], BK], tl.float32)
     for k0 in range(0, K, BK):
-        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + k0 + rk)
+        if XQ == 1 and GROUP < K:  # per group of the tile's BK / GROUP
+            xg = tl.reshape(x, (BK // GROUP, GROUP))
+            xg = _as_quantized(xg, _act_scale(tl.max(tl.abs(xg.to(tl.float32)), axis=1))[:, None])
+            x = tl.reshape(xg, (BK,))
+        elif XQ != 0:
+            x = _as_quantized(x, x_scale)
+        x = x.to(tl.float32)[None, :]
         w = tl.load(w_a + k0, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x
+        acc += _row_products(x, w, s_a, k0, FP8, GROUP, K, BK)
         if EPILOGUE != 0:
             wb = tl.load(w_b + k0, eviction_policy="evict_first")
-            acc_b += wb.to(tl.float32) * x
+            acc_b += _row_products(x, wb, s_b, k0, FP8, GROUP, K, BK)
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
+    if FP8 and GROUP == K:
+        y *= tl.load(s_a)
+        if EPILOGUE != 0:
+            y_b *= tl.load(s_b)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
         if EPILOGUE == 2:
@@ -198,38 +305,82 @@ def rotary_config(n: int, k: int, head_dim: int) -> GemvConfig:
     return GemvConfig(16, 256 if k % 256 == 0 else 128, 4, 4)
 
 
-def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, w: Weight) -> bool:
     """Shapes and dtypes the skinny path takes; everything else goes to cuBLAS."""
+    if isinstance(w, Fp8Weight):
+        return _supports_fp8(x, w)
     return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype == x.dtype and x.stride(1) == 1 and w.stride(1) == 1
             and w.shape[1] % 128 == 0)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+def _supports_fp8(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """An FP8 weight's: e4m3 rows, float32 scales one a row or one a row and a power-of-two
+    group of 16+ columns (a tile is one group, or whole groups), a static scale if asked."""
+    k, groups = w.shape[1], w.scale.shape[1]
+    group_ok = groups == 1 or (w.group >= 16 and w.group & (w.group - 1) == 0
+                               and k % w.group == 0 and w.scale.stride(1) == 1)
+    return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1 and w.data.dtype == FP8 and w.data.stride(1) == 1
+            and k % 128 == 0 and w.scale.dtype == torch.float32 and group_ok
+            and (w.activations != "static" or w.input_scale is not None))
+
+
+class _Operands(NamedTuple):
+    """A weight as the kernels take it: its rows, scales, columns per scale, x's rounding."""
+
+    data: torch.Tensor  # [N, K] in x's dtype, or e4m3
+    scales: torch.Tensor  # [N, K / group] float32 (FP8), else any tensor (not read)
+    x_scale: torch.Tensor  # [1] float32 (X_STATIC), else any tensor (not read)
+    fp8: bool
+    group: int  # K: one scale a row
+    x_mode: int
+
+
+def _operands(w: Weight) -> _Operands:
+    if not isinstance(w, Fp8Weight):
+        return _Operands(w, w, w, False, w.shape[1], X_AS_IS)
+    k = w.shape[1]
+    group = k if w.scale.shape[1] == 1 else w.group
+    x_mode = X_MODES[w.activations]
+    x_scale = w.input_scale if x_mode == X_STATIC else w.scale
+    return _Operands(w.data, w.scale, x_scale, True, group, x_mode)
+
+
+def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
+    """A grouped FP8 weight's tiles: one group (the tensor-core kernel scales each tile's
+    product) or whole groups (the row kernel)."""
+    if not ops.fp8 or ops.group == ops.data.shape[1]:
+        return block_k
+    return max(block_k, ops.group) if rows == 1 else ops.group
+
+
+def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Tensor,
             n: int, epilogue: int, programs: int, cfg: GemvConfig, rope=None,
             head_dim: int = 0, rot_rows: int = 0) -> torch.Tensor:
     pos, cos, sin = rope if rope is not None else (out, out, out)
+    o = _operands(w)
+    k = o.data.shape[1]
+    fixed = dict(N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
+                 ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, XQ=o.x_mode, BN=cfg.block_n,
+                 BK=_block_k(cfg.block_k, o, x.shape[0]), num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
+    b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:
         _gemv1_kernel[(programs,)](
-            x, w, bias if bias is not None else w, out, pos, cos, sin, w.stride(0),
-            cos.stride(0), N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
-            HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BN=cfg.block_n, BK=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            x, o.data, o.scales, o.x_scale, b, out, pos, cos, sin, o.data.stride(0),
+            o.scales.stride(0), cos.stride(0), **fixed)
         return out
     _gemv_kernel[(programs,)](
-        x, w, bias if bias is not None else w, out, pos, cos, sin,
-        x.shape[0], x.stride(0), w.stride(0), out.stride(0), cos.stride(0),
-        N=n, K=w.shape[1], EPILOGUE=epilogue, HAS_BIAS=bias is not None,
-        HEAD_DIM=head_dim, ROT_ROWS=rot_rows, BM=BM, BN=cfg.block_n, BK=cfg.block_k,
+        x, o.data, o.scales, o.x_scale, b, out, pos, cos, sin,
+        x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
+        cos.stride(0), BM=BM,
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
     return out
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M."""
     n = w.shape[0]
@@ -238,8 +389,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
 
-def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor,
-                  cfg: GemvConfig | None = None) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
     n = w.shape[0] // 2
     cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
@@ -250,7 +400,7 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor,
     return _launch(x, w, None, out, n, SILU_MUL, n // cfg.block_n, cfg)
 
 
-def gemv_rotary(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 head_dim: int, rot_heads: int, cfg: GemvConfig | None = None) -> torch.Tensor:
     """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""

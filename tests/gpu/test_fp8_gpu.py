@@ -1,6 +1,7 @@
 """GPU: FP8 linear layers. torch._scaled_mm (rows > 8, W8A8 per-channel) against the float32
-reference path; decode rows (dequantized weight through the skinny kernels); both inside a
-captured graph; and a whole FP8 checkpoint's logits on the GPU against the CPU's."""
+reference path; decode rows (the FP8 weight streamed by the skinny kernels, never
+dequantized); both inside a captured graph; and a whole FP8 checkpoint's logits on the GPU
+against the CPU's."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ E4M3_U = 2.0**-4  # e4m3's unit roundoff
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
-def weight(n: int, k: int, activations: str, x_amax: float = 4.0) -> Fp8Weight:
+def weight(n: int, k: int, activations: str, x_amax: float = 4.0, group: int = 0
+           ) -> Fp8Weight:
+    """Random rows quantized per row (group 0) or per row and `group` columns."""
     w = torch.randn(n, k, device="cuda")
-    data, scale = quantize(w, k)
+    group = group or k
+    data, scale = quantize(w, group)
     s = torch.tensor([x_amax / 448], device="cuda")
-    return Fp8Weight(data, scale, k, activations, s if activations == "static" else None)
+    return Fp8Weight(data, scale, group, activations, s if activations == "static" else None)
 
 
 def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,25 +58,48 @@ def test_scaled_mm_matches_the_reference_path(activations, rows, n, k) -> None:
                                atol=2 * BF16_EPS * want.abs().max().item())
 
 
+@pytest.mark.parametrize("group", [0, 128])
+@pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
-def test_decode_rows_take_the_dequantized_weight(activations) -> None:
-    torch.manual_seed(1)
-    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
-    w = weight(512, 256, activations)
-    assert ops.fp8_gemm(x, w) is None  # 8 rows or fewer: the skinny kernels
+def test_decode_rows_read_the_fp8_weight(monkeypatch, activations, rows, group) -> None:
+    """8 rows or fewer: the skinny kernels stream the e4m3 weight and its scales (no bf16
+    copy is made), for plain, gate|up and q|k|v (rotary) layers."""
+    from raygraph.model import triton_gemv
+
+    torch.manual_seed(rows + group)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    w = weight(512, 256, activations, group=group)
+    assert ops.fp8_gemm(x, w) is None and triton_gemv.supports(x, w)
     want = reference(x, w)
+    cos, sin = torch.randn(2, 64, 32)
+    pos = torch.arange(rows) + 3
+    ref = want.cpu()  # the torch rotary on CPU
+    q_ref, k_ref = ops.rotary(ref[:, :384].reshape(rows, 6, 64),
+                              ref[:, 384:448].reshape(rows, 1, 64), cos, sin, pos)
+    cos, sin, pos = cos.cuda(), sin.cuda(), pos.cuda()
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the FP8 weight was dequantized")
+
+    monkeypatch.setattr(Fp8Weight, "dequantize", no_copy)
     got = ops.linear(x, w)
-    # the dequantized weight and the fake-quantized x are rounded to bf16 first
+    both = ops.linear_silu_and_mul(x, w)
+    q, k, v, rope = ops.linear_rotary(x, w, None, pos, cos, sin, 64, 6, 1)
+    assert rope is None
+    # x rounded to bf16 after e4m3 (the reference keeps it in float32), the output to bf16
     torch.testing.assert_close(got.float(), want, rtol=0,
                                atol=8 * BF16_EPS * want.abs().max().item())
     gate, up = want.chunk(2, dim=-1)
-    both = ops.linear_silu_and_mul(x, w)
     product = F.silu(gate) * up  # its error scales with its own magnitude, not gate's
     torch.testing.assert_close(both.float(), product, rtol=0,
                                atol=8 * BF16_EPS * product.abs().max().item())
+    qkv_ref = torch.cat([q_ref.flatten(1), k_ref.flatten(1), ref[:, 448:]], dim=1)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    torch.testing.assert_close(qkv.float().cpu(), qkv_ref, rtol=0,
+                               atol=8 * BF16_EPS * qkv_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [4, 32])
+@pytest.mark.parametrize("rows", [1, 4, 32])
 def test_fp8_linears_capture_and_replay(rows) -> None:
     """No host sync on either path: replay gives the eager result bitwise."""
     torch.manual_seed(rows)

@@ -1,0 +1,144 @@
+"""The skinny GEMMs on FP8 weights, run by Triton's interpreter on CPU tensors, against the
+reference path's math (`ops` on CPU: x rounded to e4m3 as the FP8 GEMM sees it, times the
+dequantized weight): one scale a row and one a row and 128 columns, activations as they
+are, per token and static, 1, 3 and 8 tokens, the plain, silu*mul and rotary epilogues.
+
+float16 activations: the interpreter has no bfloat16. Its float32 -> e4m3 conversion rounds
+some values a binade low (7.9 -> 4, not 8) and subnormals wrong; `exact_e4m3` gives it
+torch's round-to-nearest-even, what the GPU's cvt.rn computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raygraph.model import ops
+from raygraph.model.quant import Fp8Weight, activations_as_quantized, quantize
+from tests.test_triton_ops_interpret import rope_tables
+
+K, HQ, HK, D = 512, 2, 1, 32
+DT = torch.float16
+# against the reference: the output rounded to float16 once (or gate and up each, before
+# silu * up; or before the rotation), float32 sums in another order, x times 1 / scale
+# instead of x / scale. A row read with a wrong scale or an x rounded at another scale is
+# off by e4m3's step, 2**-4 of a term: hundreds of float16 epsilons of the output.
+ULPS = 4
+
+
+@pytest.fixture
+def exact_e4m3(interpreted, monkeypatch):
+    """The interpreter with torch's float32/float16 -> e4m3 rounding (see the docstring)."""
+    interpreted("triton_gemv")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    convert = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
+            return convert(self, src, dst_type, rounding_mode)
+        q = torch.from_numpy(src.data.astype(np.float32)).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(q.view(torch.uint8).numpy(), dst_type.scalar)
+
+    monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+    return interpreted("triton_gemv")
+
+
+def fp8_weight(n: int, group: int, activations: str, seed: int) -> Fp8Weight:
+    """Random rows, quantized per row (group = K) or per row and `group` columns; rows whose
+    magnitudes differ by 100x, so a scale read from the wrong row or group shows."""
+    torch.manual_seed(seed)
+    w = torch.randn(n, K) / K**0.5 * torch.logspace(-1, 1, n).view(-1, 1)[torch.randperm(n)]
+    data, scale = quantize(w, group)
+    x_scale = torch.tensor([3.0 / 448]) if activations == "static" else None  # clips a few
+    return Fp8Weight(data, scale, group, activations, x_scale)
+
+
+def tokens(m: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return (torch.randn(m, K) * torch.logspace(-1, 0.5, m).view(-1, 1)).to(DT)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, unquantized: torch.Tensor | None) -> None:
+    """got within ULPS float16 steps of want's magnitude; and, where x is rounded to e4m3,
+    several times further from the product of x as it is (the rounding is not skipped)."""
+    eps = torch.finfo(DT).eps
+    torch.testing.assert_close(got.float(), want, rtol=ULPS * eps,
+                               atol=ULPS * eps * want.abs().max().item())
+    if unquantized is not None:
+        off = (got.float() - want).abs().max()
+        assert (got.float() - unquantized).abs().max() > 4 * off
+
+
+def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the reference path's product in float32, x's product unrounded if x is rounded)."""
+    w32, b32 = w.dequantize(torch.float32), None if bias is None else bias.float()
+    want = F.linear(activations_as_quantized(x, w).float(), w32, b32)
+    return want, None if w.activations == "none" else F.linear(x.float(), w32, b32)
+
+
+def row_cfg(gemv, m: int):
+    """M = 1: tiles of 256 columns (two groups, two tiles over K); else the defaults."""
+    return gemv.GemvConfig(4, 256, 4, 1) if m == 1 else None
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
+@pytest.mark.parametrize("group", [K, 128])
+def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m):
+    gemv = exact_e4m3
+    seed = m + group + len(activations)
+    x = tokens(m, seed)
+    w = fp8_weight(96, group, activations, seed)  # 96: not a multiple of the tile
+    bias = torch.randn(96).to(DT)
+    assert gemv.supports(x, w)
+    check(gemv.gemv(x, w, bias, row_cfg(gemv, m)), *reference(x, w, bias))
+
+    gu = fp8_weight(2 * 64, group, activations, seed + 1)
+    want, plain = reference(x, gu)
+    check(gemv.gemv_silu_mul(x, gu, row_cfg(gemv, m)), ops.silu_and_mul(want),
+          None if plain is None else ops.silu_and_mul(plain))
+
+    qkv = fp8_weight((HQ + 2 * HK) * D, group, activations, seed + 2)
+    cos, sin = rope_tables(D, 64, 10000.0)
+    pos = torch.arange(m) * 5 + 1
+
+    def rotated(y: torch.Tensor) -> torch.Tensor:
+        q, k, v = y.split([HQ * D, HK * D, HK * D], dim=-1)
+        q, k = ops.rotary(q.view(m, HQ, D), k.view(m, HK, D), cos, sin, pos)
+        return torch.cat([q.flatten(1), k.flatten(1), v], 1)
+
+    want, plain = reference(x, qkv)
+    got = gemv.gemv_rotary(x, qkv, None, pos, cos, sin, D, HQ + HK, row_cfg(gemv, m))
+    check(got, rotated(want), None if plain is None else rotated(plain))
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_ops_route_decode_rows_to_the_fp8_kernels(exact_e4m3, monkeypatch, m):
+    """ops.linear and its fused variants at decode rows on the kernels' device: the FP8
+    kernels above, reading the weight itself (no dequantized copy is made)."""
+    gemv = exact_e4m3
+    x = tokens(m, 5)
+    w = fp8_weight(256, 128, "dynamic", 6)
+    cos, sin = rope_tables(D, 64, 10000.0)
+    pos = torch.arange(m) + 3
+    heads = 256 // D
+    want = gemv.gemv(x, w), gemv.gemv_silu_mul(x, w)
+    want_qkv = gemv.gemv_rotary(x, w, None, pos, cos, sin, D, heads - 1).split(
+        [(heads - 2) * D, D, D], dim=-1)
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the FP8 weight was dequantized")
+
+    monkeypatch.setattr(Fp8Weight, "dequantize", no_copy)
+    monkeypatch.setattr(ops, "kernels", lambda t: True)
+    assert torch.equal(ops.linear(x, w), want[0])
+    assert torch.equal(ops.linear_silu_and_mul(x, w), want[1])
+    q, k, v, rope = ops.linear_rotary(x, w, None, pos, cos, sin, D, heads - 2, 1)
+    assert rope is None  # rotated by the kernel
+    for got, ref in zip((q, k, v), want_qkv):
+        assert torch.equal(got.flatten(1), ref)
