@@ -47,8 +47,8 @@ def validation_error(e: RequestValidationError) -> ApiError:
         return ApiError(400, f"malformed JSON: {err.get('msg')}")
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     where = ".".join(loc)
-    return ApiError(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")),
-                    loc[0] if loc else None)
+    msg = str(err.get("msg")).removeprefix("Value error, ")  # our validators' own words
+    return ApiError(400, f"{where}: {msg}" if where else msg, loc[0] if loc else None)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, StrictBool, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationInfo, field_validator
 
 from raygraph.protocol import (
     INT32_MAX,
@@ -37,9 +37,27 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# Fields that ask for what raygraph does not do yet, with the values that ask for nothing
+# (OpenAI's defaults). Any other value is a 400 naming the field: a client asking for JSON
+# or a tool call must not get free text back as if it had been honoured.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "logit_bias": (None, {}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
 class _Sampling(BaseModel):
-    """Fields both endpoints share; unknown fields are ignored, as OpenAI's own server does
-    for fields it does not know."""
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does
+    for fields it does not know, except those asking for features not built (UNSUPPORTED)."""
 
     model: StrictStr | None = None
     max_tokens: Count | None = None
@@ -56,6 +74,18 @@ class _Sampling(BaseModel):
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT32_MAX)] | None = None  # 0, -1: off
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
+    # refused unless they ask for nothing (UNSUPPORTED)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def params(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields for the coordinator (validated there, and by `check`)."""
@@ -73,6 +103,13 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _refuse_unbuilt(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in UNSUPPORTED[info.field_name]:
+            raise ValueError("not supported by this server yet; the request was not run")
+        return value
 
 
 class CompletionRequest(_Sampling):
@@ -96,7 +133,7 @@ class UnloadLoRARequest(BaseModel):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts are read (others are ignored)."""
+    """One part of a message's content."""
 
     type: StrictStr
     text: StrictStr | None = None
@@ -105,6 +142,17 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart] | None) -> Any:
+        """Text parts only: an image or audio part is a 400, never dropped (the model would
+        answer without having seen it)."""
+        for part in content if isinstance(content, list) else []:
+            if part.type != "text":
+                raise ValueError(f"content parts of type {part.type!r} are not supported: "
+                                 "text only")
+        return content
 
     def text(self) -> dict[str, str]:
         """The message for the chat template: content parts joined into one string."""
