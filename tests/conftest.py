@@ -127,6 +127,24 @@ def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CROSS_SHAPE_ULPS = 32
 
 
+
+def prefill_logits(model: torch.nn.Module, tp: int, prompt: list[int], block: int
+                   ) -> torch.Tensor:
+    """Full-vocab logits of every prompt position, over a fresh paged cache on the CPU."""
+    from raygraph.graph.inputs import batch_from, host_inputs
+    from raygraph.model.context import forward_context
+    from raygraph.protocol import SeqChunk, StepPlan
+
+    cfg = model.config
+    blocks = -(-len(prompt) // block)
+    for layer in model.attention_layers():
+        shape = (blocks + 1, block, cfg.kv_heads_per_rank(tp), cfg.head_dim)
+        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+    plan = StepPlan(0, [SeqChunk(0, prompt, 0, list(range(blocks)), False)])
+    batch = batch_from(host_inputs(plan, block), torch.device("cpu"))
+    with torch.no_grad(), forward_context(batch.ctx):
+        return model.compute_logits(model(batch.input_ids, batch.positions))
+
 def dtype_tol(dtype: torch.dtype, scale: float = 1.0,
               ulps: int = CROSS_SHAPE_ULPS) -> tuple[float, float]:
     """(atol, rtol) for `dtype` results computed with different shapes or kernels: `ulps`

@@ -13,13 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raygraph.config import DEFAULT_MODEL, ConfigError, ModelConfig, ServeConfig, load_toml
-from raygraph.graph.inputs import batch_from, host_inputs
-from raygraph.model.context import forward_context
 from raygraph.model.loader import DUMMY_STD, build_model
 from raygraph.model.parallel import Comm
-from raygraph.protocol import SeqChunk, StepPlan
 from raygraph.serve_options import build_config
 from tests.conftest import assert_close_across_shapes, free_port, loaded_worker
+from tests.conftest import prefill_logits as shared_prefill_logits
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -40,16 +38,7 @@ def dummy_model(path: Path, comm: Comm | None = None) -> torch.nn.Module:
 
 
 def prefill_logits(model: torch.nn.Module, tp: int) -> torch.Tensor:
-    """Full-vocab logits of every prompt position, over a fresh paged cache."""
-    cfg = model.config
-    blocks = -(-len(PROMPT) // BLOCK)
-    for layer in model.attention_layers():
-        shape = (blocks + 1, BLOCK, cfg.kv_heads_per_rank(tp), cfg.head_dim)
-        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
-    plan = StepPlan(0, [SeqChunk(0, PROMPT, 0, list(range(blocks)), False)])
-    batch = batch_from(host_inputs(plan, BLOCK), CPU)
-    with torch.no_grad(), forward_context(batch.ctx):
-        return model.compute_logits(model(batch.input_ids, batch.positions))
+    return shared_prefill_logits(model, tp, PROMPT, BLOCK)
 
 
 def test_dummy_weights_are_finite_deterministic_and_scaled(config_only: Path) -> None:

@@ -26,14 +26,12 @@ from raygraph.config import (
     ServeConfig,
 )
 from raygraph.engine.sequence import Sequence
-from raygraph.graph.inputs import batch_from, host_inputs
 from raygraph.model import ops
 from raygraph.model.checkpoint import CheckpointError
-from raygraph.model.context import forward_context
 from raygraph.model.loader import build_model, check_checkpoint
 from raygraph.model.parallel import Comm
 from raygraph.model.quant import FP8, Fp8Weight, fp8_weight
-from raygraph.protocol import SamplingParams, SeqChunk, StepPlan
+from raygraph.protocol import SamplingParams
 from tests.conftest import (
     assert_close_across_shapes,
     free_port,
@@ -41,6 +39,7 @@ from tests.conftest import (
     make_checkpoint,
     serve_in_process,
 )
+from tests.conftest import prefill_logits as shared_prefill_logits
 from tests.fp8_checkpoints import FORMATS, Fp8Format, write_fp8
 from tests.test_cli import one_error_line, raygraph
 
@@ -54,16 +53,7 @@ BLOCK = 4
 
 
 def prefill_logits(model: torch.nn.Module, tp: int, prompt: list[int] = PROMPT) -> torch.Tensor:
-    """Full-vocab logits of every prompt position, over a fresh paged cache."""
-    cfg = model.config
-    blocks = -(-len(prompt) // BLOCK)
-    for layer in model.attention_layers():
-        shape = (blocks + 1, BLOCK, cfg.kv_heads_per_rank(tp), cfg.head_dim)
-        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
-    plan = StepPlan(0, [SeqChunk(0, prompt, 0, list(range(blocks)), False)])
-    batch = batch_from(host_inputs(plan, BLOCK), CPU)
-    with torch.no_grad(), forward_context(batch.ctx):
-        return model.compute_logits(model(batch.input_ids, batch.positions))
+    return shared_prefill_logits(model, tp, prompt, BLOCK)
 
 
 @pytest.fixture(scope="module")
