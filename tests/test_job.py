@@ -41,6 +41,9 @@ def ray_head(request, tmp_path):
         assert (home / ".ray" / "auth_token").is_file()
     port, dash = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rg", dir="/tmp")  # Ray's socket paths must stay short
+    # on SIGTERM a `ray start --block` head drains its node first (up to 30 s by default): the
+    # teardown stops it at once
+    head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
          "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3", "--block",
@@ -49,7 +52,7 @@ def ray_head(request, tmp_path):
              "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
              "runtime-env-agent-port", "ray-client-server-port")),
          f"--temp-dir={temp_dir}"],
-        env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=head_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )
     try:
@@ -86,13 +89,16 @@ def submit_job(ray_head: dict) -> subprocess.CompletedProcess:
 
 def test_job_submit_then_clients_by_address(ray_head):
     env, gcs = ray_head["env"], ray_head["gcs"]
-    if ray_head["auth"]:  # the head really requires the token: a client without it fails
-        anon = run(sys.executable, "-c", f"import ray; ray.init(address={gcs!r})",
-                   env={**env, "RAY_AUTH_MODE": "disabled"}, timeout=120)
-        assert anon.returncode != 0
     submit = submit_job(ray_head)
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
     assert "serving" in submit.stdout and gcs.split(":")[1] in submit.stdout
+    if ray_head["auth"]:  # the head really requires the token: a client without it fails
+        # the head is up by now: a refusal is final, so two tries instead of Ray's 20 (~1 s
+        # apart) are enough
+        anon = run(sys.executable, "-c", f"import ray; ray.init(address={gcs!r})",
+                   env={**env, "RAY_AUTH_MODE": "disabled", "RAY_NUM_REDIS_GET_RETRIES": "2"},
+                   timeout=120)
+        assert anon.returncode != 0 and "InvalidAuthToken" in anon.stderr, anon.stderr[-2000:]
 
     client = run(sys.executable, "deploy/client.py", "--address", gcs,
                  "--max-tokens", "8", "The import statement", "A class", env=env)

@@ -205,33 +205,38 @@ def test_incremental_detokenizer_equals_full_decode():
     assert any(hit for _, hit in outs) and d.text == texts[0][: texts[0].index("café")]
 
 
+@pytest.fixture(scope="module")
+def failing(ray_session, tiny_llama):
+    """One coordinator for the fault drills below: each one's group restarts and serves."""
+    cfg = ServeConfig(model=str(tiny_llama), device="cpu", step_timeout_s=5,
+                      cache=CacheConfig(block_size=4, num_blocks=64),
+                      coordinator_name="mid-step")
+    handle = start_coordinator(cfg)
+    yield handle
+    ray_session.get(handle.shutdown.remote())
+    ray_session.kill(handle)
+
+
 @pytest.mark.parametrize("kind", ["stall", "raise"])
 def test_a_worker_failing_mid_step_fails_requests_then_the_group_restarts(ray_session,
-                                                                          tiny_llama, kind):
+                                                                          failing, kind):
     """A hang is reported within step_timeout_s, a raised step at once; the compiled step
     graph is torn down with the group and rebuilt, and requests are served again."""
     from raygraph.errors import WorkerFailure
 
-    cfg = ServeConfig(model=str(tiny_llama), device="cpu", step_timeout_s=5,
-                      cache=CacheConfig(block_size=4, num_blocks=64),
-                      coordinator_name=f"mid-step-{kind}")
-    handle = start_coordinator(cfg)
-    try:
-        ray_session.get(handle.generate.remote([[5, 6, 7]], SamplingParams(max_tokens=2)))
-        ray_session.get(handle.inject_fault.remote(0, kind, "step"))  # over the step graph
-        t0 = time.time()
-        with pytest.raises(WorkerFailure, match="did not answer within 5s" if kind == "stall"
-                           else "injected fault"):
-            ray_session.get(handle.generate.remote([[5, 6, 7]], SamplingParams(max_tokens=8)),
-                            timeout=60)
-        assert time.time() - t0 < 5 + 20
-        (r,) = ray_session.get(handle.generate.remote([[7, 8, 9]], SamplingParams(max_tokens=3)),
-                               timeout=120)
-        assert len(r.token_ids) == 3
-        assert ray_session.get(handle.stats.remote())["restarts"] == 1
-    finally:
-        ray_session.get(handle.shutdown.remote())
-        ray_session.kill(handle)
+    ray_session.get(failing.generate.remote([[5, 6, 7]], SamplingParams(max_tokens=2)))
+    restarts = ray_session.get(failing.stats.remote())["restarts"]
+    ray_session.get(failing.inject_fault.remote(0, kind, "step"))  # over the step graph
+    t0 = time.time()
+    with pytest.raises(WorkerFailure, match="did not answer within 5s" if kind == "stall"
+                       else "injected fault"):
+        ray_session.get(failing.generate.remote([[5, 6, 7]], SamplingParams(max_tokens=8)),
+                        timeout=60)
+    assert time.time() - t0 < 5 + 20
+    (r,) = ray_session.get(failing.generate.remote([[7, 8, 9]], SamplingParams(max_tokens=3)),
+                           timeout=120)
+    assert len(r.token_ids) == 3
+    assert ray_session.get(failing.stats.remote())["restarts"] == restarts + 1
 
 
 def test_a_lagging_stream_takes_what_is_queued_as_one_delta():

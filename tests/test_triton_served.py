@@ -46,7 +46,7 @@ def served(model) -> tuple[list[list[int]], list[int]]:
     worker = loaded_worker(cfg, NUM_BLOCKS, capture=True)  # one bucket each: few runs
     shared = cascade_lengths(worker.executor)
     seqs = serve_in_process(cfg, worker, [
-        Sequence(i, HEAD + [100 + i] * (1 + i % 3), SamplingParams(max_tokens=5,
+        Sequence(i, HEAD + [100 + i] * (1 + i % 3), SamplingParams(max_tokens=3,
                                                                   ignore_eos=True))
         for i in range(9)], NUM_BLOCKS)
     worker.shutdown()
