@@ -78,11 +78,7 @@ class Engine:
         self.pg = pg
         self.model_cfg = cfg.model_cfg()
         cfg.parallel.check_model(self.model_cfg)
-        # transformers takes seconds to import: the tokenizer loads while workers start
         self.tokenizer: TextTokenizer | None = None
-        loader = concurrent.futures.ThreadPoolExecutor(1)
-        self._tokenizer_load = loader.submit(load_tokenizer, cfg.model)
-        loader.shutdown(wait=False)
         self.sampling_defaults = sampling_defaults(cfg.model)  # generation_config.json
         self.workers: list[Any] = []
         self.infos: list[WorkerInfo] = []
@@ -125,8 +121,16 @@ class Engine:
         """Place and start the workers, load the model, size the KV cache, start the loop."""
         t0 = time.perf_counter()
         self.loop = asyncio.get_running_loop()
-        await self._start_workers()
-        self.tokenizer = self.clients.tokenizer = await asyncio.wrap_future(self._tokenizer_load)
+        starting = asyncio.ensure_future(self._start_workers())
+        # transformers takes seconds to import: the tokenizer loads while the workers start,
+        # from once their actors are created (the task's first await), so the two imports
+        # do not hold back the workers' creation by sharing this process's GIL
+        await asyncio.sleep(0)
+        loader = concurrent.futures.ThreadPoolExecutor(1)
+        tokenizer = loader.submit(load_tokenizer, self.cfg.model)
+        loader.shutdown(wait=False)
+        await starting
+        self.tokenizer = self.clients.tokenizer = await asyncio.wrap_future(tokenizer)
         if self._thread is None:
             self._thread = threading.Thread(target=self._step_thread, name="raygraph-steps",
                                             daemon=True)
