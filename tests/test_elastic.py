@@ -26,7 +26,8 @@ def coord(ray_session):
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
                                                 max_model_len=256),
                       replica=ReplicaConfig(replicas=2, min_replicas=1, idle_sleep_s=0.5,
-                                            routing="load"),
+                                            routing="load", max_replicas=3,
+                                            upscale_delay_s=0.5),
                       coordinator_name="elastic-test", step_timeout_s=60)
     handle = start_coordinator(cfg)
     yield handle
@@ -84,27 +85,18 @@ def test_scale_up_serves_and_scale_down_drains_and_releases(ray_session, coord):
     assert len(ray.get(coord.generate.remote(PROMPTS, PARAMS))) == 3
 
 
-def test_the_autoscaler_starts_an_elastic_replica_when_the_one_saturates(ray_session):
+def test_the_autoscaler_starts_an_elastic_replica_when_the_one_saturates(ray_session, coord):
     ray = ray_session
-    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=4, num_blocks=64),
-                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
-                                                max_model_len=256),
-                      replica=ReplicaConfig(replicas=1, max_replicas=2, upscale_delay_s=0.0,
-                                            idle_sleep_s=0.5, routing="load"),
-                      coordinator_name="autoscale-test", step_timeout_s=60)
-    coord = start_coordinator(cfg)
-    try:
-        params = SamplingParams(max_tokens=64, ignore_eos=True)
-        flood = [coord.generate.remote([PROMPTS[i % 3]], params) for i in range(12)]
-        wait_for(lambda: ray.get(coord.stats.remote())["scale_ups"] == 1,
-                 "no replica started while requests waited")
-        states = ray.get(coord.replica_states.remote())
-        assert len(states) == 2 and states[1].state in ("starting", "serving")
-        assert all(len(r.token_ids) == 64 for out in ray.get(flood) for r in out)
-        wait_for(lambda: ray.get(coord.stats.remote())["replicas"][1].get("idle_asleep"),
-                 "the added replica is not elastic: it did not sleep when idle")
-        stats = ray.get(coord.stats.remote())
-        assert stats["scale_ups"] == 1 and not stats["replicas"][0]["asleep"]
-    finally:
-        ray.get(coord.shutdown.remote())
-        ray.kill(coord)
+    ray.get(coord.scale.remote(1))  # one replica: its batch is 8, 12 requests leave 4 waiting
+    ups = ray.get(coord.stats.remote())["scale_ups"]
+    params = SamplingParams(max_tokens=128, ignore_eos=True)  # 4 wait a 128-step wave
+    flood = [coord.generate.remote([PROMPTS[i % 3]], params) for i in range(12)]
+    wait_for(lambda: ray.get(coord.stats.remote())["scale_ups"] == ups + 1,
+             "no replica started while requests waited")
+    states = ray.get(coord.replica_states.remote())
+    assert len(states) == 2 and states[1].state in ("starting", "serving")
+    assert all(len(r.token_ids) == 128 for out in ray.get(flood) for r in out)
+    wait_for(lambda: ray.get(coord.stats.remote())["replicas"][1].get("idle_asleep"),
+             "the added replica is not elastic: it did not sleep when idle")
+    stats = ray.get(coord.stats.remote())
+    assert stats["scale_ups"] == ups + 1 and not stats["replicas"][0]["asleep"]
