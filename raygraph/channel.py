@@ -87,7 +87,7 @@ class DeltaChannel:
         try:
             hello = await asyncio.wait_for(read_frame(reader, HELLO_BYTES), HELLO_TIMEOUT_S)
             hello = msgspec.msgpack.decode(hello, type=Hello)
-            if not hmac.compare_digest(hello.secret, self._address.secret):
+            if not hmac.compare_digest(hello.secret.encode(), self._address.secret.encode()):
                 return
             name = hello.name
             self._writers.add(writer)

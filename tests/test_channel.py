@@ -47,8 +47,9 @@ def test_a_connection_without_the_secret_gets_nothing() -> None:
         closed: list[asyncio.Queue] = []
         channel, address = await started(closed)
         channel.sink("front").put_nowait(StreamDelta(0, [0], "x"))
-        wrong = msgspec.structs.replace(address, secret="0" * 32)
-        assert [batch async for batch in read_deltas(wrong, "front")] == []  # closed on it
+        for secret in ("0" * 32, "é" * 32):  # a wrong one, one that is not even ASCII
+            wrong = msgspec.structs.replace(address, secret=secret)
+            assert [batch async for batch in read_deltas(wrong, "front")] == []  # closed
         reader, writer = await asyncio.open_connection(address.host, address.port)
         writer.write(HEADER.pack(1 << 20))  # not a hello: closed without reading it
         assert await reader.read() == b""
