@@ -20,6 +20,7 @@ replica, about `--seconds` of requests):
 
     python -m bench.frontdoor [--replicas 8 16 32 64] [--streams-per-replica 64]
         [--step-ms 15] [--output-len 128] [--seconds 15] [--client mux|http|generate]
+        [--api-servers K --load-processes P]   # http: K servers on one port, P load processes
 
 Per point: delivered output tok/s against the ideal (replicas x streams x 1000/step_ms); the
 front process's CPU over the timed load (psutil, all threads) per 1k tokens, per request and
@@ -218,6 +219,38 @@ def cpu_s(pids: list[int]) -> float:
     return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
 
 
+def http_session() -> Any:
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
+@ray.remote(num_cpus=0)
+def http_load(url: str, model: str, reqs: list[load.Request], streams: int
+              ) -> tuple[list[load.RequestRecord], float]:
+    """One load-generator process's share of the timed HTTP load (--load-processes): the
+    client parses SSE at about the server's cost a chunk, so one process cannot load many."""
+    async def run() -> tuple[list[load.RequestRecord], float]:
+        async with http_session() as session:
+            client = load.http_client(session, url, model)
+            return await load.run_load(client, reqs, [0.0] * len(reqs), streams)
+
+    return asyncio.run(run())
+
+
+async def timed_load(a: argparse.Namespace, client: load.Client, reqs: list[load.Request],
+                     streams: int, url: str | None, model: str
+                     ) -> tuple[list[load.RequestRecord], float]:
+    """The timed load: in this process, or over --load-processes (HTTP only)."""
+    if url is None or a.load_processes == 1:
+        return await load.run_load(client, reqs, [0.0] * len(reqs), streams)
+    n = a.load_processes
+    parts = await asyncio.gather(*(http_load.remote(url, model, reqs[i::n], -(-streams // n))
+                                   for i in range(n)))
+    return [r for records, _ in parts for r in records], max(secs for _, secs in parts)
+
+
 def generate_client(coord: Any) -> load.Client:
     """A plain Coordinator.generate per request: one chunk, the whole output."""
     async def stream(prompt: list[int], params: Any) -> AsyncIterator[load.Chunk]:
@@ -241,17 +274,15 @@ async def run_point(a: argparse.Namespace, replicas: int, expect_tok_s: float) -
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(ray.kill, coord)
         stack.push_async_callback(coord.shutdown.remote)
+        url = None
         if a.client == "http":
-            import aiohttp
-
             from raygraph.api.server import HttpConfig, start_http, stop_http
 
-            handles, url = start_http(HttpConfig(port=0), cfg.coordinator_name, cfg.namespace)
+            handles, url = start_http(HttpConfig(port=0, replicas=a.api_servers),
+                                      cfg.coordinator_name, cfg.namespace)
             stack.callback(stop_http, cfg.coordinator_name, cfg.namespace)
             pids["http"] = [pid_of(h) for h in handles]
-            session = await stack.enter_async_context(aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None),
-                connector=aiohttp.TCPConnector(limit=0)))
+            session = await stack.enter_async_context(http_session())
             client = load.http_client(session, url, Path(cfg.model).name)
         else:
             client = load.mux_client(coord) if a.client == "mux" else generate_client(coord)
@@ -262,7 +293,8 @@ async def run_point(a: argparse.Namespace, replicas: int, expect_tok_s: float) -
         cpu = {k: -cpu_s(v) for k, v in pids.items()}
         freeze_heap()  # as load.benchmark: no full collection of the client's heap mid-run
         try:
-            records, secs = await load.run_load(client, reqs, [0.0] * len(reqs), streams)
+            records, secs = await timed_load(a, client, reqs, streams, url,
+                                             Path(cfg.model).name)
         finally:
             gc.unfreeze()
         cpu = {k: c + cpu_s(pids[k]) for k, c in cpu.items()}
@@ -273,6 +305,7 @@ async def run_point(a: argparse.Namespace, replicas: int, expect_tok_s: float) -
     chunks = sum(len(r.token_chunks) for r in records if r.ok)
     steps, msgs = (after[k] - stats[k] for k in ("steps", "messages"))
     return {"replicas": replicas, "streams": streams, "requests": done, "failed": s["failed"],
+            "api_servers": a.api_servers if a.client == "http" else None,
             "duration_s": s["duration_s"], "output_tokens": tokens,
             "output_tok_s": s["output_throughput"],
             "ideal_tok_s": round(ideal), "ratio": round(s["output_throughput"] / ideal, 3),
@@ -331,6 +364,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=15.0,
                    help="each point's length, roughly (at least one request per stream)")
     p.add_argument("--client", choices=["mux", "http", "generate"], default="mux")
+    p.add_argument("--api-servers", type=int, default=1,
+                   help="http: HTTP server actors sharing the port (--api-server-count)")
+    p.add_argument("--load-processes", type=int, default=1,
+                   help="http: processes generating the timed load, each a share of it")
     p.add_argument("--routing", choices=["cache", "load", "round-robin"], default="cache")
     p.set_defaults(seed=0, range_ratio=0.0, temperature=0.0, top_k=0, shared_prefix_len=0,
                    num_prefixes=1)  # load.make_requests' other fields
@@ -341,7 +378,7 @@ def main() -> None:
     a = parser().parse_args()
     from raygraph.client.connect import connect
 
-    connect(None, num_cpus=max(a.replicas) + 2, log_to_driver=False)
+    connect(None, num_cpus=max(a.replicas) + a.api_servers + 2, log_to_driver=False)
     rows: list[dict] = []
     for n in a.replicas:
         rows.append(asyncio.run(run_point(a, n, rows[-1]["output_tok_s"] if rows
