@@ -96,8 +96,10 @@ class DeltaChannel:
             try:
                 await asyncio.wait({send, closed}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                send.cancel()
-                closed.cancel()
+                for task in (send, closed):
+                    task.cancel()
+                    if task.done() and not task.cancelled():
+                        task.exception()  # a reset connection ends it: nothing to report
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, msgspec.DecodeError,
                 ConnectionError, ValueError):
             pass
