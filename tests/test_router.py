@@ -158,3 +158,19 @@ def test_min_replicas_is_bounded_by_replicas():
         ReplicaConfig(replicas=2, min_replicas=3)
     assert ReplicaConfig(replicas=3).awake == 3
     assert ReplicaConfig(replicas=3, min_replicas=0).awake == 0
+
+
+def test_an_adapters_requests_go_where_it_went_before_and_share_prefixes_only_with_it():
+    r = router(4)
+    short = [1, 2]  # under a block: only the adapter gives it a home
+    homes = {name: r.pick(short, cost=10, adapter=name) for name in ("a", "b", "c")}
+    for i in range(12):
+        for name, home in homes.items():
+            r.done(home, 10)
+            assert r.pick(short + [i], cost=10, adapter=name) == home
+    system = list(range(100, 132))
+    base = prefix_hashes(system, BLOCK)
+    with_a = prefix_hashes(system, BLOCK, "a")
+    assert len(with_a) == len(base) + 1 and not set(with_a) & set(base)  # no shared prefix
+    assert with_a[0] == prefix_hashes([], BLOCK, "a")[0] != prefix_hashes([], BLOCK, "b")[0]
+    assert prefix_hashes(system, BLOCK, None) == base  # the base model's prompts as before

@@ -230,7 +230,7 @@ class ReplicaStreams:
         await self._refresh()
         cost = len(prompt) + params.max_tokens
         try:
-            replica = self.router.pick(prompt, cost)
+            replica = self.router.pick(prompt, cost, params.lora)
         except ValueError:
             raise WorkerFailure("not serving: no replica serves") from None
         try:

@@ -103,9 +103,9 @@ class Coordinator:
                       call: Callable[[Any], Awaitable[Any]]) -> Any:
         """`call(engine)` on the replica the router picks for `prompt`; if that engine dies
         before answering, once more on another (the client has seen nothing of it)."""
-        cost = self._cost(prompt, params)
+        cost, adapter = self._cost(prompt, params), parse_params(params).lora
         for attempt in range(2):
-            replica = self._pick(prompt, cost)
+            replica = self._pick(prompt, cost, adapter)
             try:
                 return await call(self.replicas[replica].engine)
             except RayActorError:
@@ -123,9 +123,9 @@ class Coordinator:
         size = len(prompt) // CHARS_PER_TOKEN if isinstance(prompt, str) else len(prompt)
         return size + parse_params(params).max_tokens
 
-    def _pick(self, prompt: Any, cost: int) -> int:
+    def _pick(self, prompt: Any, cost: int, adapter: str | None) -> int:
         try:
-            return self.router.pick(prompt, cost)
+            return self.router.pick(prompt, cost, adapter)
         except ValueError:
             raise WorkerFailure(f"not serving: {self._why_not()}") from None
 
@@ -147,7 +147,7 @@ class Coordinator:
         `generate_stream.options(num_returns="streaming").remote(...)`; HTTP servers go to
         the engines directly instead."""
         cost = self._cost(prompt, params)
-        replica = self._pick(prompt, cost)
+        replica = self._pick(prompt, cost, parse_params(params).lora)
         try:
             gen = self.replicas[replica].engine.generate_stream.options(
                 num_returns="streaming").remote(prompt, params)

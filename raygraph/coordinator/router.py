@@ -9,6 +9,8 @@ router bounds it: at low load a few requests must not scatter a prefix over ever
 replica). The request then goes, as in load routing, to the less loaded of two replicas
 picked at random, and the prefix keeps its home: a burst does not move (and recompute)
 every busy prefix. A home that is down is replaced by the next replica sent the prefix.
+A LoRA request's prefixes start with its adapter (prefix_hashes), so an adapter's requests
+go where it was sent before, where it is likely loaded in a slot.
 
 Replicas past `ReplicaConfig.awake` are elastic: a request goes to them only while every
 awake replica has `spill_at` (its batch's worth of) requests of this router outstanding, so
@@ -35,17 +37,21 @@ TEXT_BLOCK_CHARS = 64
 WINDOW = 256
 
 
-def prefix_hashes(prompt: str | Sequence[int] | bytes, block: int) -> list[int]:
+def prefix_hashes(prompt: str | Sequence[int] | bytes, block: int,
+                  adapter: str | None = None) -> list[int]:
     """Chained hashes of the prompt's full blocks: entry i identifies blocks 0..i, so two
-    prompts share entry i exactly when they share their first i + 1 blocks."""
+    prompts share entry i exactly when they share their first i + 1 blocks. A LoRA
+    adapter's prompts chain from a first entry of their own (the adapter alone): they share
+    prefixes only with prompts of the same adapter, whose KV is the one they can reuse, and
+    even a prompt shorter than a block has a home, where its adapter is loaded."""
     if isinstance(prompt, bytes):  # packed uint32 ids (raygraph.requests.pack_ids)
         block *= 4
     elif isinstance(prompt, str):
         block = TEXT_BLOCK_CHARS
     else:
         prompt = tuple(prompt)
-    out: list[int] = []
-    h = 0
+    h = 0 if adapter is None else hash(("lora", adapter))
+    out: list[int] = [] if adapter is None else [h]
     for start in range(0, len(prompt) - block + 1, block):
         h = hash((h, prompt[start:start + block]))
         out.append(h)
@@ -86,16 +92,18 @@ class Router:
         """A replica that failed (or sleeps) takes no requests until it is up again."""
         self.up[replica] = up
 
-    def pick(self, prompt: str | Sequence[int] | bytes, cost: int) -> int:
-        """The replica for a prompt that will cost `cost` tokens; it counts as outstanding
-        there until `done`. ValueError when no replica is up."""
+    def pick(self, prompt: str | Sequence[int] | bytes, cost: int,
+             adapter: str | None = None) -> int:
+        """The replica for a prompt that will cost `cost` tokens (with LoRA `adapter`); it
+        counts as outstanding there until `done`. ValueError when no replica is up."""
         live = self._admitting()
         policy = self.cfg.routing
         if policy == "round-robin":
             choice = live[self._next % len(live)]
             self._next += 1
         else:
-            hashes = prefix_hashes(prompt, self.block_size) if policy == "cache" else []
+            hashes = (prefix_hashes(prompt, self.block_size, adapter) if policy == "cache"
+                      else [])
             matched, choice = self._cached(hashes, live, cost)
             home = choice is not None  # the prompt follows (or now moves) its prefix
             if choice is None:
