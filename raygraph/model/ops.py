@@ -74,16 +74,26 @@ def dense_operands(x: torch.Tensor, weight: Weight) -> tuple[torch.Tensor, torch
     return activations_as_quantized(x, weight), weight.dequantize(x.dtype)
 
 
+def _skinny_operands(x: torch.Tensor, weight: Weight, shape_ok: bool
+                     ) -> tuple[torch.Tensor, Weight, bool]:
+    """(x, W, whether the skinny kernels take them). An FP8 weight they do not take (or any
+    on the CPU) becomes dense_operands, which they may take; `shape_ok`: the fused op's own
+    shape condition."""
+    if shape_ok and _skinny(x, weight):
+        return x, weight, True
+    if not isinstance(weight, Fp8Weight):
+        return x, weight, False
+    x, weight = dense_operands(x, weight)
+    return x, weight, shape_ok and _skinny(x, weight)
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias), as F.linear."""
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight, bias)
         if y is not None:
             return y
-    skinny = _skinny(x, weight)
-    if not skinny:  # an FP8 weight the skinny kernels do not take may take theirs dequantized
-        x, weight = dense_operands(x, weight)
-        skinny = _skinny(x, weight)
+    x, weight, skinny = _skinny_operands(x, weight, True)
     if skinny:
         from raygraph.model.triton_gemv import gemv
 
@@ -97,10 +107,8 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         y = fp8_gemm(x, weight)
         if y is not None:
             return silu_and_mul(y)
-    fused = (weight.shape[0] // 2) % 16 == 0 and _skinny(x, weight)  # tiles of 16+ columns
-    if not fused:
-        x, weight = dense_operands(x, weight)
-        fused = (weight.shape[0] // 2) % 16 == 0 and _skinny(x, weight)
+    # tiles of 16+ columns
+    x, weight, fused = _skinny_operands(x, weight, (weight.shape[0] // 2) % 16 == 0)
     if fused:
         from raygraph.model.triton_gemv import gemv_silu_mul
 
@@ -118,11 +126,9 @@ def linear_rotary(
     t = x.shape[0]
     sizes = [num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim]
     qkv = fp8_gemm(x, weight, bias) if isinstance(weight, Fp8Weight) else None
-    # the fused kernel's tiles hold whole rotation pairs
-    fused = qkv is None and head_dim % 16 == 0 and _skinny(x, weight)
-    if qkv is None and not fused:
-        x, weight = dense_operands(x, weight)
-        fused = head_dim % 16 == 0 and _skinny(x, weight)
+    fused = False
+    if qkv is None:  # the fused kernel's tiles hold whole rotation pairs
+        x, weight, fused = _skinny_operands(x, weight, head_dim % 16 == 0)
     if fused:
         from raygraph.model.triton_gemv import gemv_rotary
 

@@ -47,12 +47,17 @@ class Fp8Weight:
         return dequantize(self.data, self.scale, self.group).to(dtype)
 
 
+def _per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    """Scales [rows, groups] spread to one a column, [rows, cols] (one a row, or [1]: as is,
+    for broadcasting)."""
+    if scale.dim() == 2 and scale.shape[1] > 1:
+        return scale.repeat_interleave(group, dim=1)[:, :cols]
+    return scale
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """float32 data[r, c] * scale[r, c // group] of FP8 `data` [rows, cols]."""
-    cols = data.shape[-1]
-    if scale.shape[-1] > 1:
-        scale = scale.repeat_interleave(group, dim=-1)[..., :cols]
-    return data.to(torch.float32) * scale
+    return data.to(torch.float32) * _per_column(scale, group, data.shape[-1])
 
 
 def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +75,7 @@ def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """x [rows, cols] / scale ([rows, groups], or [1] for one scale), clamped to FP8's range."""
-    if scale.dim() == 2 and scale.shape[1] > 1:
-        scale = scale.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+    scale = _per_column(scale, group, x.shape[1])
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
