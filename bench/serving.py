@@ -78,7 +78,7 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
               max_num_batched_tokens: int) -> ServeConfig:
     """The coordinator's config from the flags, resolved as start_coordinator would."""
     cfg = ServeConfig(
-        model=model, device=a.device, load_format=a.load_format,
+        model=model, device=a.device, load_format=a.load_format, quantization=a.quantization,
         parallel=ParallelConfig(tp=a.tp),
         replica=ReplicaConfig(replicas=a.replicas, routing=a.routing),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
@@ -294,7 +294,8 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
         where = {"client": a.client, "device": cfg.device, "dtype": cfg.dtype}
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
     print(load.format_table(row), file=sys.stderr, flush=True)
-    row |= where | {"model": name, "tp": a.tp, "replicas": a.replicas, "routing": a.routing,
+    row |= where | {"model": name, "tp": a.tp, "quantization": a.quantization,
+                    "replicas": a.replicas, "routing": a.routing,
                     "mode": a.mode, "prefill_graph": a.prefill_graph,
                     "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
                     "input_len": a.input_len, "output_len": a.output_len,
@@ -318,6 +319,8 @@ def main() -> None:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: weights drawn on the device; with --preset only its "
                         "config.json is written")
+    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                   help="fp8: a bf16 checkpoint's linear layers quantized to FP8 at load")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the coordinator (load mode; use --client mux)")
@@ -391,6 +394,7 @@ def main() -> None:
             else "coordinator worker_step_ms (rank 0's device time per step)",
             "tokens_match": served["tokens"] == eng["tokens"] if in_process else None,
             "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
+            "quantization": a.quantization,
             "temperature": a.temperature, "top_k": a.top_k,
             "model": name,
         }), flush=True)
