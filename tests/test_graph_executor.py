@@ -365,13 +365,18 @@ def test_eager_executor_is_the_reference_type(workers):
     assert isinstance(workers[0].executor, GraphExecutor)
 
 
-def test_prefill_capture_fits_buckets_longer_than_the_context(tiny_llama):
-    """A prefill bucket above max_model_len is captured over several dummy sequences."""
+@pytest.mark.parametrize("max_seqs,prefill_graph", [(8, "piecewise"), (1, "piecewise"),
+                                                    (1, "full"), (2, "full")])
+def test_prefill_capture_fits_buckets_longer_than_the_context(tiny_llama, max_seqs,
+                                                              prefill_graph):
+    """A prefill bucket above max_model_len is captured over several dummy sequences, and
+    one above every sequence at full length (max_num_seqs x max_model_len) over padding."""
     cfg = ServeConfig(model=str(tiny_llama), device="cpu",
                       cache=CacheConfig(block_size=4, num_blocks=8),
-                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                      scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64,
                                                 max_model_len=16),
-                      graph=GraphConfig(decode_sizes=[1], prefill_sizes=[64]))
+                      graph=GraphConfig(decode_sizes=[1], prefill_sizes=[64],
+                                        prefill_graph=prefill_graph))
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
     w.allocate_kv_cache(8)

@@ -319,22 +319,24 @@ class GraphExecutor(Executor):
 
     def _dummy(self, key: BucketKey):
         """A batch that writes no real KV slot (all slots -1) for start-up capture. Prefill
-        tokens are split into sequences no longer than the context the buffers hold."""
+        tokens are split into sequences no longer than the context the buffers hold; tokens
+        beyond every sequence row at full length are bucket padding, as in a real step."""
         n = key.num_tokens
         if key.phase == "decode":
             h = padding_inputs(n, self.scratch_block())
         else:
             per = self.bufs.max_blocks * self.block_size
-            lens = [min(per, n - start) for start in range(0, n, per)]
+            real = min(n, per * self.bufs.max_seqs)
+            lens = [min(per, real - start) for start in range(0, real, per)]
             token_seq, token_row, positions = token_layout(lens, [0] * len(lens))
-            h = HostInputs([0] * n, positions, [-1] * n, token_seq, token_row, lens,
+            h = HostInputs([0] * real, positions, [-1] * real, token_seq, token_row, lens,
                            [[self.scratch_block()] * -(-length // self.block_size)
                             for length in lens],
                            [sum(lens[: i + 1]) - 1 for i in range(len(lens))], max(lens),
                            False)
         seqs = self.num_seqs(key, h.num_seqs)
         self.bufs.fill(h, n, seqs)
-        return self.bufs.metadata(n, seqs, n, h.max_q_len, max(h.seq_lens), h.decode)
+        return self.bufs.metadata(n, seqs, h.num_tokens, h.max_q_len, max(h.seq_lens), h.decode)
 
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule, largest first; returns the capture log."""
