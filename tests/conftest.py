@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,11 +104,11 @@ def make_checkpoint(path: Path, arch: str, random_norms: bool = False, **overrid
     return path
 
 
-def make_gpu_llama(path: Path, num_key_value_heads: int = 2) -> Path:
+def make_gpu_llama(path: Path, num_key_value_heads: int = 2, **kw: Any) -> Path:
     """The GPU tests' Llama: big enough for the Triton kernels' tiles, small to build."""
     return make_checkpoint(path, "LlamaForCausalLM", vocab_size=512, hidden_size=256,
                            intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
-                           num_key_value_heads=num_key_value_heads)
+                           num_key_value_heads=num_key_value_heads, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Issue 18, parts 4 and 5: text and generation rules as HF transformers applies them (prompt
+"""Text and generation rules as HF transformers applies them (prompt
 ids equal AutoTokenizer's for Llama-3-style and Qwen-style tokenizers, with and without BOS;
 generation_config.json's EOS lists and sampling defaults), and hub ids resolved offline from
 a cache laid out as huggingface_hub lays it out."""

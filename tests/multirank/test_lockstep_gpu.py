@@ -37,6 +37,14 @@ def ckpt(tmp_path_factory):
     return make_gpu_llama(tmp_path_factory.mktemp("tp-llama"), num_key_value_heads=4)  # TP=4
 
 
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    """Wider random weights than HF's 0.02 keep greedy argmaxes apart, so steps batched
+    differently (eager steps during a background capture, replays padded to a bucket)
+    cannot flip a near-tie between two float32 runs."""
+    return make_gpu_llama(tmp_path_factory.mktemp("wide-llama"), initializer_range=0.2)
+
+
 def cfg(ckpt, tp: int, mode: str, dtype: str, name: str = "gpu-tp",
         capture: str = "at_start") -> ServeConfig:
     return ServeConfig(
@@ -149,15 +157,15 @@ def test_tp_default_schedule_in_lockstep_and_greedy_equals_eager(ray_session, ck
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.gpu2)])
-def test_background_capture_greedy_equals_eager_across_the_switch(ray_session, ckpt, tp):
-    """Issue 21: served from the start, the schedule captured between steps; tokens of
+def test_background_capture_greedy_equals_eager_across_the_switch(ray_session, wide_ckpt, tp):
+    """Served from the start, the schedule captured between steps; tokens of
     steps run eagerly and of steps replayed equal the eager executor's."""
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 200))] for _ in range(24)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    want = serve(ray_session, cfg(ckpt, tp, "eager", "float32", f"gpu-bg{tp}-eager"), prompts,
+    want = serve(ray_session, cfg(wide_ckpt, tp, "eager", "float32", f"gpu-bg{tp}-eager"), prompts,
                  params)
-    got = serve(ray_session, cfg(ckpt, tp, "graph", "float32", f"gpu-bg{tp}",
+    got = serve(ray_session, cfg(wide_ckpt, tp, "graph", "float32", f"gpu-bg{tp}",
                                  capture="background"), prompts, params, background=True)
     assert got == want
 
