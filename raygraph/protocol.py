@@ -35,6 +35,15 @@ def nth_seed(seed: int, i: int) -> int:
     return (seed + i - INT64_MIN) % 2**64 + INT64_MIN
 
 
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Output constrained to a grammar (engine/grammar.py): `kind` json (value: a JSON
+    schema as text; '{"type": "object"}' is any object), regex, choice (a JSON list of the
+    allowed strings), or grammar (Lark, or GBNF/EBNF as llama.cpp writes it)."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    value: str
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters.
     None: not given; the coordinator fills it from the model's generation_config.json
@@ -52,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # the LoRA adapter to generate with, by its registered name (None: the base model)
     lora: str | None = None
+    structured: StructuredOutputs | None = None  # every token sampled within its grammar
 
     def resolved(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """Every sampling field set: the given ones, else `defaults` (the model's), else
@@ -186,6 +196,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     feed: int = -1  # >= 0: the token is this row of the previous step's sampled tokens
     logprobs: int = -1  # >= 0: return the sampled token's logprob and this many alternatives
     lora_slot: int = -1  # the adapter slot its tokens read (-1: the base model)
+    allowed: bytes = b""  # a grammar's bitmask of the tokens it may sample (b"": any)
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -226,6 +237,7 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     seq_id: int
     token_ids: list[int]
     sample: bool
+    allowed: bytes = b""  # the sampled token's grammar bitmask (bit t: token t allowed)
 
 
 class StepDelta(msgspec.Struct, frozen=True):

@@ -34,6 +34,7 @@ from raygraph.channel import ChannelAddress, DeltaChannel
 from raygraph.config import ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
+from raygraph.engine.grammar import Grammars
 from raygraph.engine.group import WorkerGroup
 from raygraph.engine.kv_cache import merge_stats
 from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
@@ -79,6 +80,7 @@ class Engine:
         self.model_cfg = cfg.model_cfg()
         cfg.parallel.check_model(self.model_cfg)
         self.tokenizer: TextTokenizer | None = None
+        self.grammars: Grammars | None = None  # structured outputs, once one is asked for
         self.sampling_defaults = sampling_defaults(cfg.model)  # generation_config.json
         self.workers: list[Any] = []
         self.infos: list[WorkerInfo] = []
@@ -505,6 +507,9 @@ class Engine:
             raise UnknownAdapter(f"the model {sp.lora!r} does not exist (LoRA is off)")
         if sp.lora is not None:
             self.lora.registry.get(sp.lora)  # UnknownAdapter: nothing queued
+        grammars = self._grammars() if sp.structured is not None else None
+        if grammars is not None:
+            grammars.compile(sp.structured)  # BadRequest: nothing queued
         items = [prompts] if stream else split_prompts(prompts)
         m = self.model_cfg
         encoded = [encode_prompt(p, self.tokenizer, m.vocab_size) for p in items]
@@ -516,11 +521,21 @@ class Engine:
         reqs, seqs = [], []
         for ids in encoded:
             seq = Sequence(next(self._ids), ids, sp, watch=stream or bool(sp.stop))
+            if grammars is not None:
+                seq.guide = grammars.guide(sp.structured)
             if sp.lora is not None:  # its blocks are keyed by the adapter's id
                 seq.adapter_id = self.lora.registry.open(sp.lora).adapter_id
             reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
             seqs.append((seq, sp.lora))
         return reqs, seqs
+
+    def _grammars(self) -> Grammars:
+        """The structured-output compiler, built for the tokenizer on first use."""
+        if self.tokenizer is None:
+            raise BadRequest("structured outputs need the model's tokenizer")
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer.hf)
+        return self.grammars
 
     def _enqueue(self, seqs: list[tuple[Sequence, str | None]]) -> None:
         """To the step thread as one item: the prompts reach one step."""

@@ -15,6 +15,10 @@ token *pending*: sampled on the workers, unknown here. Its next decode is sent a
 token arrives, one step later, and a token computed past a stop is discarded. Limits known
 in advance (max_tokens, the context) are never overshot: such a sequence is not scheduled.
 
+A sequence with a grammar (engine/grammar.py) is never fed: its next token's mask depends
+on the pending one, so it sits out the steps in which its last token is still in flight and
+is sent explicitly, with the mask, once that token is known.
+
 Each step is described as a change to what the workers hold (new sequences, appended
 blocks, dropped ids), so its message and cost grow with what changed, not with the batch.
 """
@@ -114,6 +118,8 @@ class Scheduler:
             seq = self.running[i]
             i += 1
             if seq.num_pending:  # decode the token in flight: the common case, kept lean
+                if seq.guide is not None:
+                    continue  # its mask needs the token in flight: next step
                 outputs = len(seq.output_token_ids) + seq.num_pending
                 if (outputs >= seq.params.max_tokens
                         or len(seq.prompt_token_ids) + outputs >= max_len):
@@ -192,7 +198,8 @@ class Scheduler:
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
-        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
+        mask = seq.guide.mask() if sample and seq.guide is not None else b""
+        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample, mask)))
         out.num_tokens += n
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
@@ -241,6 +248,8 @@ class Scheduler:
             p = seq.params
             if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
                 self.finish(seq, "stop")
+            elif seq.guide is not None and seq.guide.accept(token):
+                self.finish(seq, "stop")  # the grammar is complete
             elif (len(outputs) >= p.max_tokens
                   or len(seq.prompt_token_ids) + len(outputs) >= max_len):
                 self.finish(seq, "length")

@@ -5,6 +5,7 @@ both read and write, so it lives below them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from raygraph.protocol import FinishReason, SamplingParams, TokenLogprobs
 
@@ -35,6 +36,7 @@ class Sequence:
     num_cached_tokens: int = 0
     adapter_id: int = 0  # part of every block's key (0: the base model)
     lora_slot: int = -1  # the workers' adapter slot holding it (-1: the base model)
+    guide: Any = None  # its grammar's matcher (engine/grammar.Guide): structured output
 
     @property
     def token_ids(self) -> list[int]:

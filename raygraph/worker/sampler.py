@@ -6,6 +6,7 @@ request gives the same tokens whatever it is batched with and after preemption.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from raygraph.model import ops
@@ -58,6 +59,31 @@ class SamplingRows:
         return d[:, 0].long(), d[:, 1], d[:, 2].long(), d[:, 3]
 
 
+def allowed_tokens(chunks: list[SeqChunk], rows: list[int], vocab: int,
+                   device: torch.device) -> torch.Tensor:
+    """[len(rows), vocab] bool: each row's grammar bitmask (bit t of the little-endian
+    bytes: token t), padded with False past the grammar's vocabulary."""
+    bits = np.zeros((len(rows), vocab), dtype=bool)
+    for j, i in enumerate(rows):
+        row = np.unpackbits(np.frombuffer(chunks[i].allowed, np.uint8), bitorder="little")
+        n = min(vocab, row.size)
+        bits[j, :n] = row[:n]
+    return torch.from_numpy(bits).to(device)
+
+
+def constrain(logits: torch.Tensor, greedy: torch.Tensor, chunks: list[SeqChunk],
+              rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits with each grammar row's disallowed tokens at -inf, and the argmax taken
+    again for those rows (new tensors: a graph's outputs are read, never written)."""
+    sel = torch.tensor(rows, device=logits.device)
+    masked = logits[sel].masked_fill(~allowed_tokens(chunks, rows, logits.shape[-1],
+                                                     logits.device), float("-inf"))
+    logits = logits.index_copy(0, sel, masked)
+    greedy = greedy.clone()
+    greedy[sel] = ops.argmax(masked)
+    return logits, greedy
+
+
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
            greedy: torch.Tensor | None = None) -> list[int]:
     return sample_tokens(logits, chunks, generator, greedy).tolist()
@@ -69,8 +95,13 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
     """Tokens [S] on the logits' device, with no host sync when `staging` is given or every
     row is greedy (the served loop keeps them there for the next step). logits: [S, vocab]
     float32, one row per chunk (all chunks here sample); greedy: their argmax when the step
-    already took it (a graph's output: read, never written)."""
+    already took it (a graph's output: read, never written). Rows with a grammar bitmask
+    sample among its tokens only (a host copy of the masks: such steps are not overlapped)."""
     out = ops.argmax(logits) if greedy is None else greedy
+    guided = [i for i, c in enumerate(chunks) if c.allowed]
+    if guided:
+        logits, out = constrain(logits, out, chunks, guided)
+        greedy = None  # out is a new tensor already
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if rows:
         if greedy is not None:

@@ -1,0 +1,117 @@
+"""Structured outputs: a request's grammar (JSON schema, regex, choice, Lark/GBNF) compiled
+with llguidance once per distinct spec, and one matcher per sequence that the scheduler asks
+for the bitmask of the tokens its next sample may take and tells each token it got.
+
+Runs in the engine process: grammars compile on the event loop when a request arrives
+(a bad one is a BadRequest before anything is queued), matchers advance on the step thread.
+The overlapped loop sends step N+1 before step N's tokens are known, and a grammar's mask
+for a sequence's next token depends on its last one, so the scheduler runs a constrained
+sequence only in steps where its last token is known (engine/scheduler.py): a batch of only
+constrained sequences steps without overlap, a mixed batch keeps its free rows overlapped
+and each constrained row samples every other step.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from raygraph.errors import BadRequest
+from raygraph.protocol import StructuredOutputs
+
+CACHE_SIZE = 256  # compiled grammars kept (distinct specs)
+
+
+class Guide:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher: Any, eos: int, vocab: int) -> None:
+        import llguidance.numpy as lln
+
+        self.matcher = matcher
+        self.eos = eos
+        self._fill = lln.fill_next_token_bitmask
+        self._bits = lln.allocate_token_bitmask(1, vocab)
+
+    def mask(self) -> bytes:
+        """The tokens the next sample may take, as little-endian bits. A matcher left with
+        none (an error, which a sample within its masks cannot cause) allows only EOS, so
+        the sequence ends instead of drawing a token the grammar refuses."""
+        self._fill(self.matcher, self._bits, 0)
+        if self.matcher.is_error() or not self._bits.any():
+            self._bits[:] = 0
+            self._bits[0, self.eos // 32] = 1 << (self.eos % 32)
+        return self._bits.tobytes()
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; True once the grammar is complete (nothing may
+        follow but EOS) or has failed: the sequence stops there."""
+        m = self.matcher
+        if not m.is_stopped():
+            m.consume_token(token)
+        return m.is_stopped() or m.is_error()
+
+
+class Grammars:
+    """The engine's grammar compiler for one tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        import llguidance.hf
+
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
+        self.vocab = self.tokenizer.vocab_size
+        self.eos = self.tokenizer.eos_token
+        self.compile = lru_cache(CACHE_SIZE)(self._compile)
+
+    def _compile(self, spec: StructuredOutputs) -> str:
+        """llguidance's grammar for a spec, validated against this tokenizer."""
+        import llguidance
+
+        value = spec.value
+        if spec.kind == "choice":
+            try:
+                choices = json.loads(value)
+            except ValueError:
+                choices = None
+            if not (isinstance(choices, list) and choices
+                    and all(isinstance(c, str) for c in choices)):
+                raise BadRequest("structured output choice: a non-empty list of strings")
+        if spec.kind == "json":
+            value = fixed_whitespace(value)
+        try:
+            grammar = llguidance.grammar_from(spec.kind, value)
+        except (ValueError, RuntimeError) as e:
+            raise BadRequest(f"invalid {spec.kind} for structured output: {one_line(e)}") \
+                from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise BadRequest(f"invalid {spec.kind} for structured output: {one_line(error)}")
+        return grammar
+
+    def guide(self, spec: StructuredOutputs) -> Guide:
+        """A new sequence's matcher at the grammar's start (BadRequest if it is invalid)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec))
+        return Guide(matcher, self.eos, self.vocab)
+
+
+def fixed_whitespace(schema: str) -> str:
+    """The schema with llguidance's separators pinned (", " and ": ", no other whitespace)
+    unless it sets its own: with any whitespace allowed, a model can fill its whole budget
+    with newlines and never close the object."""
+    try:
+        doc = json.loads(schema)
+    except ValueError:
+        return schema  # llguidance reports it
+    if not isinstance(doc, dict) or "x-guidance" in doc:
+        return schema
+    doc["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
+                         "key_separator": ": "}
+    return json.dumps(doc)
+
+
+def one_line(err: Any) -> str:
+    """llguidance's errors quote the grammar over several lines: the first says what."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
