@@ -36,7 +36,7 @@ def nth_seed(seed: int, i: int) -> int:
 
 
 class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Output constrained to a grammar (engine/grammar.py): `kind` json (value: a JSON
+    """Output constrained to a grammar (raygraph/grammar.py): `kind` json (value: a JSON
     schema as text; '{"type": "object"}' is any object), regex, choice (a JSON list of the
     allowed strings), or grammar (Lark, or GBNF/EBNF as llama.cpp writes it)."""
 

@@ -598,25 +598,18 @@ def test_context_length_is_checked_when_max_tokens_is_given(server, client):
 
 
 def test_fields_asking_for_unbuilt_features_are_400s_not_ignored(server, client, ray_session):
-    """JSON modes, tools, logit_bias, guided decoding and image parts: a 400 naming the field
-    before any compute; the values that ask for nothing (OpenAI's defaults) are served."""
+    """Tools, logit_bias and image parts: a 400 naming the field before any compute; the
+    values that ask for nothing (OpenAI's defaults) are served."""
     coord, _ = server
     before = ray_session.get(coord.stats.remote())["requests_started"]
     msgs = [{"role": "user", "content": "A class"}]
-    asks = [("response_format", {"type": "json_object"}),
-            ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-            ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-            ("tool_choice", "required"), ("logit_bias", {"5": 100}),
-            ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"})]
+    asks = [("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            ("tool_choice", "required"), ("logit_bias", {"5": 100})]
     for field, value in asks:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
                                            extra_body={field: value})
         assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="A class", max_tokens=2,
-                                  extra_body={"guided_regex": "a+"})
-    assert e.value.body["param"] == "guided_regex"
     with pytest.raises(openai.BadRequestError, match="text only"):
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image_url",

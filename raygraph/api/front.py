@@ -18,6 +18,8 @@ from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
 from raygraph.client.streams import ReplicaStreams
+from raygraph.errors import BadRequest
+from raygraph.grammar import Grammars
 from raygraph.protocol import (
     GenerateResult,
     SamplingParams,
@@ -89,6 +91,7 @@ class Front:
         # transformers takes seconds to import: the tokenizer loads while the server already
         # answers probes and token-id routes (a server restarted after a crash serves at once)
         self._text = self.cpu.submit(self._load_text, model_dir, cfg.chat_template)
+        self._grammars: Grammars | None = None
 
     @staticmethod
     def _load_text(model_dir: str, template: str | None
@@ -111,6 +114,15 @@ class Front:
     @property
     def chat(self) -> ChatTemplate:
         return self._text.result()[2]
+
+    def grammars(self) -> Grammars:
+        """The structured-output compiler (raygraph/grammar.py), to check a request's
+        grammar before it is sent."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise BadRequest("structured outputs need the model's tokenizer")
+            self._grammars = Grammars(self.tokenizer.hf)
+        return self._grammars
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -145,6 +157,8 @@ class Front:
         checked against the context."""
         try:
             sp = check_params(fields)
+            if sp.structured is not None:
+                self.grammars().compile(sp.structured)
         except ValueError as e:  # BadRequest
             raise translate(e) from None
         self.check_context(prompts, given_max_tokens)

@@ -7,9 +7,17 @@ import json
 import math
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from raygraph.protocol import (
     INT32_MAX,
@@ -38,21 +46,48 @@ class StreamOptions(BaseModel):
 
 
 # Fields that ask for what raygraph does not do yet, with the values that ask for nothing
-# (OpenAI's defaults). Any other value is a 400 naming the field: a client asking for JSON
-# or a tool call must not get free text back as if it had been honoured.
+# (OpenAI's defaults). Any other value is a 400 naming the field: a client asking for a tool
+# call must not get free text back as if it had been honoured.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "logit_bias": (None, {}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. The grammar enforces the schema whether or not
+    `strict` is set."""
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra field: one of its constraints."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+
+
+def structured_spec(kind: str, value: Any) -> dict[str, str]:
+    """A StructuredOutputs for the coordinator: values that are not text become JSON."""
+    return {"kind": kind, "value": value if isinstance(value, str) else json.dumps(value)}
+
+
+ANY_OBJECT = {"type": "object"}
 
 
 class _Sampling(BaseModel):
@@ -74,18 +109,19 @@ class _Sampling(BaseModel):
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT32_MAX)] | None = None  # 0, -1: off
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
+    # structured outputs: OpenAI's field, vLLM's, and vLLM's older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     # refused unless they ask for nothing (UNSUPPORTED)
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
     def params(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields for the coordinator (validated there, and by `check`)."""
@@ -98,11 +134,48 @@ class _Sampling(BaseModel):
         }
         if max_tokens is not None:
             out["max_tokens"] = max_tokens
+        structured = self.structured()
+        if structured is not None:
+            out["structured"] = structured
         return out
+
+    def structured(self) -> dict[str, str] | None:
+        """The one output constraint asked for (None: free text); two are a 400."""
+        given = []
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            given.append(("response_format", structured_spec("json", ANY_OBJECT)))
+        elif f is not None and f.type == "json_schema":
+            if f.json_schema is None or f.json_schema.schema_ is None:
+                raise ValueError("response_format: json_schema needs json_schema.schema")
+            given.append(("response_format", structured_spec("json", f.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            kinds = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),
+                                         ("choice", so.choice), ("grammar", so.grammar),
+                                         ("json", ANY_OBJECT if so.json_object else None))
+                     if v is not None]
+            if len(kinds) != 1:
+                raise ValueError("structured_outputs: give exactly one of json, json_object, "
+                                 "regex, choice, grammar")
+            given.append(("structured_outputs", structured_spec(*kinds[0])))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, structured_spec(kind, getattr(self, name))))
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(n for n, _ in given)}: give one output "
+                             "constraint")
+        return given[0][1] if given else None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Sampling:
+        self.structured()  # ValueError: two constraints, or a json_schema without schema
+        return self
 
     @field_validator(*UNSUPPORTED)
     @classmethod

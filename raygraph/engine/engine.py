@@ -34,7 +34,6 @@ from raygraph.channel import ChannelAddress, DeltaChannel
 from raygraph.config import ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
-from raygraph.engine.grammar import Grammars
 from raygraph.engine.group import WorkerGroup
 from raygraph.engine.kv_cache import merge_stats
 from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
@@ -45,6 +44,7 @@ from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
 from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
 from raygraph.generation import sampling_defaults
+from raygraph.grammar import Grammars
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     REPLICA_SHIFT,

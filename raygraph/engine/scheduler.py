@@ -15,7 +15,7 @@ token *pending*: sampled on the workers, unknown here. Its next decode is sent a
 token arrives, one step later, and a token computed past a stop is discarded. Limits known
 in advance (max_tokens, the context) are never overshot: such a sequence is not scheduled.
 
-A sequence with a grammar (engine/grammar.py) is never fed: its next token's mask depends
+A sequence with a grammar (raygraph/grammar.py) is never fed: its next token's mask depends
 on the pending one, so it sits out the steps in which its last token is still in flight and
 is sent explicitly, with the mask, once that token is known.
 

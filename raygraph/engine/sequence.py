@@ -36,7 +36,7 @@ class Sequence:
     num_cached_tokens: int = 0
     adapter_id: int = 0  # part of every block's key (0: the base model)
     lora_slot: int = -1  # the workers' adapter slot holding it (-1: the base model)
-    guide: Any = None  # its grammar's matcher (engine/grammar.Guide): structured output
+    guide: Any = None  # its grammar's matcher (raygraph/grammar.Guide): structured output
 
     @property
     def token_ids(self) -> list[int]:

@@ -2,8 +2,9 @@
 with llguidance once per distinct spec, and one matcher per sequence that the scheduler asks
 for the bitmask of the tokens its next sample may take and tells each token it got.
 
-Runs in the engine process: grammars compile on the event loop when a request arrives
-(a bad one is a BadRequest before anything is queued), matchers advance on the step thread.
+The engine compiles a request's grammar when it arrives (a bad one is a BadRequest before
+anything is queued) and advances matchers on its step thread; an HTTP front compiles it too,
+so a bad schema is a 400 before the request is sent.
 The overlapped loop sends step N+1 before step N's tokens are known, and a grammar's mask
 for a sequence's next token depends on its last one, so the scheduler runs a constrained
 sequence only in steps where its last token is known (engine/scheduler.py): a batch of only

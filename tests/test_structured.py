@@ -1,0 +1,230 @@
+"""Structured outputs: 50 JSON schemas, regexes, choices and a grammar through a real
+coordinator with the default model, greedy and sampled, every output validated; the
+scheduler's rule for constrained sequences (never fed, sent with their mask once their last
+token is known) and the sampler's masking, each against the real llguidance matcher."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import msgspec
+import pytest
+import torch
+
+from raygraph.client.connect import start_coordinator
+from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
+from raygraph.engine.pages import PagePool
+from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.sequence import Sequence
+from raygraph.errors import BadRequest
+from raygraph.grammar import Grammars
+from raygraph.protocol import SamplingParams, SeqChunk, StructuredOutputs
+from raygraph.tokenizer import load_tokenizer
+from raygraph.worker.sampler import sample_tokens
+
+NAME = {"type": "string", "maxLength": 12}
+SHORT = {"type": "string", "minLength": 1, "maxLength": 6}
+COLOR = {"enum": ["red", "green", "blue"]}
+INT = {"type": "integer", "minimum": -5, "maximum": 99}
+# a number's digits are unbounded in JSON: multipleOf bounds them, so a small model's
+# greedy "0.000..." cannot run to max_tokens (docs/serving.md says so)
+NUM = {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01}
+
+
+def obj(props: dict, required: list | None = None, closed: bool = True) -> dict:
+    out = {"type": "object", "properties": props,
+           "required": list(props) if required is None else required}
+    if closed:
+        out["additionalProperties"] = False
+    return out
+
+
+def arr(items: dict, lo: int = 0, hi: int = 3) -> dict:
+    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
+
+
+def schemas() -> list[dict]:
+    """50 schemas: nested objects and arrays, item bounds, enums, anyOf/oneOf, $defs/$ref,
+    patterns, numeric bounds, required and optional fields, closed objects."""
+    base = [
+        obj({"name": NAME, "age": INT}),
+        obj({"name": NAME, "age": INT}, required=["name"]),
+        obj({"color": COLOR, "count": INT}),
+        obj({"tags": arr(SHORT, 1, 3)}),
+        obj({"point": obj({"x": NUM, "y": NUM})}),
+        obj({"ok": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 8}}),
+        obj({"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{3}$"}}),
+        obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "city": NAME}),
+        obj({"v": {"anyOf": [INT, COLOR]}}),
+        obj({"v": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                             {"type": "string", "enum": ["none"]}]}}),
+        {"$defs": {"p": obj({"x": INT, "y": INT})}, **obj({"a": {"$ref": "#/$defs/p"},
+                                                           "b": {"$ref": "#/$defs/p"}})},
+        {"$defs": {"item": obj({"name": SHORT, "qty": INT})},
+         **obj({"items": arr({"$ref": "#/$defs/item"}, 1, 2)})},
+        obj({"grid": arr(arr(INT, 1, 2), 1, 2)}),
+        obj({"level": {"type": "integer", "enum": [1, 2, 3]}, "label": {"const": "fixed"}}),
+        obj({"score": {"type": "number", "exclusiveMinimum": 0, "maximum": 10,
+                       "multipleOf": 0.5}}),
+        obj({"user": obj({"name": NAME, "roles": arr(COLOR, 0, 2)}), "active": {"type":
+                                                                                "boolean"}}),
+        arr(INT, 2, 4),
+        arr(obj({"k": SHORT}), 1, 2),
+        {"type": "string", "enum": ["alpha", "beta", "gamma"]},
+        {"type": "integer", "minimum": 10, "maximum": 20},
+        obj({"a": INT, "b": INT, "c": INT}, required=["a"]),
+        obj({"meta": {"type": "object", "additionalProperties": {"type": "integer"},
+                      "maxProperties": 2}}),
+        obj({"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}}),
+        obj({"nested": obj({"deeper": obj({"deepest": COLOR})})}),
+        obj({"pair": {"type": "array", "prefixItems": [INT, COLOR], "items": False}}),
+    ]
+    rng = random.Random(0)
+    leaves = [NAME, SHORT, COLOR, INT, NUM, {"type": "boolean"}, arr(INT, 0, 2),
+              {"anyOf": [INT, {"type": "null"}]}]
+    while len(base) < 50:  # random closed objects of the building blocks above
+        props = {f"f{i}": rng.choice(leaves) for i in range(rng.randint(1, 4))}
+        required = [k for k in props if rng.random() < 0.7]
+        base.append(obj(props, required))
+    return base
+
+
+@pytest.fixture(scope="module")
+def coord(ray_session):
+    cfg = ServeConfig(device="cpu", coordinator_name="structured-test", step_timeout_s=60,
+                      scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024))
+    c = start_coordinator(cfg)
+    yield c
+    ray_session.get(c.shutdown.remote())
+    ray_session.kill(c)
+
+
+def run_all(ray, coord, jobs: list[tuple[str, SamplingParams]]) -> list:
+    """Every (prompt, params) at once; the results in order."""
+    return [ray.get(r)[0] for r in [coord.generate.remote(p, sp) for p, sp in jobs]]
+
+
+def constrained(kind: str, value: str, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=160, structured=StructuredOutputs(kind, value), **kw)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_fifty_json_schemas_always_validate(ray_session, coord, sampled):
+    """Greedy and seeded sampling: every output parses and validates (jsonschema)."""
+    kw = {"temperature": 1.0, "seed": 7} if sampled else {"temperature": 0.0}
+    all_schemas = schemas()
+    jobs = [(f"Record {i} as JSON:", constrained("json", json.dumps(s), **kw))
+            for i, s in enumerate(all_schemas)]
+    for s, r in zip(all_schemas, run_all(ray_session, coord, jobs)):
+        assert r.finish_reason == "stop", (s, r.text)
+        jsonschema.validate(json.loads(r.text), s)
+
+
+def test_regex_choice_and_grammar_outputs_match(ray_session, coord):
+    regexes = [r"[0-9]{3}-[a-z]{2}", r"(yes|no), because [a-z]{1,8}\.",
+               r"[A-Z][a-z]{2,6} [0-9]{1,2}", r"0x[0-9a-f]{4}"]
+    choices = [["apple", "banana", "cherry"], ["positive", "negative"]]
+    grammar = 'root ::= "(" num " " op " " num ")"\nnum ::= [0-9] | [1-9] [0-9]\nop ::= "+" | "*"'
+    jobs = [(f"Item {i}:", constrained("regex", rx, temperature=t, seed=i))
+            for i, rx in enumerate(regexes) for t in (0.0, 1.0)]
+    jobs += [("Pick one:", constrained("choice", json.dumps(c), temperature=t, seed=1))
+             for c in choices for t in (0.0, 1.0)]
+    jobs += [("Sum:", constrained("grammar", grammar, temperature=t, seed=2)) for t in (0.0, 1.0)]
+    out = run_all(ray_session, coord, jobs)
+    for (_, sp), r in zip(jobs, out):
+        spec = sp.structured
+        assert r.finish_reason == "stop", (spec, r.text)
+        if spec.kind == "regex":
+            assert re.fullmatch(spec.value, r.text), (spec.value, r.text)
+        elif spec.kind == "choice":
+            assert r.text in json.loads(spec.value)
+        else:
+            assert re.fullmatch(r"\((\d|[1-9]\d) [+*] (\d|[1-9]\d)\)", r.text), r.text
+
+
+def test_constrained_and_free_requests_share_steps(ray_session, coord):
+    """A free request batched with constrained ones gets the tokens it gets alone."""
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = ray_session.get(coord.generate.remote("Once upon a time", free))[0].token_ids
+    jobs = [("Once upon a time", free)] + [
+        (f"Record {i}:", constrained("json", json.dumps(obj({"n": INT}))))
+        for i in range(6)]
+    out = run_all(ray_session, coord, jobs)
+    assert out[0].token_ids == alone
+    assert all(json.loads(r.text)["n"] in range(-5, 100) for r in out[1:])
+
+
+def test_a_bad_grammar_is_refused_before_anything_runs(ray_session, coord):
+    before = ray_session.get(coord.stats.remote())["requests_started"]
+    for kind, value, words in [("json", '{"type": "bogus"}', "bogus"),
+                               ("json", "{not json", "json"),
+                               ("regex", "a(b", "regex"), ("choice", "[]", "choice"),
+                               ("grammar", "root ::= missing_rule", "grammar")]:
+        with pytest.raises(BadRequest, match=words):
+            ray_session.get(coord.generate.remote("x", constrained(kind, value)))
+    assert ray_session.get(coord.stats.remote())["requests_started"] == before
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(load_tokenizer(str(DEFAULT_MODEL)).hf)
+
+
+def test_a_constrained_sequence_is_never_fed_and_carries_its_mask(grammars):
+    """In the overlapped loop a free decode is fed (its token in flight); a constrained one
+    sits that step out and is sent explicitly, with its grammar's mask, once its token is
+    known; the mask's tokens are the ones the matcher allows."""
+    sched = Scheduler(PagePool(64, 4), 8, 64, 128)
+    free = Sequence(0, [5, 6, 7], SamplingParams(max_tokens=8).resolved())
+    spec = StructuredOutputs("choice", json.dumps(["yes", "no"]))
+    guided = Sequence(1, [5, 6, 8], SamplingParams(max_tokens=8, structured=spec).resolved())
+    guided.guide = grammars.guide(spec)
+    sched.add(free)
+    sched.add(guided)
+    first = sched.schedule()  # both prefill; the constrained one samples under its mask
+    masks = {seq.seq_id: step.allowed for seq, step in first.chunks}
+    assert masks[0] == b"" and masks[1] == guided.guide.mask()
+    second = sched.schedule()  # tokens of the first step still in flight
+    assert second.feed == [free] and not second.chunks
+    yes = [t for t in range(grammars.vocab) if allowed(masks[1], t)][0]
+    sched.update(first, [9, yes])
+    third = sched.schedule()
+    assert [s.seq_id for s, _ in third.chunks] == [1] and third.feed == [free]
+    (step,) = [c for _, c in third.chunks]
+    assert step.token_ids == [yes] and step.allowed == guided.guide.mask()
+
+
+def allowed(mask: bytes, token: int) -> bool:
+    return bool(mask[token // 8] >> (token % 8) & 1)
+
+
+def test_the_sampler_takes_the_best_allowed_token(grammars):
+    """Masked rows: greedy takes the highest allowed logit, sampling draws only allowed
+    tokens; a row without a mask is untouched."""
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    ok = {3, 17, 40}
+    mask = bytearray(vocab // 8)
+    for t in ok:
+        mask[t // 8] |= 1 << (t % 8)
+
+    def chunk(i: int, temperature: float, allowed: bytes) -> SeqChunk:
+        return SeqChunk(i, [0], 0, [0], True, temperature, 0, 1.0, None, 0,
+                        allowed=bytes(allowed))
+
+    chunks = [chunk(0, 0.0, mask), chunk(1, 0.0, b""), chunk(2, 1.0, mask)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        out = sample_tokens(logits, chunks, gen).tolist()
+        assert out[0] == max(ok, key=lambda t: logits[0, t].item())
+        assert out[1] == int(logits[1].argmax())
+        assert out[2] in ok
+
+
+def test_sampling_params_carry_the_spec_across_msgpack():
+    sp = constrained("regex", "a+")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
+    assert back.structured == StructuredOutputs("regex", "a+")
