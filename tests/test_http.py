@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import shutil
 import socket
 import statistics
@@ -18,6 +19,7 @@ from http.client import HTTPConnection, HTTPResponse
 from urllib.parse import urlsplit
 
 import openai
+import pydantic
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
@@ -618,6 +620,49 @@ def test_fields_asking_for_unbuilt_features_are_400s_not_ignored(server, client,
     out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
                                          response_format={"type": "text"}, tool_choice="none")
     assert out.choices[0].message.content is not None
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    population: int = pydantic.Field(ge=0, le=10**7)
+    coastal: bool
+
+
+def test_structured_outputs_with_the_official_client(server, client, ray_session):
+    """`chat.completions.parse` with a pydantic model, json_object, vLLM's extra fields,
+    streamed and not: outputs parse. A bad schema or two constraints: a 400 before any
+    compute."""
+    msgs = [{"role": "user", "content": "A city as JSON"}]
+    out = client.chat.completions.parse(model=MODEL, messages=msgs, max_tokens=80,
+                                        response_format=City, temperature=0)
+    city = out.choices[0].message.parsed
+    assert isinstance(city, City) and out.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80,
+                                         response_format={"type": "json_object"})
+    text = obj.choices[0].message.content
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict), text
+    code = {"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}}
+    stream = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, stream=True,
+                                       extra_body=code)
+    streamed = "".join(c.choices[0].text for c in stream)
+    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", streamed), streamed
+    pick = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=5,
+                                     extra_body={"guided_choice": ["left", "right"]})
+    assert pick.choices[0].text in ("left", "right")
+    coord, _ = server
+    before = ray_session.get(coord.stats.remote())["requests_started"]
+    bad = [({"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+            "bogus"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "json_schema.schema"),
+           ({"structured_outputs": {"regex": "a(b"}}, "regex"),
+           ({"guided_regex": "a+", "guided_choice": ["a"]}, "one output constraint")]
+    for extra, words in bad:
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                           extra_body=extra)
+    assert ray_session.get(coord.stats.remote())["requests_started"] == before  # no compute
 
 
 def test_unknown_routes_methods_and_bodies_get_openai_errors(server):
