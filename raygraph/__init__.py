@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from raygraph.protocol import SamplingParams
+from raygraph.protocol import SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
     from raygraph.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
