@@ -82,7 +82,7 @@ def test_no_import_cycles() -> None:
 # GPU), the engine (one per replica), the coordinator (the front), and what clients run.
 LAYERS: list[set[str]] = [
     {"protocol", "errors", "config", "generation", "adapter_files", "hub", "tokenizer",
-     "process", "requests", "serve_options", "channel", "quantization"},
+     "process", "requests", "serve_options", "channel", "quantization", "grammar"},
     {"model"},
     {"memory", "graph", "lora"},
     {"worker"},
