@@ -6,6 +6,7 @@ size checks run before any route (`middleware.FrontDoor`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from raygraph.api.schemas import (
     new_id,
     usage,
 )
+from raygraph.api.tools import CallStream, parse_calls
 from raygraph.protocol import GenerateResult, StreamDelta
 
 __all__ = ["HttpConfig", "build_app"]
@@ -119,7 +121,10 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     async def chat(body: ChatRequest, request: Request) -> Response:
         lora = front.adapter(body.model)
         name = lora or front.name
-        (prompt,) = await front.tokenize(front.render, [m.text() for m in body.messages])
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] \
+            if body.tools_active else None
+        render = functools.partial(front.render, tools=tools, kwargs=body.chat_template_kwargs)
+        (prompt,) = await front.tokenize(render, [m.text() for m in body.messages])
         top = body.top_logprobs or 0
         max_tokens = body.given_max_tokens or front.max_model_len
         choices = front.request([prompt], {**body.params(max_tokens, top if body.logprobs
@@ -130,8 +135,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             results = await front.generate(choices, request.receive)
             lps = await front.result_logprobs(results, front.logprobs.chat
                                               if body.logprobs else None)
-            out = [{"index": i, "message": {"role": "assistant", "content": r.text or ""},
-                    "logprobs": lp, **ending(r)}
+            out = [{"index": i, **answer(r, body.tools_active), "logprobs": lp}
                    for i, (r, lp) in enumerate(zip(results, lps))]
             n = sum(len(r.token_ids) for r in results)
             return JSONResponse(envelope(kind, rid, name, out, usage(len(prompt), n)))
@@ -144,12 +148,14 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                          "logprobs": None, "finish_reason": None, "stop_reason": None}
                 yield sse(envelope(kind, rid, name, [first], None, body.include_usage))
             n = 0
+            calls = {i: CallStream() for i in range(len(choices))} if body.tools_active \
+                else None
             async for i, d in deltas:
                 n += len(d.token_ids)
-                choice = {"index": i, "delta": {"content": d.text} if d.text else {},
-                          "logprobs": front.logprobs.chat(d.token_ids, d.logprobs or [])
-                          if body.logprobs else None, **ending(d)}
-                yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
+                lp = front.logprobs.chat(d.token_ids, d.logprobs or []) if body.logprobs \
+                    else None
+                for choice in chat_chunks(i, d, lp, calls[i] if calls else None):
+                    yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
             if body.include_usage:
                 yield sse(envelope(kind, rid, name, [], usage(len(prompt), n)))
             yield sse("[DONE]")
@@ -208,6 +214,41 @@ def add_lora_routes(app: FastAPI, coord: Any) -> None:
         except Exception as e:
             raise translate(e) from None
         return {"lora_name": body.lora_name, "unloaded": True}
+
+
+def answer(r: GenerateResult, tools: bool) -> dict:
+    """A chat choice's message and ending; with tools, the calls parsed out of the text
+    (finish_reason "tool_calls" when there are any)."""
+    if not tools:
+        return {"message": {"role": "assistant", "content": r.text or ""}, **ending(r)}
+    content, calls = parse_calls(r.text or "")
+    if not calls:
+        return {"message": {"role": "assistant", "content": content or ""}, **ending(r)}
+    message = {"role": "assistant", "content": content, "tool_calls": calls}
+    if r.finish_reason == "length":  # the calls that closed before the limit
+        return {"message": message, **ending(r)}
+    return {"message": message, "finish_reason": "tool_calls", "stop_reason": None}
+
+
+def chat_chunks(i: int, d: StreamDelta, logprobs: dict | None,
+                calls: CallStream | None) -> list[dict]:
+    """One stream delta's chat chunks: its text, or with tools the content and call deltas
+    it completes (none while a call is open); the logprobs ride on the first chunk, the
+    ending on the last."""
+    if calls is None:
+        return [{"index": i, "delta": {"content": d.text} if d.text else {},
+                 "logprobs": logprobs, **ending(d)}]
+    pieces = calls.feed(d.text or "") + (calls.finish() if d.finish_reason is not None else [])
+    if not pieces and logprobs is None and d.finish_reason is None:
+        return []  # inside a call: nothing to send yet
+    out = [{"index": i, "delta": p, "logprobs": None, "finish_reason": None,
+            "stop_reason": None} for p in pieces or [{}]]
+    out[0]["logprobs"] = logprobs
+    if d.finish_reason is not None:
+        out[-1].update(ending(d))
+        if calls.calls and d.finish_reason != "length":
+            out[-1].update(finish_reason="tool_calls", stop_reason=None)
+    return out
 
 
 def ending(r: GenerateResult | StreamDelta) -> dict:

@@ -138,9 +138,10 @@ class Front:
         """Every prompt's token ids (BadRequest if one is bad); run it off the loop."""
         return [encode_prompt(p, self.tokenizer, self.vocab_size) for p in split_prompts(prompts)]
 
-    def render(self, messages: list[dict[str, str]]) -> list[list[int]]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               kwargs: dict[str, Any] | None = None) -> list[list[int]]:
         """The chat template's token ids, checked as a prompt; run it off the loop."""
-        return self.encode([self.chat.render(messages)])
+        return self.encode([self.chat.render(messages, tools, kwargs)])
 
     async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any
                        ) -> list[list[int]]:

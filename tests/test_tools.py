@@ -1,0 +1,132 @@
+"""Tool calling's pieces without a server: Hermes-style blocks parsed whole and as a stream
+cut anywhere, the grammar that forces calls (checked against llguidance's matcher with the
+default model's tokenizer), the tools and tool messages as the default template renders
+them, and the request fields' checks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import llguidance
+import pydantic
+import pytest
+
+from raygraph.api.schemas import ChatRequest
+from raygraph.api.tools import CallStream, parse_calls, tool_grammar
+from raygraph.config import DEFAULT_MODEL
+from raygraph.grammar import Grammars
+from raygraph.protocol import StructuredOutputs
+from raygraph.tokenizer import load_tokenizer
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city"], "additionalProperties": False}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_calls_are_parsed_out_of_the_text():
+    content, calls = parse_calls(ANSWER)
+    assert content == "Let me check. \n"  # the text between the blocks too, as streamed
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_calls("plain <tool_ text") == ("plain <tool_ text", [])
+    broken = "<tool_call>\nnot json\n</tool_call> then"
+    assert parse_calls(broken) == (broken, [])  # not a call: left as the model wrote it
+    assert parse_calls("<tool_call>\n{\"name\": \"f\"") == ("<tool_call>\n{\"name\": \"f\"", [])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_stream_cut_anywhere_gives_the_same_content_and_calls(seed):
+    """Content deltas never show a piece of a call block; call deltas carry whole calls."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(ANSWER)), rng.randint(1, 30)))
+    stream, deltas = CallStream(), []
+    for a, b in zip([0, *cuts], [*cuts, len(ANSWER)]):
+        deltas += stream.feed(ANSWER[a:b])
+    deltas += stream.finish()
+    text = "".join(d.get("content", "") for d in deltas)
+    assert text.strip() == "Let me check." and "<" not in text
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0, 1] and stream.calls == 2
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(load_tokenizer(DEFAULT_MODEL).hf)
+
+
+def matches(grammars: Grammars, grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text` whole (tokenized as the model would write it)."""
+    m = llguidance.LLMatcher(grammars.tokenizer, grammars.compile(
+        StructuredOutputs("grammar", grammar)))
+    ok = all(m.consume_token(t) for t in grammars.tokenizer.tokenize_str(text))
+    return ok and not m.is_error() and m.is_accepting()
+
+
+def test_the_forcing_grammar_takes_valid_calls_only(grammars):
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    both, named = tool_grammar([WEATHER, TIME], True), tool_grammar([WEATHER], False)
+    assert matches(grammars, both, one) and matches(grammars, both, two)
+    assert matches(grammars, named, one) and not matches(grammars, named, two)
+    for bad in ['<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+                '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+                '"x": 1}}\n</tool_call>', "plain text"]:
+        assert not matches(grammars, both, bad), bad
+    content, calls = parse_calls(two)
+    assert content is None
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["parameters"])
+
+
+def request(**kw) -> ChatRequest:
+    tools = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
+    return ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                       "tools": tools, **kw})
+
+
+def test_tool_choice_picks_the_constraint():
+    assert request().structured() is None and request().tools_active
+    assert request(tool_choice="none").structured() is None
+    assert not request(tool_choice="none").tools_active
+    forced = request(tool_choice="required").structured()
+    assert forced["kind"] == "grammar" and "get_time" in forced["value"]
+    named = request(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert "get_weather" not in named.structured()["value"]
+    for bad, words in [({"tool_choice": {"type": "function", "function": {"name": "x"}}},
+                        "no tool named 'x'"),
+                       ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+                        "one output constraint")]:
+        with pytest.raises(pydantic.ValidationError, match=words):
+            request(**bad)
+    with pytest.raises(pydantic.ValidationError, match="no tools given"):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                    "tool_choice": "required"})
+
+
+def test_the_default_template_renders_tools_calls_and_results():
+    tok = load_tokenizer(DEFAULT_MODEL).hf
+    msgs = request(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]).messages
+    tools = [{"type": "function", "function": WEATHER}]
+    text = tok.apply_chat_template([m.text() for m in msgs], tools=tools,
+                                   add_generation_prompt=True, tokenize=False)
+    assert '"name": "get_weather"' in text.split("</tools>")[0]  # the tool list
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' \
+        in text  # the arguments rendered as an object, not a quoted string
+    assert text.endswith('<tool_response>\n{"temp": 3}\n</tool_response>\nassistant:')
+    plain = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                    add_generation_prompt=True, tokenize=False)
+    assert plain == "<|bos|>user: Hi\nassistant:"
