@@ -1,7 +1,7 @@
-"""Tool calling's pieces without a server: Hermes-style blocks parsed whole and as a stream
-cut anywhere, the grammar that forces calls (checked against llguidance's matcher with the
-default model's tokenizer), the tools and tool messages as the default template renders
-them, and the request fields' checks."""
+"""Tool calling's and reasoning's pieces without a server: Hermes-style blocks and <think>
+parts split out of answers, whole and as a stream cut anywhere; the grammar that forces
+calls (checked against llguidance's matcher with the default model's tokenizer); the tools
+and tool messages as the default template renders them; the request fields' checks."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import llguidance
 import pydantic
 import pytest
 
+from raygraph.api.answers import AnswerStream, answer
 from raygraph.api.schemas import ChatRequest
-from raygraph.api.tools import CallStream, parse_calls, tool_grammar
+from raygraph.api.tools import tool_grammar
 from raygraph.config import DEFAULT_MODEL
 from raygraph.grammar import Grammars
-from raygraph.protocol import StructuredOutputs
+from raygraph.protocol import GenerateResult, StructuredOutputs
 from raygraph.tokenizer import load_tokenizer
 
 WEATHER = {"name": "get_weather", "parameters": {
@@ -29,33 +30,78 @@ ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
+def whole(text: str, reasoning: str | None = None, tools: bool = True,
+          finish: str = "stop") -> dict:
+    return answer(GenerateResult(0, [], [], text, finish), reasoning, tools)
+
+
+def streamed(text: str, rng: random.Random, reasoning: str | None = None,
+             tools: bool = True) -> tuple[list[dict], AnswerStream]:
+    """`text` fed in random pieces: the deltas, and the splitter."""
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
+    stream, deltas = AnswerStream(reasoning, tools), []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        deltas += stream.feed(text[a:b])
+    return deltas + stream.finish(), stream
+
+
 def test_calls_are_parsed_out_of_the_text():
-    content, calls = parse_calls(ANSWER)
-    assert content == "Let me check. \n"  # the text between the blocks too, as streamed
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
-    assert len({c["id"] for c in calls}) == 2
-    assert parse_calls("plain <tool_ text") == ("plain <tool_ text", [])
-    broken = "<tool_call>\nnot json\n</tool_call> then"
-    assert parse_calls(broken) == (broken, [])  # not a call: left as the model wrote it
-    assert parse_calls("<tool_call>\n{\"name\": \"f\"") == ("<tool_call>\n{\"name\": \"f\"", [])
+    out = whole(ANSWER)
+    msg = out["message"]
+    assert msg["content"] == "Let me check. \n"  # the text between the blocks too
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_")
+               for c in msg["tool_calls"])
+    assert len({c["id"] for c in msg["tool_calls"]}) == 2 and out["finish_reason"] == "tool_calls"
+    assert whole(ANSWER, finish="length")["finish_reason"] == "length"  # calls kept
+    for text in ["plain <tool_ text", "<tool_call>\nnot json\n</tool_call> then",
+                 '<tool_call>\n{"name": "f"']:  # not a call: left as the model wrote it
+        out = whole(text)
+        assert out["message"] == {"role": "assistant", "content": text}
+        assert out["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_stream_cut_anywhere_gives_the_same_content_and_calls(seed):
     """Content deltas never show a piece of a call block; call deltas carry whole calls."""
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(ANSWER)), rng.randint(1, 30)))
-    stream, deltas = CallStream(), []
-    for a, b in zip([0, *cuts], [*cuts, len(ANSWER)]):
-        deltas += stream.feed(ANSWER[a:b])
-    deltas += stream.finish()
+    deltas, stream = streamed(ANSWER, random.Random(seed))
     text = "".join(d.get("content", "") for d in deltas)
-    assert text.strip() == "Let me check." and "<" not in text
+    assert text == "Let me check. \n"
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1] and stream.calls == 2
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+REASONED = [  # (parser, answer, reasoning_content, content)
+    ("deepseek_r1", "The user wants x.</think>\n\nIt is x.", "The user wants x.", "It is x."),
+    ("deepseek_r1", "<think>Hmm.</think>Yes.", "Hmm.", "Yes."),
+    ("deepseek_r1", "Still thinking when the limit came", "Still thinking when the limit came",
+     ""),
+    ("qwen3", "<think>\nShort.\n</think>\n\nDone.", "\nShort.\n", "Done."),
+    ("qwen3", "No thinking here.", None, "No thinking here."),
+    ("qwen3", "<thin", None, "<thin"),
+]
+
+
+@pytest.mark.parametrize("parser,text,reasoning,content", REASONED)
+def test_reasoning_is_split_from_the_answer_whole_and_streamed(parser, text, reasoning,
+                                                              content):
+    msg = whole(text, parser, tools=False)["message"]
+    assert (msg["reasoning_content"], msg["content"]) == (reasoning, content)
+    for seed in range(10):
+        deltas, _ = streamed(text, random.Random(seed), parser, tools=False)
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+        assert "".join(d.get("content", "") for d in deltas) == content
+
+
+def test_reasoning_then_a_tool_call():
+    text = "<think>Weather needs a call.</think>\n" + ANSWER
+    msg = whole(text, "qwen3")["message"]
+    assert msg["reasoning_content"] == "Weather needs a call."
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "get_time"]
+    deltas, stream = streamed(text, random.Random(3), "qwen3")
+    assert stream.calls == 2 and "<" not in "".join(d.get("content", "") for d in deltas)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +128,10 @@ def test_the_forcing_grammar_takes_valid_calls_only(grammars):
                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
                 '"x": 1}}\n</tool_call>', "plain text"]:
         assert not matches(grammars, both, bad), bad
-    content, calls = parse_calls(two)
-    assert content is None
-    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["parameters"])
+    msg = whole(two)["message"]
+    assert msg["content"] is None
+    jsonschema.validate(json.loads(msg["tool_calls"][0]["function"]["arguments"]),
+                        WEATHER["parameters"])
 
 
 def request(**kw) -> ChatRequest:

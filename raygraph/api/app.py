@@ -14,6 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from raygraph.api.answers import AnswerStream, answer, chat_chunks, ending
 from raygraph.api.errors import ApiError, install_handlers, translate
 from raygraph.api.front import Front, HttpConfig
 from raygraph.api.middleware import FrontDoor
@@ -23,12 +24,9 @@ from raygraph.api.schemas import (
     LoadLoRARequest,
     UnloadLoRARequest,
     envelope,
-    finish_reason,
     new_id,
     usage,
 )
-from raygraph.api.tools import CallStream, parse_calls
-from raygraph.protocol import GenerateResult, StreamDelta
 
 __all__ = ["HttpConfig", "build_app"]
 
@@ -121,6 +119,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     async def chat(body: ChatRequest, request: Request) -> Response:
         lora = front.adapter(body.model)
         name = lora or front.name
+        reasoning = front.cfg.reasoning_parser
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] \
             if body.tools_active else None
         render = functools.partial(front.render, tools=tools, kwargs=body.chat_template_kwargs)
@@ -135,7 +134,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             results = await front.generate(choices, request.receive)
             lps = await front.result_logprobs(results, front.logprobs.chat
                                               if body.logprobs else None)
-            out = [{"index": i, **answer(r, body.tools_active), "logprobs": lp}
+            out = [{"index": i, **answer(r, reasoning, body.tools_active), "logprobs": lp}
                    for i, (r, lp) in enumerate(zip(results, lps))]
             n = sum(len(r.token_ids) for r in results)
             return JSONResponse(envelope(kind, rid, name, out, usage(len(prompt), n)))
@@ -148,13 +147,14 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                          "logprobs": None, "finish_reason": None, "stop_reason": None}
                 yield sse(envelope(kind, rid, name, [first], None, body.include_usage))
             n = 0
-            calls = {i: CallStream() for i in range(len(choices))} if body.tools_active \
-                else None
+            split = reasoning is not None or body.tools_active
+            parts = {i: AnswerStream(reasoning, body.tools_active)
+                     for i in range(len(choices))} if split else None
             async for i, d in deltas:
                 n += len(d.token_ids)
                 lp = front.logprobs.chat(d.token_ids, d.logprobs or []) if body.logprobs \
                     else None
-                for choice in chat_chunks(i, d, lp, calls[i] if calls else None):
+                for choice in chat_chunks(i, d, lp, parts[i] if parts else None):
                     yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
             if body.include_usage:
                 yield sse(envelope(kind, rid, name, [], usage(len(prompt), n)))
@@ -214,47 +214,6 @@ def add_lora_routes(app: FastAPI, coord: Any) -> None:
         except Exception as e:
             raise translate(e) from None
         return {"lora_name": body.lora_name, "unloaded": True}
-
-
-def answer(r: GenerateResult, tools: bool) -> dict:
-    """A chat choice's message and ending; with tools, the calls parsed out of the text
-    (finish_reason "tool_calls" when there are any)."""
-    if not tools:
-        return {"message": {"role": "assistant", "content": r.text or ""}, **ending(r)}
-    content, calls = parse_calls(r.text or "")
-    if not calls:
-        return {"message": {"role": "assistant", "content": content or ""}, **ending(r)}
-    message = {"role": "assistant", "content": content, "tool_calls": calls}
-    if r.finish_reason == "length":  # the calls that closed before the limit
-        return {"message": message, **ending(r)}
-    return {"message": message, "finish_reason": "tool_calls", "stop_reason": None}
-
-
-def chat_chunks(i: int, d: StreamDelta, logprobs: dict | None,
-                calls: CallStream | None) -> list[dict]:
-    """One stream delta's chat chunks: its text, or with tools the content and call deltas
-    it completes (none while a call is open); the logprobs ride on the first chunk, the
-    ending on the last."""
-    if calls is None:
-        return [{"index": i, "delta": {"content": d.text} if d.text else {},
-                 "logprobs": logprobs, **ending(d)}]
-    pieces = calls.feed(d.text or "") + (calls.finish() if d.finish_reason is not None else [])
-    if not pieces and logprobs is None and d.finish_reason is None:
-        return []  # inside a call: nothing to send yet
-    out = [{"index": i, "delta": p, "logprobs": None, "finish_reason": None,
-            "stop_reason": None} for p in pieces or [{}]]
-    out[0]["logprobs"] = logprobs
-    if d.finish_reason is not None:
-        out[-1].update(ending(d))
-        if calls.calls and d.finish_reason != "length":
-            out[-1].update(finish_reason="tool_calls", stop_reason=None)
-    return out
-
-
-def ending(r: GenerateResult | StreamDelta) -> dict:
-    """A choice's finish_reason and stop_reason (the stop string or token id; None for EOS
-    and until the last chunk of a stream)."""
-    return {"finish_reason": finish_reason(r.finish_reason), "stop_reason": r.stop_reason}
 
 
 async def _guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

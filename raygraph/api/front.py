@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from raygraph.api.answers import REASONING_PARSERS
 from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
@@ -51,10 +52,15 @@ class HttpConfig(msgspec.Struct, frozen=True):
     max_request_bytes: int = 16 * 2**20  # a larger body is a 413, refused before it is read
     enable_sleep_routes: bool = False  # POST /sleep and /wake_up (else 404)
     enable_lora_updates: bool = False  # POST /v1/load_lora_adapter, /v1/unload_... (else 404)
+    # chat answers' <think> part as reasoning_content: deepseek_r1 or qwen3 (api/answers.py)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 # one SSE stream per choice: (choice index, prompt token ids, params)

@@ -47,19 +47,6 @@ def to_call(block: str) -> dict[str, Any] | None:
             "function": {"name": doc["name"], "arguments": json.dumps(args)}}
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a whole answer: the text outside the call blocks, as a
-    stream of it would send it (None when only whitespace), and each block that parses. A
-    block that does not parse stays in the content, as the model wrote it."""
-    stream = CallStream()
-    pieces = stream.feed(text) + stream.finish()
-    content = "".join(p.get("content", "") for p in pieces)
-    calls = [c for p in pieces for c in p.get("tool_calls", [])]
-    for c in calls:
-        del c["index"]
-    return (content if content.strip() else None), calls
-
-
 class CallStream:
     """Splits an answer's text, as it streams, into content deltas and tool-call deltas.
     Text that may be the start of a call block is held back until it is known not to be;
