@@ -772,6 +772,50 @@ def test_reasoning_content_is_split_from_the_answer(server, client):
     assert "".join(d.content or "" for d in deltas) == msg.content
 
 
+def test_the_responses_api_streamed_and_not(server, client):
+    """`client.responses.create`: text, streamed events that add up to the same text, a JSON
+    schema via text.format, a function call and its output sent back; stored responses
+    are refused."""
+    kw = {"model": MODEL, "instructions": "Answer briefly.", "temperature": 0,
+          "max_output_tokens": 12}
+    r = client.responses.create(input="The import statement", **kw)
+    assert r.status == "incomplete" and r.output_text and r.usage.output_tokens == 12
+    events = list(client.responses.create(input="The import statement", stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text == events[-1].response.output_text
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "digit", "schema": schema}}
+    js = client.responses.create(input="A digit", text=fmt, model=MODEL, max_output_tokens=20)
+    jsonschema.validate(json.loads(js.output_text), schema)
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    call = client.responses.create(input="Weather in Oslo?", tools=[tool],
+                                   tool_choice="required", parallel_tool_calls=False,
+                                   model=MODEL, max_output_tokens=80)
+    (fc,) = [o for o in call.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(fc.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed = list(client.responses.create(input="Weather in Oslo?", tools=[tool],
+                                            tool_choice="required", stream=True,
+                                            parallel_tool_calls=False, model=MODEL,
+                                            max_output_tokens=80))
+    (done,) = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert done.type == "function_call" and json.loads(done.arguments)
+    final = client.responses.create(model=MODEL, tools=[tool], max_output_tokens=8, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": fc.call_id, "name": fc.name,
+         "arguments": fc.arguments},
+        {"type": "function_call_output", "call_id": fc.call_id, "output": '{"temp_c": 3}'}])
+    assert final.output_text and final.usage.input_tokens > call.usage.input_tokens
+    for extra, words in [({"previous_response_id": "resp_1"}, "stores no responses"),
+                         ({"tools": [{"type": "web_search"}]}, "only function tools")]:
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.responses.create(input="x", model=MODEL, extra_body=extra)
+
+
 def test_unknown_routes_methods_and_bodies_get_openai_errors(server):
     url = server[1]
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -16,8 +16,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from raygraph.api.answers import AnswerStream, answer, chat_chunks, ending
 from raygraph.api.errors import ApiError, install_handlers, translate
-from raygraph.api.front import Front, HttpConfig
+from raygraph.api.front import Choice, Front, HttpConfig
 from raygraph.api.middleware import FrontDoor
+from raygraph.api.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    new_item_id,
+    output_items,
+    response_object,
+)
 from raygraph.api.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -34,8 +41,11 @@ __all__ = ["HttpConfig", "build_app"]
 def sse(obj: dict | str) -> bytes:
     """One server-sent event. msgspec writes it (a streamed chunk's JSON is most of the
     server's work per token); the values are finite already (Logprobs clamps them), and
-    any other non-finite float would be written as null."""
+    any other non-finite float would be written as null. A Responses event also names its
+    type on an `event:` line, as OpenAI's server does."""
     data = obj.encode() if isinstance(obj, str) else msgspec.json.encode(obj)
+    if isinstance(obj, dict) and "sequence_number" in obj:
+        return b"event: " + obj["type"].encode() + b"\ndata: " + data + b"\n\n"
     return b"data: " + data + b"\n\n"
 
 
@@ -115,11 +125,9 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Response:
+    async def start_chat(body: ChatRequest) -> tuple[str, list[int], list[Choice]]:
+        """A chat request's model name, prompt (the template with its tools) and choices."""
         lora = front.adapter(body.model)
-        name = lora or front.name
-        reasoning = front.cfg.reasoning_parser
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] \
             if body.tools_active else None
         render = functools.partial(front.render, tools=tools, kwargs=body.chat_template_kwargs)
@@ -129,6 +137,12 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         choices = front.request([prompt], {**body.params(max_tokens, top if body.logprobs
                                                          else None), "lora": lora},
                                 body.n, body.given_max_tokens)
+        return lora or front.name, prompt, choices
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        name, prompt, choices = await start_chat(body)
+        reasoning = front.cfg.reasoning_parser
         rid, kind = new_id("chatcmpl"), "chat.completion"
         if not body.stream:
             results = await front.generate(choices, request.receive)
@@ -159,6 +173,43 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             if body.include_usage:
                 yield sse(envelope(kind, rid, name, [], usage(len(prompt), n)))
             yield sse("[DONE]")
+
+        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = body.chat
+        name, prompt, choices = await start_chat(chat)
+        reasoning, rid = front.cfg.reasoning_parser, new_item_id("resp")
+
+        def response(items: list[dict], n: int, finish: str | None) -> dict:
+            status = "incomplete" if finish == "length" else \
+                "completed" if finish else "in_progress"
+            return response_object(body, rid, name, items, len(prompt), n, status)
+
+        if not body.stream:
+            (r,) = await front.generate(choices, request.receive)
+            message = answer(r, reasoning, chat.tools_active)["message"]
+            return JSONResponse(response(output_items(message), len(r.token_ids),
+                                         r.finish_reason))
+        deltas = await front.open_streams(choices)
+
+        async def events() -> AsyncIterator[bytes]:
+            out, parts, n = ResponseEvents(), AnswerStream(reasoning, chat.tools_active), 0
+            yield sse(out.event("response.created", response=response([], 0, None)))
+            finish = None
+            async for _, d in deltas:
+                n += len(d.token_ids)
+                pieces = parts.feed(d.text or "")
+                if d.finish_reason is not None:
+                    pieces += parts.finish()
+                    finish = d.finish_reason
+                for e in out.feed(pieces):
+                    yield sse(e)
+            for e in out.close():
+                yield sse(e)
+            done = "response.incomplete" if finish == "length" else "response.completed"
+            yield sse(out.event(done, response=response(out.items, n, finish)))
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
