@@ -20,7 +20,7 @@ from raygraph.engine.pages import PagePool
 from raygraph.engine.scheduler import Scheduler
 from raygraph.engine.sequence import Sequence
 from raygraph.errors import BadRequest
-from raygraph.grammar import Grammars
+from raygraph.grammar import Grammars, structured_of
 from raygraph.protocol import SamplingParams, SeqChunk, StructuredOutputs
 from raygraph.tokenizer import load_tokenizer
 from raygraph.worker.sampler import sample_tokens
@@ -228,3 +228,7 @@ def test_sampling_params_carry_the_spec_across_msgpack():
     sp = constrained("regex", "a+")
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
     assert back.structured == StructuredOutputs("regex", "a+")
+    # the engine compiles a request's grammar before it registers, from params as sent
+    assert structured_of(sp) == structured_of(msgspec.structs.asdict(sp)) == back.structured
+    assert structured_of({"structured": {"kind": "bogus", "value": ""}}) is None
+    assert structured_of(None) is None and structured_of({}) is None
