@@ -197,6 +197,43 @@ def test_a_constrained_sequence_is_never_fed_and_carries_its_mask(grammars):
     assert step.token_ids == [yes] and step.allowed == guided.guide.mask()
 
 
+def test_constrained_sequences_through_chunking_and_preemption(grammars):
+    """The served loop's logic in one process (tokens fed on the device, replies a step
+    late) with chunked prefill and, with few blocks, preemption: constrained outputs stay
+    valid and equal to those of the unpressed run; free ones are unchanged."""
+    from raygraph.config import CacheConfig
+    from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+    from tests.conftest import loaded_worker
+
+    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=4, num_blocks=96),
+                      scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=12))
+    worker = loaded_worker(cfg, 96)
+    tok = load_tokenizer(str(DEFAULT_MODEL))
+    spec = StructuredOutputs("json", json.dumps(obj({"name": NAME, "n": INT})))
+    outs = {}
+    for blocks in (96, 24):  # 24: sequences are preempted
+        sched = Scheduler(PagePool(blocks, 4), 6, 12, 512, (1,))
+        seqs = []
+        for i in range(6):
+            prompt = tok.encode(f"Record number {i} of the list, as JSON:")
+            guided = i % 2 == 0
+            sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=not guided,
+                                structured=spec if guided else None).resolved()
+            seq = Sequence(i, prompt, sp)
+            seq.guide = grammars.guide(spec) if guided else None
+            sched.add(seq)
+            seqs.append(seq)
+        run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(worker))
+        outs[blocks] = [s.output_token_ids for s in seqs]
+        for s in seqs[::2]:
+            assert s.finish_reason == "stop"
+            jsonschema.validate(json.loads(tok.decode(s.output_token_ids)),
+                                json.loads(spec.value))
+        if blocks == 24:
+            assert sum(s.num_preemptions for s in seqs) > 0
+    assert outs[24] == outs[96]
+
+
 def allowed(mask: bytes, token: int) -> bool:
     return bool(mask[token // 8] >> (token % 8) & 1)
 
