@@ -6,7 +6,6 @@ token is known) and the sampler's masking, each against the real llguidance matc
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import jsonschema
@@ -14,6 +13,7 @@ import msgspec
 import pytest
 import torch
 
+from bench.structured import INT, NAME, obj, schemas
 from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
 from raygraph.engine.pages import PagePool
@@ -24,72 +24,6 @@ from raygraph.grammar import Grammars, structured_of
 from raygraph.protocol import SamplingParams, SeqChunk, StructuredOutputs
 from raygraph.tokenizer import load_tokenizer
 from raygraph.worker.sampler import sample_tokens
-
-NAME = {"type": "string", "maxLength": 12}
-SHORT = {"type": "string", "minLength": 1, "maxLength": 6}
-COLOR = {"enum": ["red", "green", "blue"]}
-INT = {"type": "integer", "minimum": -5, "maximum": 99}
-# a number's digits are unbounded in JSON: multipleOf bounds them, so a small model's
-# greedy "0.000..." cannot run to max_tokens (docs/serving.md says so)
-NUM = {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01}
-
-
-def obj(props: dict, required: list | None = None, closed: bool = True) -> dict:
-    out = {"type": "object", "properties": props,
-           "required": list(props) if required is None else required}
-    if closed:
-        out["additionalProperties"] = False
-    return out
-
-
-def arr(items: dict, lo: int = 0, hi: int = 3) -> dict:
-    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
-
-
-def schemas() -> list[dict]:
-    """50 schemas: nested objects and arrays, item bounds, enums, anyOf/oneOf, $defs/$ref,
-    patterns, numeric bounds, required and optional fields, closed objects."""
-    base = [
-        obj({"name": NAME, "age": INT}),
-        obj({"name": NAME, "age": INT}, required=["name"]),
-        obj({"color": COLOR, "count": INT}),
-        obj({"tags": arr(SHORT, 1, 3)}),
-        obj({"point": obj({"x": NUM, "y": NUM})}),
-        obj({"ok": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 8}}),
-        obj({"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{3}$"}}),
-        obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "city": NAME}),
-        obj({"v": {"anyOf": [INT, COLOR]}}),
-        obj({"v": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9},
-                             {"type": "string", "enum": ["none"]}]}}),
-        {"$defs": {"p": obj({"x": INT, "y": INT})}, **obj({"a": {"$ref": "#/$defs/p"},
-                                                           "b": {"$ref": "#/$defs/p"}})},
-        {"$defs": {"item": obj({"name": SHORT, "qty": INT})},
-         **obj({"items": arr({"$ref": "#/$defs/item"}, 1, 2)})},
-        obj({"grid": arr(arr(INT, 1, 2), 1, 2)}),
-        obj({"level": {"type": "integer", "enum": [1, 2, 3]}, "label": {"const": "fixed"}}),
-        obj({"score": {"type": "number", "exclusiveMinimum": 0, "maximum": 10,
-                       "multipleOf": 0.5}}),
-        obj({"user": obj({"name": NAME, "roles": arr(COLOR, 0, 2)}), "active": {"type":
-                                                                                "boolean"}}),
-        arr(INT, 2, 4),
-        arr(obj({"k": SHORT}), 1, 2),
-        {"type": "string", "enum": ["alpha", "beta", "gamma"]},
-        {"type": "integer", "minimum": 10, "maximum": 20},
-        obj({"a": INT, "b": INT, "c": INT}, required=["a"]),
-        obj({"meta": {"type": "object", "additionalProperties": {"type": "integer"},
-                      "maxProperties": 2}}),
-        obj({"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}}),
-        obj({"nested": obj({"deeper": obj({"deepest": COLOR})})}),
-        obj({"pair": {"type": "array", "prefixItems": [INT, COLOR], "items": False}}),
-    ]
-    rng = random.Random(0)
-    leaves = [NAME, SHORT, COLOR, INT, NUM, {"type": "boolean"}, arr(INT, 0, 2),
-              {"anyOf": [INT, {"type": "null"}]}]
-    while len(base) < 50:  # random closed objects of the building blocks above
-        props = {f"f{i}": rng.choice(leaves) for i in range(rng.randint(1, 4))}
-        required = [k for k in props if rng.random() < 0.7]
-        base.append(obj(props, required))
-    return base
 
 
 @pytest.fixture(scope="module")
