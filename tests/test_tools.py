@@ -15,7 +15,7 @@ import pytest
 
 from raygraph.api.answers import AnswerStream, answer
 from raygraph.api.schemas import ChatRequest
-from raygraph.api.tools import tool_grammar
+from raygraph.api.tools import TOOL_FORMATS, format_for
 from raygraph.config import DEFAULT_MODEL
 from raygraph.grammar import Grammars
 from raygraph.protocol import GenerateResult, StructuredOutputs
@@ -30,16 +30,20 @@ ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
-def whole(text: str, reasoning: str | None = None, tools: bool = True,
+HERMES = TOOL_FORMATS["hermes"]
+
+
+def whole(text: str, reasoning: str | None = None, tools: str | None = "hermes",
           finish: str = "stop") -> dict:
-    return answer(GenerateResult(0, [], [], text, finish), reasoning, tools)
+    fmt = TOOL_FORMATS[tools] if tools else None
+    return answer(GenerateResult(0, [], [], text, finish), reasoning, fmt)
 
 
 def streamed(text: str, rng: random.Random, reasoning: str | None = None,
-             tools: bool = True) -> tuple[list[dict], AnswerStream]:
+             tools: str | None = "hermes") -> tuple[list[dict], AnswerStream]:
     """`text` fed in random pieces: the deltas, and the splitter."""
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
-    stream, deltas = AnswerStream(reasoning, tools), []
+    stream, deltas = AnswerStream(reasoning, TOOL_FORMATS[tools] if tools else None), []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         deltas += stream.feed(text[a:b])
     return deltas + stream.finish(), stream
@@ -87,10 +91,10 @@ REASONED = [  # (parser, answer, reasoning_content, content)
 @pytest.mark.parametrize("parser,text,reasoning,content", REASONED)
 def test_reasoning_is_split_from_the_answer_whole_and_streamed(parser, text, reasoning,
                                                               content):
-    msg = whole(text, parser, tools=False)["message"]
+    msg = whole(text, parser, tools=None)["message"]
     assert (msg["reasoning_content"], msg["content"]) == (reasoning, content)
     for seed in range(10):
-        deltas, _ = streamed(text, random.Random(seed), parser, tools=False)
+        deltas, _ = streamed(text, random.Random(seed), parser, tools=None)
         assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
         assert "".join(d.get("content", "") for d in deltas) == content
 
@@ -120,7 +124,7 @@ def matches(grammars: Grammars, grammar: str, text: str) -> bool:
 def test_the_forcing_grammar_takes_valid_calls_only(grammars):
     one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     two = one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-    both, named = tool_grammar([WEATHER, TIME], True), tool_grammar([WEATHER], False)
+    both, named = HERMES.grammar([WEATHER, TIME], True), HERMES.grammar([WEATHER], False)
     assert matches(grammars, both, one) and matches(grammars, both, two)
     assert matches(grammars, named, one) and not matches(grammars, named, two)
     for bad in ['<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
@@ -140,14 +144,14 @@ def request(**kw) -> ChatRequest:
                                        "tools": tools, **kw})
 
 
-def test_tool_choice_picks_the_constraint():
-    assert request().structured() is None and request().tools_active
-    assert request(tool_choice="none").structured() is None
+def test_tool_choice_picks_the_functions_a_call_must_be_of():
+    assert request().forced_tools() is None and request().tools_active
+    assert request(tool_choice="none").forced_tools() is None
     assert not request(tool_choice="none").tools_active
-    forced = request(tool_choice="required").structured()
-    assert forced["kind"] == "grammar" and "get_time" in forced["value"]
+    assert [f["name"] for f in request(tool_choice="required").forced_tools()] == [
+        "get_weather", "get_time"]
     named = request(tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert "get_weather" not in named.structured()["value"]
+    assert [f["name"] for f in named.forced_tools()] == ["get_time"]
     for bad, words in [({"tool_choice": {"type": "function", "function": {"name": "x"}}},
                         "no tool named 'x'"),
                        ({"tool_choice": "required", "response_format": {"type": "json_object"}},
@@ -157,6 +161,43 @@ def test_tool_choice_picks_the_constraint():
     with pytest.raises(pydantic.ValidationError, match="no tools given"):
         ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                     "tool_choice": "required"})
+
+
+LLAMA = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+         '{"name": "get_time", "parameters": {}}')
+MISTRAL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, ' \
+          '{"name": "get_time", "arguments": {}}]'
+
+
+@pytest.mark.parametrize("fmt,text", [("llama3_json", LLAMA), ("llama3_json", LLAMA[14:]),
+                                      ("mistral", MISTRAL), ("mistral", MISTRAL[12:])])
+def test_llama3_and_mistral_calls_whole_streamed_and_forced(grammars, fmt, text):
+    """An answer that opens as calls is all calls (the marker may have been a special token,
+    dropped from the text); other answers are content, streamed as they come; the forcing
+    grammar writes what the parser reads."""
+    msg = whole(text, tools=fmt)["message"]
+    assert msg["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    for seed in range(5):
+        deltas, stream = streamed(text, random.Random(seed), tools=fmt)
+        assert stream.calls == 2 and not any("content" in d for d in deltas)
+    prose = "The weather is fine [1]."
+    assert whole(prose, tools=fmt)["message"] == {"role": "assistant", "content": prose}
+    deltas, _ = streamed(prose, random.Random(0), tools=fmt)
+    assert "".join(d["content"] for d in deltas) == prose
+    grammar = TOOL_FORMATS[fmt].grammar([WEATHER, TIME], True)
+    forced = text.removeprefix("<|python_tag|>").removeprefix("[TOOL_CALLS]")
+    assert matches(grammars, grammar, forced)
+    assert not matches(grammars, TOOL_FORMATS[fmt].grammar([TIME], False), forced)
+
+
+def test_the_format_is_read_off_the_chat_template():
+    assert format_for(None, "{{ '<tool_call>' }}").name == "hermes"
+    assert format_for(None, "{{ '[TOOL_CALLS]' }}").name == "mistral"
+    assert format_for(None, "{% if role == 'ipython' %}").name == "llama3_json"
+    assert format_for(None, None).name == "hermes"
+    assert format_for("mistral", "{{ '<tool_call>' }}").name == "mistral"
 
 
 def test_the_default_template_renders_tools_calls_and_results():

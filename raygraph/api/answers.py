@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from raygraph.api.schemas import finish_reason
-from raygraph.api.tools import CallStream, partial_suffix
+from raygraph.api.tools import CallStream, ToolFormat, partial_suffix
 from raygraph.protocol import GenerateResult, StreamDelta
 
 THINK, END_THINK = "<think>", "</think>"
@@ -70,9 +70,9 @@ class AnswerStream:
     """One chat choice's text -> OpenAI delta dicts ({"reasoning_content"}, {"content"},
     {"tool_calls"}), in order; nothing is split when neither option is on."""
 
-    def __init__(self, reasoning: str | None, tools: bool) -> None:
+    def __init__(self, reasoning: str | None, tools: ToolFormat | None) -> None:
         self.reasoning = ReasoningSplit(reasoning) if reasoning else None
-        self.tools = CallStream() if tools else None
+        self.tools = CallStream(tools) if tools else None
 
     @property
     def calls(self) -> int:
@@ -100,7 +100,8 @@ class AnswerStream:
         return out
 
 
-def answer(r: GenerateResult, reasoning: str | None, tools: bool) -> dict[str, Any]:
+def answer(r: GenerateResult, reasoning: str | None, tools: ToolFormat | None
+           ) -> dict[str, Any]:
     """A whole chat choice: its message (content, reasoning_content, tool_calls) and ending
     (finish_reason "tool_calls" when calls closed before any limit)."""
     stream = AnswerStream(reasoning, tools)

@@ -134,21 +134,25 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         (prompt,) = await front.tokenize(render, [m.text() for m in body.messages])
         top = body.top_logprobs or 0
         max_tokens = body.given_max_tokens or front.max_model_len
-        choices = front.request([prompt], {**body.params(max_tokens, top if body.logprobs
-                                                         else None), "lora": lora},
-                                body.n, body.given_max_tokens)
+        fields = {**body.params(max_tokens, top if body.logprobs else None), "lora": lora}
+        forced = body.forced_tools()
+        if forced is not None:  # the calls, in the model's format, always parse
+            grammar = front.tool_format.grammar(forced, body.parallel_tool_calls)
+            fields["structured"] = {"kind": "grammar", "value": grammar}
+        choices = front.request([prompt], fields, body.n, body.given_max_tokens)
         return lora or front.name, prompt, choices
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         name, prompt, choices = await start_chat(body)
         reasoning = front.cfg.reasoning_parser
+        tools = front.tool_format if body.tools_active else None
         rid, kind = new_id("chatcmpl"), "chat.completion"
         if not body.stream:
             results = await front.generate(choices, request.receive)
             lps = await front.result_logprobs(results, front.logprobs.chat
                                               if body.logprobs else None)
-            out = [{"index": i, **answer(r, reasoning, body.tools_active), "logprobs": lp}
+            out = [{"index": i, **answer(r, reasoning, tools), "logprobs": lp}
                    for i, (r, lp) in enumerate(zip(results, lps))]
             n = sum(len(r.token_ids) for r in results)
             return JSONResponse(envelope(kind, rid, name, out, usage(len(prompt), n)))
@@ -161,8 +165,8 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                          "logprobs": None, "finish_reason": None, "stop_reason": None}
                 yield sse(envelope(kind, rid, name, [first], None, body.include_usage))
             n = 0
-            split = reasoning is not None or body.tools_active
-            parts = {i: AnswerStream(reasoning, body.tools_active)
+            split = reasoning is not None or tools is not None
+            parts = {i: AnswerStream(reasoning, tools)
                      for i in range(len(choices))} if split else None
             async for i, d in deltas:
                 n += len(d.token_ids)
@@ -181,6 +185,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         chat = body.chat
         name, prompt, choices = await start_chat(chat)
         reasoning, rid = front.cfg.reasoning_parser, new_item_id("resp")
+        tools = front.tool_format if chat.tools_active else None
 
         def response(items: list[dict], n: int, finish: str | None) -> dict:
             status = "incomplete" if finish == "length" else \
@@ -189,13 +194,13 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
         if not body.stream:
             (r,) = await front.generate(choices, request.receive)
-            message = answer(r, reasoning, chat.tools_active)["message"]
+            message = answer(r, reasoning, tools)["message"]
             return JSONResponse(response(output_items(message), len(r.token_ids),
                                          r.finish_reason))
         deltas = await front.open_streams(choices)
 
         async def events() -> AsyncIterator[bytes]:
-            out, parts, n = ResponseEvents(), AnswerStream(reasoning, chat.tools_active), 0
+            out, parts, n = ResponseEvents(), AnswerStream(reasoning, tools), 0
             yield sse(out.event("response.created", response=response([], 0, None)))
             finish = None
             async for _, d in deltas:

@@ -18,6 +18,7 @@ from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
+from raygraph.api.tools import FORMATS, ToolFormat, format_for
 from raygraph.client.streams import ReplicaStreams
 from raygraph.errors import BadRequest
 from raygraph.grammar import Grammars
@@ -54,10 +55,15 @@ class HttpConfig(msgspec.Struct, frozen=True):
     enable_lora_updates: bool = False  # POST /v1/load_lora_adapter, /v1/unload_... (else 404)
     # chat answers' <think> part as reasoning_content: deepseek_r1 or qwen3 (api/answers.py)
     reasoning_parser: str | None = None
+    # the model's tool-call format (api/tools.py); None: read off the chat template
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.tool_call_parser not in (None, *FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -120,6 +126,11 @@ class Front:
     @property
     def chat(self) -> ChatTemplate:
         return self._text.result()[2]
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls (`--tool-call-parser`, else its template's)."""
+        return format_for(self.cfg.tool_call_parser, self.chat.template)
 
     def grammars(self) -> Grammars:
         """The structured-output compiler (raygraph/grammar.py), to check a request's

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from raygraph.api.tools import template_message, tool_grammar
+from raygraph.api.tools import template_message
 from raygraph.protocol import (
     INT32_MAX,
     INT64_MAX,
@@ -302,13 +302,13 @@ class ChatRequest(_Sampling):
         return functions
 
     def structured(self) -> dict[str, str] | None:
+        """The output format asked for; a forced tool_choice's grammar is the route's (it
+        depends on the model's call format)."""
         spec = super().structured()
-        forced = self.forced_tools()
-        if forced is None:
-            return spec
-        if spec is not None:
+        forced = self.forced_tools()  # ValueError: a choice the tools do not have
+        if spec is not None and forced is not None:
             raise ValueError("tool_choice and an output format: give one output constraint")
-        return structured_spec("grammar", tool_grammar(forced, self.parallel_tool_calls))
+        return spec
 
     @property
     def given_max_tokens(self) -> int | None:
