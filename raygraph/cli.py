@@ -192,6 +192,13 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (default: the checkpoint's "
                         "tokenizer_config.json chat_template)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="return a chat answer's <think> part as reasoning_content "
+                        "(default: off, all of it is content)")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (default: read off its chat "
+                        "template, else hermes)")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP server actors sharing the port, for many concurrent streams "
                         "(default: 1)")
@@ -281,7 +288,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           chat_template=template,
                           replicas=a.api_server_count, max_request_bytes=a.max_request_bytes,
                           enable_sleep_routes=a.enable_sleep_routes,
-                          enable_lora_updates=a.enable_lora_updates)
+                          enable_lora_updates=a.enable_lora_updates,
+                          reasoning_parser=a.reasoning_parser,
+                          tool_call_parser=a.tool_call_parser)
         try:
             servers, url = start_http(http, cfg.coordinator_name, cfg.namespace,
                                       a.detach)  # kept: they live while serve runs

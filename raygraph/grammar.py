@@ -18,6 +18,8 @@ import json
 from functools import lru_cache
 from typing import Any
 
+import msgspec
+
 from raygraph.errors import BadRequest
 from raygraph.protocol import StructuredOutputs
 
@@ -96,6 +98,19 @@ class Grammars:
 
         matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec))
         return Guide(matcher, self.eos, self.vocab)
+
+
+def structured_of(params: Any) -> StructuredOutputs | None:
+    """A request's grammar spec from its params as sent (SamplingParams or a dict), or None
+    when it has none or it does not parse (the request's own checks report that)."""
+    spec = getattr(params, "structured", None) if not isinstance(params, dict) \
+        else params.get("structured")
+    if spec is None or isinstance(spec, StructuredOutputs):
+        return spec
+    try:
+        return msgspec.convert(spec, StructuredOutputs)
+    except msgspec.ValidationError:
+        return None
 
 
 def fixed_whitespace(schema: str) -> str:

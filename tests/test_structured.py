@@ -6,7 +6,6 @@ token is known) and the sampler's masking, each against the real llguidance matc
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import jsonschema
@@ -14,82 +13,17 @@ import msgspec
 import pytest
 import torch
 
+from bench.structured import INT, NAME, obj, schemas
 from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
 from raygraph.engine.pages import PagePool
 from raygraph.engine.scheduler import Scheduler
 from raygraph.engine.sequence import Sequence
 from raygraph.errors import BadRequest
-from raygraph.grammar import Grammars
+from raygraph.grammar import Grammars, structured_of
 from raygraph.protocol import SamplingParams, SeqChunk, StructuredOutputs
 from raygraph.tokenizer import load_tokenizer
 from raygraph.worker.sampler import sample_tokens
-
-NAME = {"type": "string", "maxLength": 12}
-SHORT = {"type": "string", "minLength": 1, "maxLength": 6}
-COLOR = {"enum": ["red", "green", "blue"]}
-INT = {"type": "integer", "minimum": -5, "maximum": 99}
-# a number's digits are unbounded in JSON: multipleOf bounds them, so a small model's
-# greedy "0.000..." cannot run to max_tokens (docs/serving.md says so)
-NUM = {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01}
-
-
-def obj(props: dict, required: list | None = None, closed: bool = True) -> dict:
-    out = {"type": "object", "properties": props,
-           "required": list(props) if required is None else required}
-    if closed:
-        out["additionalProperties"] = False
-    return out
-
-
-def arr(items: dict, lo: int = 0, hi: int = 3) -> dict:
-    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
-
-
-def schemas() -> list[dict]:
-    """50 schemas: nested objects and arrays, item bounds, enums, anyOf/oneOf, $defs/$ref,
-    patterns, numeric bounds, required and optional fields, closed objects."""
-    base = [
-        obj({"name": NAME, "age": INT}),
-        obj({"name": NAME, "age": INT}, required=["name"]),
-        obj({"color": COLOR, "count": INT}),
-        obj({"tags": arr(SHORT, 1, 3)}),
-        obj({"point": obj({"x": NUM, "y": NUM})}),
-        obj({"ok": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 8}}),
-        obj({"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{3}$"}}),
-        obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "city": NAME}),
-        obj({"v": {"anyOf": [INT, COLOR]}}),
-        obj({"v": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9},
-                             {"type": "string", "enum": ["none"]}]}}),
-        {"$defs": {"p": obj({"x": INT, "y": INT})}, **obj({"a": {"$ref": "#/$defs/p"},
-                                                           "b": {"$ref": "#/$defs/p"}})},
-        {"$defs": {"item": obj({"name": SHORT, "qty": INT})},
-         **obj({"items": arr({"$ref": "#/$defs/item"}, 1, 2)})},
-        obj({"grid": arr(arr(INT, 1, 2), 1, 2)}),
-        obj({"level": {"type": "integer", "enum": [1, 2, 3]}, "label": {"const": "fixed"}}),
-        obj({"score": {"type": "number", "exclusiveMinimum": 0, "maximum": 10,
-                       "multipleOf": 0.5}}),
-        obj({"user": obj({"name": NAME, "roles": arr(COLOR, 0, 2)}), "active": {"type":
-                                                                                "boolean"}}),
-        arr(INT, 2, 4),
-        arr(obj({"k": SHORT}), 1, 2),
-        {"type": "string", "enum": ["alpha", "beta", "gamma"]},
-        {"type": "integer", "minimum": 10, "maximum": 20},
-        obj({"a": INT, "b": INT, "c": INT}, required=["a"]),
-        obj({"meta": {"type": "object", "additionalProperties": {"type": "integer"},
-                      "maxProperties": 2}}),
-        obj({"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}}),
-        obj({"nested": obj({"deeper": obj({"deepest": COLOR})})}),
-        obj({"pair": {"type": "array", "prefixItems": [INT, COLOR], "items": False}}),
-    ]
-    rng = random.Random(0)
-    leaves = [NAME, SHORT, COLOR, INT, NUM, {"type": "boolean"}, arr(INT, 0, 2),
-              {"anyOf": [INT, {"type": "null"}]}]
-    while len(base) < 50:  # random closed objects of the building blocks above
-        props = {f"f{i}": rng.choice(leaves) for i in range(rng.randint(1, 4))}
-        required = [k for k in props if rng.random() < 0.7]
-        base.append(obj(props, required))
-    return base
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +131,43 @@ def test_a_constrained_sequence_is_never_fed_and_carries_its_mask(grammars):
     assert step.token_ids == [yes] and step.allowed == guided.guide.mask()
 
 
+def test_constrained_sequences_through_chunking_and_preemption(grammars):
+    """The served loop's logic in one process (tokens fed on the device, replies a step
+    late) with chunked prefill and, with few blocks, preemption: constrained outputs stay
+    valid and equal to those of the unpressed run; free ones are unchanged."""
+    from raygraph.config import CacheConfig
+    from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+    from tests.conftest import loaded_worker
+
+    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=4, num_blocks=96),
+                      scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=12))
+    worker = loaded_worker(cfg, 96)
+    tok = load_tokenizer(str(DEFAULT_MODEL))
+    spec = StructuredOutputs("json", json.dumps(obj({"name": NAME, "n": INT})))
+    outs = {}
+    for blocks in (96, 24):  # 24: sequences are preempted
+        sched = Scheduler(PagePool(blocks, 4), 6, 12, 512, (1,))
+        seqs = []
+        for i in range(6):
+            prompt = tok.encode(f"Record number {i} of the list, as JSON:")
+            guided = i % 2 == 0
+            sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=not guided,
+                                structured=spec if guided else None).resolved()
+            seq = Sequence(i, prompt, sp)
+            seq.guide = grammars.guide(spec) if guided else None
+            sched.add(seq)
+            seqs.append(seq)
+        run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(worker))
+        outs[blocks] = [s.output_token_ids for s in seqs]
+        for s in seqs[::2]:
+            assert s.finish_reason == "stop"
+            jsonschema.validate(json.loads(tok.decode(s.output_token_ids)),
+                                json.loads(spec.value))
+        if blocks == 24:
+            assert sum(s.num_preemptions for s in seqs) > 0
+    assert outs[24] == outs[96]
+
+
 def allowed(mask: bytes, token: int) -> bool:
     return bool(mask[token // 8] >> (token % 8) & 1)
 
@@ -228,3 +199,7 @@ def test_sampling_params_carry_the_spec_across_msgpack():
     sp = constrained("regex", "a+")
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
     assert back.structured == StructuredOutputs("regex", "a+")
+    # the engine compiles a request's grammar before it registers, from params as sent
+    assert structured_of(sp) == structured_of(msgspec.structs.asdict(sp)) == back.structured
+    assert structured_of({"structured": {"kind": "bogus", "value": ""}}) is None
+    assert structured_of(None) is None and structured_of({}) is None

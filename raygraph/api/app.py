@@ -6,6 +6,7 @@ size checks run before any route (`middleware.FrontDoor`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,20 +14,26 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from raygraph.api.answers import AnswerStream, answer, chat_chunks, ending
 from raygraph.api.errors import ApiError, install_handlers, translate
-from raygraph.api.front import Front, HttpConfig
+from raygraph.api.front import Choice, Front, HttpConfig
 from raygraph.api.middleware import FrontDoor
+from raygraph.api.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    new_item_id,
+    output_items,
+    response_object,
+)
 from raygraph.api.schemas import (
     ChatRequest,
     CompletionRequest,
     LoadLoRARequest,
     UnloadLoRARequest,
     envelope,
-    finish_reason,
     new_id,
     usage,
 )
-from raygraph.protocol import GenerateResult, StreamDelta
 
 __all__ = ["HttpConfig", "build_app"]
 
@@ -34,8 +41,11 @@ __all__ = ["HttpConfig", "build_app"]
 def sse(obj: dict | str) -> bytes:
     """One server-sent event. msgspec writes it (a streamed chunk's JSON is most of the
     server's work per token); the values are finite already (Logprobs clamps them), and
-    any other non-finite float would be written as null."""
+    any other non-finite float would be written as null. A Responses event also names its
+    type on an `event:` line, as OpenAI's server does."""
     data = obj.encode() if isinstance(obj, str) else msgspec.json.encode(obj)
+    if isinstance(obj, dict) and "sequence_number" in obj:
+        return b"event: " + obj["type"].encode() + b"\ndata: " + data + b"\n\n"
     return b"data: " + data + b"\n\n"
 
 
@@ -115,23 +125,34 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Response:
+    async def start_chat(body: ChatRequest) -> tuple[str, list[int], list[Choice]]:
+        """A chat request's model name, prompt (the template with its tools) and choices."""
         lora = front.adapter(body.model)
-        name = lora or front.name
-        (prompt,) = await front.tokenize(front.render, [m.text() for m in body.messages])
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] \
+            if body.tools_active else None
+        render = functools.partial(front.render, tools=tools, kwargs=body.chat_template_kwargs)
+        (prompt,) = await front.tokenize(render, [m.text() for m in body.messages])
         top = body.top_logprobs or 0
         max_tokens = body.given_max_tokens or front.max_model_len
-        choices = front.request([prompt], {**body.params(max_tokens, top if body.logprobs
-                                                         else None), "lora": lora},
-                                body.n, body.given_max_tokens)
+        fields = {**body.params(max_tokens, top if body.logprobs else None), "lora": lora}
+        forced = body.forced_tools()
+        if forced is not None:  # the calls, in the model's format, always parse
+            grammar = front.tool_format.grammar(forced, body.parallel_tool_calls)
+            fields["structured"] = {"kind": "grammar", "value": grammar}
+        choices = front.request([prompt], fields, body.n, body.given_max_tokens)
+        return lora or front.name, prompt, choices
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        name, prompt, choices = await start_chat(body)
+        reasoning = front.cfg.reasoning_parser
+        tools = front.tool_format if body.tools_active else None
         rid, kind = new_id("chatcmpl"), "chat.completion"
         if not body.stream:
             results = await front.generate(choices, request.receive)
             lps = await front.result_logprobs(results, front.logprobs.chat
                                               if body.logprobs else None)
-            out = [{"index": i, "message": {"role": "assistant", "content": r.text or ""},
-                    "logprobs": lp, **ending(r)}
+            out = [{"index": i, **answer(r, reasoning, tools), "logprobs": lp}
                    for i, (r, lp) in enumerate(zip(results, lps))]
             n = sum(len(r.token_ids) for r in results)
             return JSONResponse(envelope(kind, rid, name, out, usage(len(prompt), n)))
@@ -144,15 +165,56 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                          "logprobs": None, "finish_reason": None, "stop_reason": None}
                 yield sse(envelope(kind, rid, name, [first], None, body.include_usage))
             n = 0
+            split = reasoning is not None or tools is not None
+            parts = {i: AnswerStream(reasoning, tools)
+                     for i in range(len(choices))} if split else None
             async for i, d in deltas:
                 n += len(d.token_ids)
-                choice = {"index": i, "delta": {"content": d.text} if d.text else {},
-                          "logprobs": front.logprobs.chat(d.token_ids, d.logprobs or [])
-                          if body.logprobs else None, **ending(d)}
-                yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
+                lp = front.logprobs.chat(d.token_ids, d.logprobs or []) if body.logprobs \
+                    else None
+                for choice in chat_chunks(i, d, lp, parts[i] if parts else None):
+                    yield sse(envelope(kind, rid, name, [choice], None, body.include_usage))
             if body.include_usage:
                 yield sse(envelope(kind, rid, name, [], usage(len(prompt), n)))
             yield sse("[DONE]")
+
+        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = body.chat
+        name, prompt, choices = await start_chat(chat)
+        reasoning, rid = front.cfg.reasoning_parser, new_item_id("resp")
+        tools = front.tool_format if chat.tools_active else None
+
+        def response(items: list[dict], n: int, finish: str | None) -> dict:
+            status = "incomplete" if finish == "length" else \
+                "completed" if finish else "in_progress"
+            return response_object(body, rid, name, items, len(prompt), n, status)
+
+        if not body.stream:
+            (r,) = await front.generate(choices, request.receive)
+            message = answer(r, reasoning, tools)["message"]
+            return JSONResponse(response(output_items(message), len(r.token_ids),
+                                         r.finish_reason))
+        deltas = await front.open_streams(choices)
+
+        async def events() -> AsyncIterator[bytes]:
+            out, parts, n = ResponseEvents(), AnswerStream(reasoning, tools), 0
+            yield sse(out.event("response.created", response=response([], 0, None)))
+            finish = None
+            async for _, d in deltas:
+                n += len(d.token_ids)
+                pieces = parts.feed(d.text or "")
+                if d.finish_reason is not None:
+                    pieces += parts.finish()
+                    finish = d.finish_reason
+                for e in out.feed(pieces):
+                    yield sse(e)
+            for e in out.close():
+                yield sse(e)
+            done = "response.incomplete" if finish == "length" else "response.completed"
+            yield sse(out.event(done, response=response(out.items, n, finish)))
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
@@ -208,12 +270,6 @@ def add_lora_routes(app: FastAPI, coord: Any) -> None:
         except Exception as e:
             raise translate(e) from None
         return {"lora_name": body.lora_name, "unloaded": True}
-
-
-def ending(r: GenerateResult | StreamDelta) -> dict:
-    """A choice's finish_reason and stop_reason (the stop string or token id; None for EOS
-    and until the last chunk of a stream)."""
-    return {"finish_reason": finish_reason(r.finish_reason), "stop_reason": r.stop_reason}
 
 
 async def _guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -13,10 +13,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from raygraph.api.answers import REASONING_PARSERS
 from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
 from raygraph.api.schemas import Logprobs, check_params
+from raygraph.api.tools import FORMATS, ToolFormat, format_for
 from raygraph.client.streams import ReplicaStreams
 from raygraph.errors import BadRequest
 from raygraph.grammar import Grammars
@@ -51,10 +53,20 @@ class HttpConfig(msgspec.Struct, frozen=True):
     max_request_bytes: int = 16 * 2**20  # a larger body is a 413, refused before it is read
     enable_sleep_routes: bool = False  # POST /sleep and /wake_up (else 404)
     enable_lora_updates: bool = False  # POST /v1/load_lora_adapter, /v1/unload_... (else 404)
+    # chat answers' <think> part as reasoning_content: deepseek_r1 or qwen3 (api/answers.py)
+    reasoning_parser: str | None = None
+    # the model's tool-call format (api/tools.py); None: read off the chat template
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.tool_call_parser not in (None, *FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 # one SSE stream per choice: (choice index, prompt token ids, params)
@@ -115,6 +127,11 @@ class Front:
     def chat(self) -> ChatTemplate:
         return self._text.result()[2]
 
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls (`--tool-call-parser`, else its template's)."""
+        return format_for(self.cfg.tool_call_parser, self.chat.template)
+
     def grammars(self) -> Grammars:
         """The structured-output compiler (raygraph/grammar.py), to check a request's
         grammar before it is sent."""
@@ -138,9 +155,10 @@ class Front:
         """Every prompt's token ids (BadRequest if one is bad); run it off the loop."""
         return [encode_prompt(p, self.tokenizer, self.vocab_size) for p in split_prompts(prompts)]
 
-    def render(self, messages: list[dict[str, str]]) -> list[list[int]]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               kwargs: dict[str, Any] | None = None) -> list[list[int]]:
         """The chat template's token ids, checked as a prompt; run it off the loop."""
-        return self.encode([self.chat.render(messages)])
+        return self.encode([self.chat.render(messages, tools, kwargs)])
 
     async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any
                        ) -> list[list[int]]:

@@ -7,7 +7,7 @@ import json
 import math
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from raygraph.api.tools import template_message
 from raygraph.protocol import (
     INT32_MAX,
     INT64_MAX,
@@ -177,10 +178,13 @@ class _Sampling(BaseModel):
         self.structured()  # ValueError: two constraints, or a json_schema without schema
         return self
 
+    # the UNSUPPORTED fields this route refuses (the chat route takes tools)
+    refused: ClassVar[tuple[str, ...]] = tuple(UNSUPPORTED)
+
     @field_validator(*UNSUPPORTED)
     @classmethod
     def _refuse_unbuilt(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in UNSUPPORTED[info.field_name]:
+        if info.field_name in cls.refused and value not in UNSUPPORTED[info.field_name]:
             raise ValueError("not supported by this server yet; the request was not run")
         return value
 
@@ -215,6 +219,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as OpenAI sends them
+    tool_call_id: StrictStr | None = None  # a tool result's call
+    name: StrictStr | None = None
 
     @field_validator("content")
     @classmethod
@@ -227,12 +234,40 @@ class ChatMessage(BaseModel):
                                  "text only")
         return content
 
-    def text(self) -> dict[str, str]:
-        """The message for the chat template: content parts joined into one string."""
+    def text(self) -> dict[str, Any]:
+        """The message for the chat template: content parts joined into one string; an
+        assistant's tool calls and a tool result's call id as the templates read them."""
         c = self.content
         if isinstance(c, list):
             c = "".join(p.text or "" for p in c if p.type == "text")
-        return {"role": self.role, "content": c or ""}
+        out: dict[str, Any] = {"role": self.role, "content": c or ""}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return template_message(out)
+
+
+class ToolFunction(BaseModel):
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Sampling):
@@ -240,6 +275,40 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
+    refused: ClassVar[tuple[str, ...]] = ("functions", "function_call", "logit_bias")
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the template gets the tools and the answer is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The functions a call must be of ("required": any tool; a named choice: that
+        one); None when the model may answer in text."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+        if not functions:
+            raise ValueError("tool_choice: no tools given")
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise ValueError(f"tool_choice: no tool named {choice.function.name!r}")
+        return functions
+
+    def structured(self) -> dict[str, str] | None:
+        """The output format asked for; a forced tool_choice's grammar is the route's (it
+        depends on the model's call format)."""
+        spec = super().structured()
+        forced = self.forced_tools()  # ValueError: a choice the tools do not have
+        if spec is not None and forced is not None:
+            raise ValueError("tool_choice and an output format: give one output constraint")
+        return spec
 
     @property
     def given_max_tokens(self) -> int | None:

@@ -44,7 +44,7 @@ from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
 from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
 from raygraph.generation import sampling_defaults
-from raygraph.grammar import Grammars
+from raygraph.grammar import Grammars, structured_of
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     REPLICA_SHIFT,
@@ -53,6 +53,7 @@ from raygraph.protocol import (
     StartupProgress,
     StepOutput,
     StreamDelta,
+    StructuredOutputs,
     WorkerInfo,
 )
 from raygraph.requests import (
@@ -391,6 +392,7 @@ class Engine:
         Bad input raises BadRequest before anything is scheduled; other requests go on.
         """
         await self._wait_serving()
+        await self._compile_grammars([params])
         reqs = self._submit(prompts, params)
         try:
             return list(await asyncio.gather(*(self.clients.result(r) for r in reqs)))
@@ -405,6 +407,7 @@ class Engine:
         Call as `coordinator.generate_stream.options(num_returns="streaming").remote(...)`.
         """
         await self._wait_serving()
+        await self._compile_grammars([params])
         (req,) = self._submit(prompt, params, stream=True)
         try:
             while True:
@@ -443,6 +446,7 @@ class Engine:
         prompt's ids take ~35 us to become a list on the CPU VM, 2-3x that on an H200's
         host: ~5 ms for a 64-prompt burst, which every first token used to wait for)."""
         await self._wait_serving()
+        await self._compile_grammars([params for _, params in requests])
         # nothing is emitted before this returns: deltas come from this loop, which does not
         # yield below
         sink = self.subscribers.sink(name)
@@ -528,6 +532,22 @@ class Engine:
             reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
             seqs.append((seq, sp.lora))
         return reqs, seqs
+
+    async def _compile_grammars(self, params: list[Any]) -> None:
+        """The requests' grammars compiled on a thread (then cached) before they register,
+        so a large schema holds up neither the event loop's other requests and streams nor
+        the step thread. A bad one is left to fail its request when it registers."""
+        specs = {spec for spec in map(structured_of, params) if spec is not None}
+        if specs and self.tokenizer is not None:
+            await asyncio.to_thread(self._warm_grammars, specs)
+
+    def _warm_grammars(self, specs: set[StructuredOutputs]) -> None:
+        grammars = self._grammars()
+        for spec in specs:
+            try:
+                grammars.compile(spec)
+            except BadRequest:
+                pass
 
     def _grammars(self) -> Grammars:
         """The structured-output compiler, built for the tokenizer on first use."""
