@@ -45,10 +45,7 @@ def server(ray_session):
     cfg = ServeConfig(device="cpu", coordinator_name="http-test", step_timeout_s=60,
                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
     coord = start_coordinator(cfg)
-    # qwen3's reasoning parser splits only answers that open with <think>: the tiny model's
-    # free text never does, so only the reasoning test (a grammar writes one) sees it work
-    handles, url = start_http(HttpConfig(port=0, api_key=KEY, enable_sleep_routes=True,
-                                         reasoning_parser="qwen3"),
+    handles, url = start_http(HttpConfig(port=0, api_key=KEY, enable_sleep_routes=True),
                               cfg.coordinator_name, cfg.namespace)
     yield coord, url
     stop_http(cfg.coordinator_name, cfg.namespace)
@@ -756,12 +753,25 @@ def test_a_two_turn_tool_loop(server, client):
     assert final.usage.prompt_tokens > first.usage.prompt_tokens + 10  # call + result in it
 
 
-def test_reasoning_content_is_split_from_the_answer(server, client):
-    """A <think> part (written here by a grammar, as the tiny model has none of its own)
-    comes back as reasoning_content, whole and streamed; the answer as content."""
-    shape = r"<think>[a-z]{2,8}( [a-z]{2,8}){0,3}</think>\n\n[A-Z][a-z]{1,8}\."
+def test_reasoning_content_is_split_from_the_answer(server):
+    """A <think> part comes back as reasoning_content, whole and streamed; the answer as
+    content. A second server on the same coordinator, with qwen3's parser; the thinking is
+    written by the request's own grammar (the tiny model has none), which, being the
+    client's, constrains the whole answer."""
+    name = "http-test-reasoning"
+    _, url = start_http(HttpConfig(port=0, api_key=KEY, reasoning_parser="qwen3"),
+                        "http-test", ServeConfig().namespace, name=name)
+    try:
+        check_reasoning(openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0))
+    finally:
+        stop_http(name, ServeConfig().namespace)
+
+
+def check_reasoning(client: openai.OpenAI) -> None:
+    shape = ('start: "<think>" /[a-z]{2,8}( [a-z]{2,8}){0,3}/ "</think>\\n\\n" '
+             '/[A-Z][a-z]{1,8}\\./')
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "Why?"}], "max_tokens": 60,
-          "extra_body": {"structured_outputs": {"regex": shape}}, "temperature": 0}
+          "extra_body": {"structured_outputs": {"grammar": shape}}, "temperature": 0}
     msg = client.chat.completions.create(**kw).choices[0].message
     reasoning = msg.model_extra["reasoning_content"]
     assert re.fullmatch(r"[a-z]{2,8}( [a-z]{2,8}){0,3}", reasoning), reasoning

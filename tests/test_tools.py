@@ -13,7 +13,7 @@ import llguidance
 import pydantic
 import pytest
 
-from raygraph.api.answers import AnswerStream, answer
+from raygraph.api.answers import AnswerStream, after_reasoning, answer
 from raygraph.api.schemas import ChatRequest
 from raygraph.api.tools import TOOL_FORMATS, format_for
 from raygraph.config import DEFAULT_MODEL
@@ -198,6 +198,30 @@ def test_the_format_is_read_off_the_chat_template():
     assert format_for(None, "{% if role == 'ipython' %}").name == "llama3_json"
     assert format_for(None, None).name == "hermes"
     assert format_for("mistral", "{{ '<tool_call>' }}").name == "mistral"
+
+
+@pytest.mark.parametrize("spec,answer", [
+    ({"kind": "json", "value": json.dumps({"type": "object", "properties": {"a": {
+        "type": "integer"}}, "required": ["a"]})}, '{"a": 5}'),
+    ({"kind": "regex", "value": "[0-9]+/[0-9]+"}, "12/34"),
+    ({"kind": "choice", "value": json.dumps(["yes", "no"])}, "no"),
+    ({"kind": "grammar", "value": HERMES.grammar([TIME], False)},
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')])
+def test_a_format_constrains_the_answer_after_the_reasoning(grammars, spec, answer):
+    """With a reasoning parser the thinking is free and the format applies after </think>
+    (deepseek_r1: reasoning always comes first; qwen3: only when the answer opens with
+    <think>)."""
+    thought = "<think>Hmm, {not json} and </b> tags.</think>\n\n"
+    lark = spec["kind"] == "grammar"
+    r1 = after_reasoning(spec, "deepseek_r1", lark)["value"]
+    q3 = after_reasoning(spec, "qwen3", lark)["value"]
+    assert matches(grammars, r1, thought + answer)
+    assert matches(grammars, r1, thought[len("<think>"):] + answer)
+    assert not matches(grammars, r1, answer) and not matches(grammars, r1, thought + "x")
+    assert matches(grammars, q3, thought + answer) and matches(grammars, q3, answer)
+    assert not matches(grammars, q3, "Hmm." + answer)
+    own = {"kind": "grammar", "value": 'root ::= "a"'}  # a client's grammar: the whole answer
+    assert after_reasoning(own, "qwen3") == own and after_reasoning(spec, None) == spec
 
 
 def test_the_default_template_renders_tools_calls_and_results():

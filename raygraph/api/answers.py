@@ -5,10 +5,12 @@ same splitter serves whole answers and streams, so both give the same parts."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from raygraph.api.schemas import finish_reason
 from raygraph.api.tools import CallStream, ToolFormat, partial_suffix
+from raygraph.grammar import fixed_whitespace
 from raygraph.protocol import GenerateResult, StreamDelta
 
 THINK, END_THINK = "<think>", "</think>"
@@ -16,6 +18,34 @@ THINK, END_THINK = "<think>", "</think>"
 # prompt; a leading <think> is dropped); qwen3: only an answer that opens with <think> has
 # reasoning (thinking can be switched off)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def after_reasoning(spec: dict[str, str] | None, parser: str | None, lark: bool = False
+                    ) -> dict[str, str] | None:
+    """The grammar of a reasoning model's whole answer: free reasoning up to </think>
+    (deepseek_r1: always; qwen3: when the answer opens with <think>), then `spec`'s, so the
+    format constrains the answer and not the thinking. `lark`: spec is a grammar raygraph
+    built (a forced tool call); a client's own grammar constrains the whole answer."""
+    if spec is None or parser is None:
+        return spec
+    kind, value = spec["kind"], spec["value"]
+    try:
+        if kind == "json":
+            answer = f"answer: %json {fixed_whitespace(value)}"
+        elif kind == "regex":
+            answer = "answer: /" + value.replace("/", "\\/") + "/"
+        elif kind == "choice":
+            answer = "answer: " + " | ".join(json.dumps(c) for c in json.loads(value))
+        elif lark:
+            answer = value.replace("start:", "answer:", 1)
+        else:
+            return spec
+    except (ValueError, TypeError):
+        return spec  # not valid: its own compile says why
+    head = "start: reasoning /\\n*/ answer" if parser == "deepseek_r1" else \
+        'start: ("<think>" reasoning /\\n*/)? answer'
+    return {"kind": "grammar",
+            "value": f"{head}\nreasoning[lazy]: /(.|\\n)*<\\/think>/\n{answer}\n"}
 
 
 class ReasoningSplit:

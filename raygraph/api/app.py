@@ -14,7 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from raygraph.api.answers import AnswerStream, answer, chat_chunks, ending
+from raygraph.api.answers import AnswerStream, after_reasoning, answer, chat_chunks, ending
 from raygraph.api.errors import ApiError, install_handlers, translate
 from raygraph.api.front import Choice, Front, HttpConfig
 from raygraph.api.middleware import FrontDoor
@@ -92,8 +92,8 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         lora = front.adapter(body.model)
         name = lora or front.name
         prompts = await front.tokenize(front.encode, body.prompt)
-        choices = front.request(prompts, {**body.params(body.max_tokens, body.logprobs),
-                                          "lora": lora}, body.n, body.given_max_tokens)
+        fields = {**body.params(body.max_tokens, body.logprobs), "lora": lora}
+        choices = await front.request(prompts, fields, body.n, body.given_max_tokens)
         rid, kind = new_id("cmpl"), "text_completion"
         prompt_tokens = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
@@ -139,7 +139,11 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         if forced is not None:  # the calls, in the model's format, always parse
             grammar = front.tool_format.grammar(forced, body.parallel_tool_calls)
             fields["structured"] = {"kind": "grammar", "value": grammar}
-        choices = front.request([prompt], fields, body.n, body.given_max_tokens)
+        if fields.get("structured") is not None and front.cfg.reasoning_parser:
+            await front.check_structured(fields["structured"])  # the format's own errors
+            fields["structured"] = after_reasoning(fields["structured"],
+                                                   front.cfg.reasoning_parser, forced is not None)
+        choices = await front.request([prompt], fields, body.n, body.given_max_tokens)
         return lora or front.name, prompt, choices
 
     @app.post("/v1/chat/completions")

@@ -26,6 +26,7 @@ from raygraph.protocol import (
     GenerateResult,
     SamplingParams,
     StreamDelta,
+    StructuredOutputs,
     TokenLogprobs,
     nth_seed,
 )
@@ -132,14 +133,22 @@ class Front:
         """How the model writes tool calls (`--tool-call-parser`, else its template's)."""
         return format_for(self.cfg.tool_call_parser, self.chat.template)
 
-    def grammars(self) -> Grammars:
-        """The structured-output compiler (raygraph/grammar.py), to check a request's
-        grammar before it is sent."""
+    async def check_structured(self, spec: StructuredOutputs | dict[str, str]) -> None:
+        """Compile a request's grammar (raygraph/grammar.py; cached) on the CPU pool, so a
+        bad one is a 400 before the request is sent and a large one does not hold up the
+        loop."""
+        try:
+            await self.off_loop(self._compile, msgspec.convert(spec, StructuredOutputs)
+                                if isinstance(spec, dict) else spec)
+        except (ValueError, msgspec.ValidationError) as e:  # BadRequest
+            raise translate(e) from None
+
+    def _compile(self, spec: StructuredOutputs) -> None:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise BadRequest("structured outputs need the model's tokenizer")
             self._grammars = Grammars(self.tokenizer.hf)
-        return self._grammars
+        self._grammars.compile(spec)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -169,16 +178,17 @@ class Front:
         except ValueError as e:  # BadRequest
             raise translate(e) from None
 
-    def request(self, prompts: list[list[int]], fields: dict[str, Any], n: int,
-                given_max_tokens: int | None) -> list[Choice]:
-        """The choices of a request: its sampling fields checked (400s) and its prompts
+    async def request(self, prompts: list[list[int]], fields: dict[str, Any], n: int,
+                      given_max_tokens: int | None) -> list[Choice]:
+        """The choices of a request: its sampling fields checked (400s), its grammar
+        compiled on the CPU pool (a large schema does not hold up the loop), and its prompts
         checked against the context."""
         try:
             sp = check_params(fields)
-            if sp.structured is not None:
-                self.grammars().compile(sp.structured)
         except ValueError as e:  # BadRequest
             raise translate(e) from None
+        if sp.structured is not None:
+            await self.check_structured(sp.structured)
         self.check_context(prompts, given_max_tokens)
         return self.choices(prompts, sp, n)
 
