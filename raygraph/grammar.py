@@ -15,6 +15,8 @@ and each constrained row samples every other step.
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -57,7 +59,8 @@ class Guide:
 
 
 class Grammars:
-    """The engine's grammar compiler for one tokenizer."""
+    """A grammar compiler for one tokenizer: each distinct spec is compiled once into a
+    matcher at the grammar's start (or its error), which new sequences copy."""
 
     def __init__(self, hf_tokenizer: Any) -> None:
         import llguidance.hf
@@ -65,10 +68,17 @@ class Grammars:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
         self.vocab = self.tokenizer.vocab_size
         self.eos = self.tokenizer.eos_token
-        self.compile = lru_cache(CACHE_SIZE)(self._compile)
+        self._start = lru_cache(CACHE_SIZE)(self._matcher)  # spec -> matcher or BadRequest
 
-    def _compile(self, spec: StructuredOutputs) -> str:
-        """llguidance's grammar for a spec, validated against this tokenizer."""
+    def compile(self, spec: StructuredOutputs) -> None:
+        """Compile `spec` (cached, failures too; BadRequest naming the problem)."""
+        start = self._start(spec)
+        if isinstance(start, BadRequest):
+            raise BadRequest(str(start))
+
+    def _matcher(self, spec: StructuredOutputs) -> Any:
+        """A matcher at the start of `spec`'s grammar, validated against this tokenizer,
+        or the BadRequest that says why there is none."""
         import llguidance
 
         value = spec.value
@@ -79,25 +89,42 @@ class Grammars:
                 choices = None
             if not (isinstance(choices, list) and choices
                     and all(isinstance(c, str) for c in choices)):
-                raise BadRequest("structured output choice: a non-empty list of strings")
+                return BadRequest("structured output choice: a non-empty list of strings")
         if spec.kind == "json":
             value = fixed_whitespace(value)
         try:
             grammar = llguidance.grammar_from(spec.kind, value)
         except (ValueError, RuntimeError) as e:
-            raise BadRequest(f"invalid {spec.kind} for structured output: {one_line(e)}") \
-                from None
+            return BadRequest(f"invalid {spec.kind} for structured output: {one_line(e)}")
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise BadRequest(f"invalid {spec.kind} for structured output: {one_line(error)}")
-        return grammar
+            return BadRequest(f"invalid {spec.kind} for structured output: {one_line(error)}")
+        return llguidance.LLMatcher(self.tokenizer, grammar)
 
     def guide(self, spec: StructuredOutputs) -> Guide:
-        """A new sequence's matcher at the grammar's start (BadRequest if it is invalid)."""
-        import llguidance
+        """A new sequence's matcher at the grammar's start: a copy of the compiled one
+        (microseconds; BadRequest if the spec is invalid)."""
+        self.compile(spec)
+        return Guide(self._start(spec).deep_copy(), self.eos, self.vocab)
 
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec))
-        return Guide(matcher, self.eos, self.vocab)
+
+class LazyGrammars:
+    """A process's Grammars, built on first use from the tokenizer `load` returns (None:
+    the model has none), once even when several threads ask at the same time."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._grammars: Grammars | None = None
+
+    def get(self) -> Grammars:
+        with self._lock:
+            if self._grammars is None:
+                tokenizer = self._load()
+                if tokenizer is None:
+                    raise BadRequest("structured outputs need the model's tokenizer")
+                self._grammars = Grammars(tokenizer.hf)
+            return self._grammars
 
 
 def structured_of(params: Any) -> StructuredOutputs | None:

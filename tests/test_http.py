@@ -821,9 +821,15 @@ def test_the_responses_api_streamed_and_not(server, client):
         {"type": "function_call_output", "call_id": fc.call_id, "output": '{"temp_c": 3}'}])
     assert final.output_text and final.usage.input_tokens > call.usage.input_tokens
     for extra, words in [({"previous_response_id": "resp_1"}, "stores no responses"),
-                         ({"tools": [{"type": "web_search"}]}, "only function tools")]:
+                         ({"tools": [{"type": "web_search"}]}, "only function tools"),
+                         ({"input": [{"role": "user", "content": ["hi"]}]}, "an object"),
+                         ({"input": [{"role": "user", "content": 5}]}, "text or a list"),
+                         ({"text": {"format": "json"}}, "text.format")]:
         with pytest.raises(openai.BadRequestError, match=words):
             client.responses.create(input="x", model=MODEL, extra_body=extra)
+    with pytest.raises(openai.BadRequestError):  # a malformed call in a chat history
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "assistant", "tool_calls": [{"function": "x"}]}])
 
 
 def test_unknown_routes_methods_and_bodies_get_openai_errors(server):

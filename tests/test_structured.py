@@ -168,6 +168,20 @@ def test_constrained_sequences_through_chunking_and_preemption(grammars):
     assert outs[24] == outs[96]
 
 
+def test_guides_of_one_spec_are_independent_and_failures_are_cached(grammars):
+    """A sequence's matcher is a copy of the compiled one: advancing it leaves the next
+    sequence's at the start; a bad spec raises on every try (its error is cached too)."""
+    spec = StructuredOutputs("choice", json.dumps(["yes", "no"]))
+    a, b = grammars.guide(spec), grammars.guide(spec)
+    start = b.mask()
+    a.accept([t for t in range(grammars.vocab) if allowed(start, t)][0])
+    assert a.mask() != start and b.mask() == start == grammars.guide(spec).mask()
+    bad = StructuredOutputs("regex", "a(b")
+    for _ in range(2):
+        with pytest.raises(BadRequest, match="regex"):
+            grammars.compile(bad)
+
+
 def allowed(mask: bytes, token: int) -> bool:
     return bool(mask[token // 8] >> (token % 8) & 1)
 

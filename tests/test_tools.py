@@ -9,13 +9,12 @@ import json
 import random
 
 import jsonschema
-import llguidance
 import pydantic
 import pytest
 
 from raygraph.api.answers import AnswerStream, after_reasoning, answer
 from raygraph.api.schemas import ChatRequest
-from raygraph.api.tools import TOOL_FORMATS, format_for
+from raygraph.api.tools import TOOL_FORMATS, ToolCalls, format_for
 from raygraph.config import DEFAULT_MODEL
 from raygraph.grammar import Grammars
 from raygraph.protocol import GenerateResult, StructuredOutputs
@@ -31,19 +30,23 @@ ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 
 HERMES = TOOL_FORMATS["hermes"]
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+def offered(fmt: str | None) -> ToolCalls | None:
+    return ToolCalls(TOOL_FORMATS[fmt], NAMES) if fmt else None
 
 
 def whole(text: str, reasoning: str | None = None, tools: str | None = "hermes",
           finish: str = "stop") -> dict:
-    fmt = TOOL_FORMATS[tools] if tools else None
-    return answer(GenerateResult(0, [], [], text, finish), reasoning, fmt)
+    return answer(GenerateResult(0, [], [], text, finish), reasoning, offered(tools))
 
 
 def streamed(text: str, rng: random.Random, reasoning: str | None = None,
              tools: str | None = "hermes") -> tuple[list[dict], AnswerStream]:
     """`text` fed in random pieces: the deltas, and the splitter."""
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
-    stream, deltas = AnswerStream(reasoning, TOOL_FORMATS[tools] if tools else None), []
+    stream, deltas = AnswerStream(reasoning, offered(tools)), []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         deltas += stream.feed(text[a:b])
     return deltas + stream.finish(), stream
@@ -52,7 +55,7 @@ def streamed(text: str, rng: random.Random, reasoning: str | None = None,
 def test_calls_are_parsed_out_of_the_text():
     out = whole(ANSWER)
     msg = out["message"]
-    assert msg["content"] == "Let me check. \n"  # the text between the blocks too
+    assert msg["content"] == "Let me check. "  # the newline between two calls is neither
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in msg["tool_calls"]] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     assert all(c["type"] == "function" and c["id"].startswith("call_")
@@ -60,7 +63,8 @@ def test_calls_are_parsed_out_of_the_text():
     assert len({c["id"] for c in msg["tool_calls"]}) == 2 and out["finish_reason"] == "tool_calls"
     assert whole(ANSWER, finish="length")["finish_reason"] == "length"  # calls kept
     for text in ["plain <tool_ text", "<tool_call>\nnot json\n</tool_call> then",
-                 '<tool_call>\n{"name": "f"']:  # not a call: left as the model wrote it
+                 '<tool_call>\n{"name": "f"',  # not a call: left as the model wrote it
+                 '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>']:  # no such tool
         out = whole(text)
         assert out["message"] == {"role": "assistant", "content": text}
         assert out["finish_reason"] == "stop"
@@ -71,7 +75,7 @@ def test_a_stream_cut_anywhere_gives_the_same_content_and_calls(seed):
     """Content deltas never show a piece of a call block; call deltas carry whole calls."""
     deltas, stream = streamed(ANSWER, random.Random(seed))
     text = "".join(d.get("content", "") for d in deltas)
-    assert text == "Let me check. \n"
+    assert text == "Let me check. "
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1] and stream.calls == 2
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
@@ -115,8 +119,7 @@ def grammars():
 
 def matches(grammars: Grammars, grammar: str, text: str) -> bool:
     """Whether the grammar takes `text` whole (tokenized as the model would write it)."""
-    m = llguidance.LLMatcher(grammars.tokenizer, grammars.compile(
-        StructuredOutputs("grammar", grammar)))
+    m = grammars.guide(StructuredOutputs("grammar", grammar)).matcher
     ok = all(m.consume_token(t) for t in grammars.tokenizer.tokenize_str(text))
     return ok and not m.is_error() and m.is_accepting()
 
@@ -182,6 +185,8 @@ def test_llama3_and_mistral_calls_whole_streamed_and_forced(grammars, fmt, text)
     for seed in range(5):
         deltas, stream = streamed(text, random.Random(seed), tools=fmt)
         assert stream.calls == 2 and not any("content" in d for d in deltas)
+    stranger = '{"name": "Bob", "age": 3}' if fmt == "llama3_json" else '[{"name": "Bob"}]'
+    assert whole(stranger, tools=fmt)["message"]["content"] == stranger  # JSON, not a call
     prose = "The weather is fine [1]."
     assert whole(prose, tools=fmt)["message"] == {"role": "assistant", "content": prose}
     deltas, _ = streamed(prose, random.Random(0), tools=fmt)
@@ -220,6 +225,8 @@ def test_a_format_constrains_the_answer_after_the_reasoning(grammars, spec, answ
     assert not matches(grammars, r1, answer) and not matches(grammars, r1, thought + "x")
     assert matches(grammars, q3, thought + answer) and matches(grammars, q3, answer)
     assert not matches(grammars, q3, "Hmm." + answer)
+    slash = after_reasoning({"kind": "regex", "value": "[0-9]+\\/[0-9]+"}, "qwen3")["value"]
+    assert matches(grammars, slash, "12/34")  # an escaped slash stays one
     own = {"kind": "grammar", "value": 'root ::= "a"'}  # a client's grammar: the whole answer
     assert after_reasoning(own, "qwen3") == own and after_reasoning(spec, None) == spec
 

@@ -6,10 +6,11 @@ same splitter serves whole answers and streams, so both give the same parts."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from raygraph.api.schemas import finish_reason
-from raygraph.api.tools import CallStream, ToolFormat, partial_suffix
+from raygraph.api.tools import CallStream, ToolCalls, partial_suffix
 from raygraph.grammar import fixed_whitespace
 from raygraph.protocol import GenerateResult, StreamDelta
 
@@ -33,7 +34,7 @@ def after_reasoning(spec: dict[str, str] | None, parser: str | None, lark: bool 
         if kind == "json":
             answer = f"answer: %json {fixed_whitespace(value)}"
         elif kind == "regex":
-            answer = "answer: /" + value.replace("/", "\\/") + "/"
+            answer = "answer: /" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", value) + "/"
         elif kind == "choice":
             answer = "answer: " + " | ".join(json.dumps(c) for c in json.loads(value))
         elif lark:
@@ -100,7 +101,7 @@ class AnswerStream:
     """One chat choice's text -> OpenAI delta dicts ({"reasoning_content"}, {"content"},
     {"tool_calls"}), in order; nothing is split when neither option is on."""
 
-    def __init__(self, reasoning: str | None, tools: ToolFormat | None) -> None:
+    def __init__(self, reasoning: str | None, tools: ToolCalls | None) -> None:
         self.reasoning = ReasoningSplit(reasoning) if reasoning else None
         self.tools = CallStream(tools) if tools else None
 
@@ -130,7 +131,7 @@ class AnswerStream:
         return out
 
 
-def answer(r: GenerateResult, reasoning: str | None, tools: ToolFormat | None
+def answer(r: GenerateResult, reasoning: str | None, tools: ToolCalls | None
            ) -> dict[str, Any]:
     """A whole chat choice: its message (content, reasoning_content, tool_calls) and ending
     (finish_reason "tool_calls" when calls closed before any limit)."""

@@ -41,12 +41,14 @@ __all__ = ["HttpConfig", "build_app"]
 def sse(obj: dict | str) -> bytes:
     """One server-sent event. msgspec writes it (a streamed chunk's JSON is most of the
     server's work per token); the values are finite already (Logprobs clamps them), and
-    any other non-finite float would be written as null. A Responses event also names its
-    type on an `event:` line, as OpenAI's server does."""
+    any other non-finite float would be written as null."""
     data = obj.encode() if isinstance(obj, str) else msgspec.json.encode(obj)
-    if isinstance(obj, dict) and "sequence_number" in obj:
-        return b"event: " + obj["type"].encode() + b"\ndata: " + data + b"\n\n"
     return b"data: " + data + b"\n\n"
+
+
+def event(obj: dict) -> bytes:
+    """A Responses stream event: its type on an `event:` line too, as OpenAI's server sends."""
+    return b"event: " + obj["type"].encode() + b"\n" + sse(obj)
 
 
 def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = None) -> FastAPI:
@@ -150,7 +152,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     async def chat(body: ChatRequest, request: Request) -> Response:
         name, prompt, choices = await start_chat(body)
         reasoning = front.cfg.reasoning_parser
-        tools = front.tool_format if body.tools_active else None
+        tools = front.tool_calls(body)
         rid, kind = new_id("chatcmpl"), "chat.completion"
         if not body.stream:
             results = await front.generate(choices, request.receive)
@@ -189,7 +191,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         chat = body.chat
         name, prompt, choices = await start_chat(chat)
         reasoning, rid = front.cfg.reasoning_parser, new_item_id("resp")
-        tools = front.tool_format if chat.tools_active else None
+        tools = front.tool_calls(chat)
 
         def response(items: list[dict], n: int, finish: str | None) -> dict:
             status = "incomplete" if finish == "length" else \
@@ -205,7 +207,8 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
         async def events() -> AsyncIterator[bytes]:
             out, parts, n = ResponseEvents(), AnswerStream(reasoning, tools), 0
-            yield sse(out.event("response.created", response=response([], 0, None)))
+            for kind in ("response.created", "response.in_progress"):
+                yield event(out.event(kind, response=response([], 0, None)))
             finish = None
             async for _, d in deltas:
                 n += len(d.token_ids)
@@ -214,11 +217,11 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                     pieces += parts.finish()
                     finish = d.finish_reason
                 for e in out.feed(pieces):
-                    yield sse(e)
+                    yield event(e)
             for e in out.close():
-                yield sse(e)
+                yield event(e)
             done = "response.incomplete" if finish == "length" else "response.completed"
-            yield sse(out.event(done, response=response(out.items, n, finish)))
+            yield event(out.event(done, response=response(out.items, n, finish)))
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 

@@ -17,11 +17,10 @@ from raygraph.api.answers import REASONING_PARSERS
 from raygraph.api.chat import ChatTemplate
 from raygraph.api.errors import ApiError, translate
 from raygraph.api.metrics import Metrics
-from raygraph.api.schemas import Logprobs, check_params
-from raygraph.api.tools import FORMATS, ToolFormat, format_for
+from raygraph.api.schemas import ChatRequest, Logprobs, check_params
+from raygraph.api.tools import FORMATS, ToolCalls, ToolFormat, format_for
 from raygraph.client.streams import ReplicaStreams
-from raygraph.errors import BadRequest
-from raygraph.grammar import Grammars
+from raygraph.grammar import LazyGrammars
 from raygraph.protocol import (
     GenerateResult,
     SamplingParams,
@@ -104,7 +103,7 @@ class Front:
         # transformers takes seconds to import: the tokenizer loads while the server already
         # answers probes and token-id routes (a server restarted after a crash serves at once)
         self._text = self.cpu.submit(self._load_text, model_dir, cfg.chat_template)
-        self._grammars: Grammars | None = None
+        self.grammars = LazyGrammars(lambda: self.tokenizer)  # checks structured outputs
 
     @staticmethod
     def _load_text(model_dir: str, template: str | None
@@ -133,6 +132,12 @@ class Front:
         """How the model writes tool calls (`--tool-call-parser`, else its template's)."""
         return format_for(self.cfg.tool_call_parser, self.chat.template)
 
+    def tool_calls(self, body: ChatRequest) -> ToolCalls | None:
+        """What a chat answer's calls are parsed against (None: no tools, or "none")."""
+        if not body.tools_active:
+            return None
+        return ToolCalls(self.tool_format, frozenset(t.function.name for t in body.tools or []))
+
     async def check_structured(self, spec: StructuredOutputs | dict[str, str]) -> None:
         """Compile a request's grammar (raygraph/grammar.py; cached) on the CPU pool, so a
         bad one is a 400 before the request is sent and a large one does not hold up the
@@ -144,11 +149,7 @@ class Front:
             raise translate(e) from None
 
     def _compile(self, spec: StructuredOutputs) -> None:
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise BadRequest("structured outputs need the model's tokenizer")
-            self._grammars = Grammars(self.tokenizer.hf)
-        self._grammars.compile(spec)
+        self.grammars.get().compile(spec)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -59,6 +59,8 @@ class ResponsesRequest(BaseModel):
         if self.tool_choice is not None:
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise ValueError("text.format must be an object")
         if fmt is not None:
             body["response_format"] = chat_format(fmt)
         try:
@@ -108,8 +110,12 @@ def item_text(content: Any) -> str:
     """A message's content: text, or its text parts joined (any other part is a 400)."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list | None):
+        raise ValueError("input: a message's content must be text or a list of parts")
     parts = []
     for part in content or []:
+        if not isinstance(part, dict):
+            raise ValueError("input: a content part must be an object")
         if part.get("type") not in ("input_text", "output_text", "text"):
             raise ValueError(f"input: content parts of type {part.get('type')!r} are not "
                              "supported: text only")
@@ -243,7 +249,7 @@ class ResponseEvents:
             self._open = {"type": kind, "id": new_item_id("rs" if kind == "reasoning"
                                                           else "msg"), "text": ""}
             empty = reasoning_item("") if kind == "reasoning" else message_item("")
-            item = {**empty, "id": self._open["id"], "status": "in_progress"}
+            item = {**empty, "id": self._open["id"], "status": "in_progress", "content": []}
             out.append(self.event("response.output_item.added", output_index=index,
                                   item=item))
             if kind == "message":
@@ -252,10 +258,13 @@ class ResponseEvents:
                                       part={"type": "output_text", "text": "",
                                             "annotations": []}))
         self._open["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" \
-            else "response.output_text.delta"
-        out.append(self.event(name, item_id=self._open["id"], output_index=index,
-                              content_index=0, delta=text))
+        if kind == "reasoning":
+            out.append(self.event("response.reasoning_text.delta", item_id=self._open["id"],
+                                  output_index=index, content_index=0, delta=text))
+        else:
+            out.append(self.event("response.output_text.delta", item_id=self._open["id"],
+                                  output_index=index, content_index=0, delta=text,
+                                  logprobs=[]))
         return out
 
     def close(self) -> list[dict[str, Any]]:
@@ -272,7 +281,8 @@ class ResponseEvents:
             item = message_item(o["text"], item_id=o["id"])
             part = item["content"][0]
             out = [self.event("response.output_text.done", item_id=o["id"],
-                              output_index=index, content_index=0, text=o["text"]),
+                              output_index=index, content_index=0, text=o["text"],
+                              logprobs=[]),
                    self.event("response.content_part.done", item_id=o["id"],
                               output_index=index, content_index=0, part=part)]
         out.append(self.event("response.output_item.done", output_index=index, item=item))

@@ -216,10 +216,21 @@ class ContentPart(BaseModel):
     text: StrictStr | None = None
 
 
+class CalledFunction(BaseModel):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class ToolCall(BaseModel):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as OpenAI sends them
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: StrictStr | None = None  # a tool result's call
     name: StrictStr | None = None
 
@@ -242,7 +253,7 @@ class ChatMessage(BaseModel):
             c = "".join(p.text or "" for p in c if p.type == "text")
         out: dict[str, Any] = {"role": self.role, "content": c or ""}
         if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

@@ -55,7 +55,7 @@ class ToolFormat:
         more = ' ("\\n" call)*' if parallel else ""
         return f'start: call{more}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\n' + body
 
-    def parse_rest(self, text: str) -> list[dict[str, Any]] | None:
+    def parse_rest(self, text: str, names: frozenset[str]) -> list[dict[str, Any]] | None:
         """The calls an answer opening with one of `starts` holds, or None if it does not
         parse (then it is content, as the model wrote it)."""
         text = text.strip()
@@ -71,8 +71,17 @@ class ToolFormat:
                     i += 1
         except ValueError:
             return None
-        calls = [to_call(d) for d in docs]
+        calls = [to_call(d, names) for d in docs]
         return calls if calls and all(c is not None for c in calls) else None
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """What a chat answer's calls are parsed against: the model's format and the names of
+    the tools the request offered (JSON naming anything else is content)."""
+
+    fmt: ToolFormat
+    names: frozenset[str]
 
 
 TOOL_FORMATS = {
@@ -91,14 +100,15 @@ def format_for(name: str | None, template: str | None) -> ToolFormat:
     return TOOL_FORMATS[name]
 
 
-def to_call(doc: Any) -> dict[str, Any] | None:
-    """A call's JSON (text or parsed) as an OpenAI tool call, or None when it is not one."""
+def to_call(doc: Any, names: frozenset[str]) -> dict[str, Any] | None:
+    """A call's JSON (text or parsed) as an OpenAI tool call, or None when it is not a call
+    of one of `names`."""
     if isinstance(doc, str):
         try:
             doc = json.loads(doc)
         except ValueError:
             return None
-    if not (isinstance(doc, dict) and isinstance(doc.get("name"), str)):
+    if not (isinstance(doc, dict) and doc.get("name") in names):
         return None
     args = doc.get("arguments", doc.get("parameters", {}))
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -111,8 +121,9 @@ class CallStream:
     block goes out as one delta (id, name and all its arguments) when it closes. The other
     formats: an answer that opens as a call is held to its end, then sent as calls."""
 
-    def __init__(self, fmt: ToolFormat = TOOL_FORMATS["hermes"]) -> None:
-        self.fmt = fmt
+    def __init__(self, tools: ToolCalls) -> None:
+        self.fmt, self.names = tools.fmt, tools.names
+        fmt = self.fmt
         self.calls = 0
         self._held = ""  # text not sent yet: a possible opening, or an open call
         self._mode = "start" if fmt.starts else "blocks"  # start, rest (all calls), blocks
@@ -138,18 +149,22 @@ class CallStream:
             start = self._held.find(OPEN)
             if start < 0:
                 keep = partial_suffix(self._held, OPEN)
+                if self.calls and not self._held[: len(self._held) - keep].strip():
+                    break  # whitespace after a call: a separator, unless text follows
                 if len(self._held) > keep:
                     out.append({"content": self._held[: len(self._held) - keep]})
                     self._held = self._held[len(self._held) - keep:]
                 break
             if start:
-                out.append({"content": self._held[:start]})
+                text = self._held[:start]
+                if not (self.calls and not text.strip()):  # not the separator of two calls
+                    out.append({"content": text})
                 self._held = self._held[start:]
             end = self._held.find(CLOSE)
             if end < 0:
                 break  # inside a block: wait for its end
             block, self._held = self._held[len(OPEN): end], self._held[end + len(CLOSE):]
-            call = to_call(block.strip())
+            call = to_call(block.strip(), self.names)
             out.append({"content": OPEN + block + CLOSE} if call is None else
                        self._call(call))
         return out
@@ -163,9 +178,11 @@ class CallStream:
         (content if it does not parse); an unclosed block is content."""
         held, self._held = self._held, ""
         if self._mode == "rest":
-            calls = self.fmt.parse_rest(held)
+            calls = self.fmt.parse_rest(held, self.names)
             if calls is not None:
                 return [self._call(c) for c in calls]
+        if self.calls and not held.strip():
+            return []  # the whitespace after the last call
         return [{"content": held}] if held else []
 
 

@@ -44,7 +44,7 @@ from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
 from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
 from raygraph.generation import sampling_defaults
-from raygraph.grammar import Grammars, structured_of
+from raygraph.grammar import LazyGrammars, structured_of
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     REPLICA_SHIFT,
@@ -81,7 +81,7 @@ class Engine:
         self.model_cfg = cfg.model_cfg()
         cfg.parallel.check_model(self.model_cfg)
         self.tokenizer: TextTokenizer | None = None
-        self.grammars: Grammars | None = None  # structured outputs, once one is asked for
+        self.grammars = LazyGrammars(lambda: self.tokenizer)  # structured outputs
         self.sampling_defaults = sampling_defaults(cfg.model)  # generation_config.json
         self.workers: list[Any] = []
         self.infos: list[WorkerInfo] = []
@@ -511,7 +511,7 @@ class Engine:
             raise UnknownAdapter(f"the model {sp.lora!r} does not exist (LoRA is off)")
         if sp.lora is not None:
             self.lora.registry.get(sp.lora)  # UnknownAdapter: nothing queued
-        grammars = self._grammars() if sp.structured is not None else None
+        grammars = self.grammars.get() if sp.structured is not None else None
         if grammars is not None:
             grammars.compile(sp.structured)  # BadRequest: nothing queued
         items = [prompts] if stream else split_prompts(prompts)
@@ -542,20 +542,12 @@ class Engine:
             await asyncio.to_thread(self._warm_grammars, specs)
 
     def _warm_grammars(self, specs: set[StructuredOutputs]) -> None:
-        grammars = self._grammars()
+        grammars = self.grammars.get()
         for spec in specs:
             try:
                 grammars.compile(spec)
             except BadRequest:
-                pass
-
-    def _grammars(self) -> Grammars:
-        """The structured-output compiler, built for the tokenizer on first use."""
-        if self.tokenizer is None:
-            raise BadRequest("structured outputs need the model's tokenizer")
-        if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer.hf)
-        return self.grammars
+                pass  # cached: the request's registration reports it
 
     def _enqueue(self, seqs: list[tuple[Sequence, str | None]]) -> None:
         """To the step thread as one item: the prompts reach one step."""
