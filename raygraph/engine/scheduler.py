@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raygraph.engine.kv_cache import KVCacheManager
 from raygraph.engine.pages import PagePool
 from raygraph.engine.sequence import Sequence
+from raygraph.grammar import masks
 from raygraph.protocol import FinishReason, NewSeq, SeqStep, TokenLogprobs
 
 
@@ -46,6 +47,7 @@ class SchedulerOutput:
     drop: list[int]
     preempted: list[Sequence]
     num_tokens: int
+    guided: list[int] = field(default_factory=list)  # chunks that sample under a grammar
 
     @property
     def num_seqs(self) -> int:
@@ -166,7 +168,17 @@ class Scheduler:
             self._drop = out.drop + self._drop  # nothing to send them with yet
             return None
         out.num_tokens += len(feed)
+        if out.guided:
+            self._masks(out)
         return out
+
+    @staticmethod
+    def _masks(out: SchedulerOutput) -> None:
+        """The grammar masks of the step's constrained rows, filled together."""
+        rows = [out.chunks[k] for k in out.guided]
+        for k, mask in zip(out.guided, masks([seq.guide for seq, _ in rows])):
+            seq, step = out.chunks[k]
+            out.chunks[k] = (seq, SeqStep(step.seq_id, step.token_ids, step.sample, mask))
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put n tokens of seq into the step and account for them."""
@@ -198,8 +210,9 @@ class Scheduler:
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
-        mask = seq.guide.mask() if sample and seq.guide is not None else b""
-        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample, mask)))
+        if sample and seq.guide is not None:  # its mask comes with the others' (_masks)
+            out.guided.append(len(out.chunks))
+        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
         out.num_tokens += n
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
