@@ -7,6 +7,7 @@ import importlib
 import os
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # modules that replace the session's Ray with a cluster of their own run last, so the
+    # coordinators the session shares (shared_coordinator) start once, not again after them
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
     gpus = torch.cuda.device_count()
     for item in items:
         if "gpu" in item.keywords and gpus < 1:
@@ -74,7 +78,76 @@ def ray_session():
 
     init_test_ray()
     yield ray
+    stop_shared_coordinators()
     ray.shutdown()
+
+
+def start_coordinators(cfgs: list) -> list:
+    """Coordinators of `cfgs` started side by side: a start-up waits on new processes and
+    on rendezvous, not only on the CPU, so starts overlap well even on 2 cores. If one
+    fails, those that started are stopped and its error raised."""
+    from raygraph.client.connect import start_coordinator
+
+    with ThreadPoolExecutor(len(cfgs)) as pool:
+        futures = [pool.submit(start_coordinator, cfg) for cfg in cfgs]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        stop_coordinators(started)
+        raise errors[0]
+    return started
+
+
+def stop_coordinators(handles: list) -> None:
+    import ray
+
+    for handle in handles:
+        ray.get(handle.shutdown.remote())
+        ray.kill(handle)
+
+
+# coordinator name -> handle: coordinators on the session's Ray that several modules use
+_SHARED: dict[str, Any] = {}
+
+
+def shared_coordinator(cfg: Any) -> Any:
+    """The coordinator of `cfg` on the session's Ray, started on first use and kept until
+    the session ends: starting one costs seconds of CPU, so modules that only send requests
+    to the same config share it (none of them sleeps, stops or breaks it)."""
+    from raygraph.client.connect import start_coordinator
+
+    if cfg.coordinator_name not in _SHARED:
+        _SHARED[cfg.coordinator_name] = start_coordinator(cfg)
+    return _SHARED[cfg.coordinator_name]
+
+
+def stop_shared_coordinators() -> None:
+    """Stop the shared coordinators (before their Ray goes)."""
+    handles = list(_SHARED.values())
+    _SHARED.clear()
+    stop_coordinators(handles)
+
+
+def default_model_config() -> Any:
+    """The built-in model on CPU with room for 64 concurrent requests: the shared
+    coordinator of the modules that serve it as it ships (default graph mode and cache)."""
+    from raygraph.config import SchedulerConfig, ServeConfig
+
+    return ServeConfig(device="cpu", coordinator_name="shared-default-model", step_timeout_s=60,
+                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024))
+
+
+@pytest.fixture(scope="session")
+def shared_stopper() -> Any:
+    """`stop_shared_coordinators` of the conftest pytest loaded: a module importing
+    tests.conftest gets a second copy of the module, with a registry of its own."""
+    return stop_shared_coordinators
+
+
+@pytest.fixture(scope="module")
+def default_model_coord(ray_session) -> Any:
+    """The shared coordinator of `default_model_config()`."""
+    return shared_coordinator(default_model_config())
 
 
 def free_port() -> int:

@@ -16,6 +16,7 @@ from raygraph.config import (
     ServeConfig,
 )
 from raygraph.protocol import SamplingParams
+from tests.conftest import start_coordinators, stop_coordinators
 from tests.hf_ref import hf_greedy
 
 MAX_TOKENS = 12
@@ -27,13 +28,16 @@ def prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 4, 5, 17, 40, 150)]
 
 
-def serve(ray, model, tp: int, mode: str = "graph"):
-    cfg = ServeConfig(
+def config(model, tp: int, mode: str = "graph") -> ServeConfig:
+    return ServeConfig(
         model=str(model), device="cpu", parallel=ParallelConfig(tp=tp),
         cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(max_num_batched_tokens=16),
         graph=GraphConfig(mode=mode), coordinator_name=f"hf-{model.name}-tp{tp}-{mode}",
     )
-    return start_coordinator(cfg)
+
+
+def serve(ray, model, tp: int, mode: str = "graph"):
+    return start_coordinator(config(model, tp, mode))
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
@@ -42,13 +46,12 @@ def test_greedy_matches_hf_tp1_and_tp2(ray_session, ckpt: str, request: pytest.F
     ps = prompts(len(ckpt))
     expected = hf_greedy(model, ps, MAX_TOKENS)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    for tp in (1, 2):
-        coord = serve(ray_session, model, tp)
-        try:
-            results = ray_session.get(coord.generate.remote(ps, params))
-        finally:
-            ray_session.get(coord.shutdown.remote())
-            ray_session.kill(coord)
+    coords = start_coordinators([config(model, tp) for tp in (1, 2)])
+    try:
+        outs = ray_session.get([c.generate.remote(ps, params) for c in coords])
+    finally:
+        stop_coordinators(coords)
+    for tp, results in zip((1, 2), outs):
         got = [r.token_ids for r in results]
         assert got == expected, f"tp={tp}"
         assert all(r.finish_reason == "length" for r in results)

@@ -16,8 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from raygraph.api.app import HttpConfig
 from raygraph.api.server import start_http, stop_http
-from raygraph.client.connect import start_coordinator
-from raygraph.config import SchedulerConfig, ServeConfig
+from tests.conftest import default_model_config
 
 KEY = "fuzz-key"
 MODEL = "default_model"
@@ -25,16 +24,14 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server(ray_session):
-    cfg = ServeConfig(device="cpu", coordinator_name="http-fuzz", step_timeout_s=60,
-                      scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512))
-    coord = start_coordinator(cfg)
+def server(default_model_coord):
+    """HTTP servers of their own (default flags) in front of the session's shared coordinator
+    of the built-in model."""
+    cfg = default_model_config()
     _, url = start_http(HttpConfig(port=0, api_key=KEY), cfg.coordinator_name,
                         cfg.namespace)
-    yield coord, url
+    yield default_model_coord, url
     stop_http(cfg.coordinator_name, cfg.namespace)
-    ray_session.get(coord.shutdown.remote())
-    ray_session.kill(coord)
 
 
 def post(url: str, body: bytes, headers: dict[str, str] = AUTH) -> tuple[int, bytes]:

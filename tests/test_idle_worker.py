@@ -9,27 +9,17 @@ import time
 import uuid
 from typing import Any
 
-import pytest
 from ray.exceptions import RayChannelTimeoutError
 
 from bench.idle_cpu import cpu_share, worker_processes
-from raygraph.client.connect import start_coordinator
-from raygraph.config import GraphConfig, ServeConfig
 from raygraph.engine.doorbell import SPIN_S, DoorbellChannel
 from raygraph.protocol import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def coord(ray_session):
-    cfg = ServeConfig(device="cpu", graph=GraphConfig(mode="eager"),
-                      coordinator_name="idle-test", step_timeout_s=30)
-    handle = start_coordinator(cfg)
-    yield handle
-    ray_session.get(handle.shutdown.remote())
-    ray_session.kill(handle)
-
-
-def test_idle_workers_sleep_after_serving(ray_session, coord):
+def test_idle_workers_sleep_after_serving(ray_session, default_model_coord):
+    """Every Worker process under this driver is measured: the shared coordinator's, and
+    those of any other coordinator still running."""
+    coord = default_model_coord
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     (first,) = ray_session.get(coord.generate.remote([5, 6, 7], params))
     procs = worker_processes()

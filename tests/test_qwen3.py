@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from raygraph.client.connect import start_coordinator
 from raygraph.config import (
     CacheConfig,
     ConfigError,
@@ -21,7 +20,7 @@ from raygraph.config import (
     ServeConfig,
 )
 from raygraph.protocol import SamplingParams
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, start_coordinators, stop_coordinators
 from tests.hf_ref import hf_greedy
 
 MAX_TOKENS = 8
@@ -54,15 +53,26 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 4, 17, 40, 150)]
 
 
-def serve(model: Path, name: str, tp: int, dp: int, ep: int, mode: str):
-    return start_coordinator(ServeConfig(
+def config(model: Path, name: str, tp: int, dp: int, ep: int, mode: str) -> ServeConfig:
+    return ServeConfig(
         model=str(model), device="cpu", parallel=ParallelConfig(tp=tp, dp=dp, ep=ep),
         graph=GraphConfig(mode=mode, decode_sizes=GRAPH.decode_sizes,
                           prefill_sizes=GRAPH.prefill_sizes),
         cache=CacheConfig(block_size=4, num_blocks=160),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
         coordinator_name=f"{name}-{tp}{dp}{ep}-{mode}", step_timeout_s=60,
-    ))
+    )
+
+
+def side_by_side(layouts: list[tuple], slots: int = 4) -> list[list[tuple]]:
+    """`layouts` in order, in groups of at most `slots` workers: a group's coordinators run
+    at once (the session's Ray has 6 CPU slots, one may be held by a shared coordinator)."""
+    groups: list[list[tuple]] = [[]]
+    for layout in layouts:
+        if groups[-1] and sum(tp * dp for tp, dp, _, _ in groups[-1] + [layout]) > slots:
+            groups.append([])
+        groups[-1].append(layout)
+    return groups
 
 
 @pytest.mark.parametrize("family", sorted(LAYOUTS))
@@ -70,14 +80,14 @@ def test_greedy_tokens_equal_hf(ray_session, ckpts: dict[str, Path], family: str
     ps = prompts()
     want = hf_greedy(ckpts[family], ps, MAX_TOKENS)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    for tp, dp, ep, mode in LAYOUTS[family]:
-        coord = serve(ckpts[family], family, tp, dp, ep, mode)
+    for group in side_by_side(LAYOUTS[family]):
+        coords = start_coordinators([config(ckpts[family], family, *lay) for lay in group])
         try:
-            results = ray_session.get(coord.generate.remote(ps, params))
+            outs = ray_session.get([c.generate.remote(ps, params) for c in coords])
         finally:
-            ray_session.get(coord.shutdown.remote())
-            ray_session.kill(coord)
-        assert [r.token_ids for r in results] == want, (tp, dp, ep, mode)
+            stop_coordinators(coords)
+        for layout, results in zip(group, outs):
+            assert [r.token_ids for r in results] == want, layout
 
 
 def test_qwen3_config_fields(ckpts: dict[str, Path], tmp_path: Path) -> None:

@@ -17,17 +17,20 @@ from raygraph.tokenizer import load_tokenizer
 from tests.conftest import init_test_ray
 from tests.hf_ref import hf_greedy
 
+pytestmark = pytest.mark.own_ray
+
 PROMPTS = ["The import statement", "A class definition", "Exceptions can be raised"]
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_stopper):
     import ray
     from ray.cluster_utils import Cluster
 
     session = ray.is_initialized()
     if session:  # the suite's one-node Ray: this module needs a cluster of its own
+        shared_stopper()
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(2):

@@ -159,27 +159,22 @@ def test_generate_from_many_async_clients(ray_session, coord):
     assert all(len(r[0].token_ids) >= 1 for r in results)
 
 
-def test_default_model_text_prompt_and_stop_string(ray_session):
+def test_default_model_text_prompt_and_stop_string(ray_session, default_model_coord):
     """The built-in checkpoint with its tokenizer: text in, text out, stop strings honoured,
     and greedy tokens identical to HF transformers on the same checkpoint."""
     from raygraph.config import DEFAULT_MODEL
 
-    cfg = ServeConfig(device="cpu", coordinator_name="default-model-test")
-    handle = start_coordinator(cfg)
-    try:
-        (r,) = ray_session.get(handle.generate.remote(
-            "The import statement", SamplingParams(max_tokens=24, ignore_eos=True)))
-        assert r.prompt_token_ids[0] == 0  # BOS added for text prompts
-        assert hf_greedy(DEFAULT_MODEL, [r.prompt_token_ids], 24) == [r.token_ids]
-        assert r.text and r.text.strip()
-        stop = r.text.strip().split()[2]
-        (s,) = ray_session.get(handle.generate.remote(
-            "The import statement", SamplingParams(max_tokens=24, stop=[stop])))
-        assert s.finish_reason == "stop" and stop not in s.text
-        assert r.text.startswith(s.text)
-    finally:
-        ray_session.get(handle.shutdown.remote())
-        ray_session.kill(handle)
+    handle = default_model_coord
+    (r,) = ray_session.get(handle.generate.remote(
+        "The import statement", SamplingParams(max_tokens=24, ignore_eos=True)))
+    assert r.prompt_token_ids[0] == 0  # BOS added for text prompts
+    assert hf_greedy(DEFAULT_MODEL, [r.prompt_token_ids], 24) == [r.token_ids]
+    assert r.text and r.text.strip()
+    stop = r.text.strip().split()[2]
+    (s,) = ray_session.get(handle.generate.remote(
+        "The import statement", SamplingParams(max_tokens=24, stop=[stop])))
+    assert s.finish_reason == "stop" and stop not in s.text
+    assert r.text.startswith(s.text)
 
 
 def test_incremental_detokenizer_equals_full_decode():

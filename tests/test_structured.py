@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from bench.structured import INT, NAME, obj, schemas
-from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
 from raygraph.engine.pages import PagePool
 from raygraph.engine.scheduler import Scheduler
@@ -27,13 +26,8 @@ from raygraph.worker.sampler import sample_tokens
 
 
 @pytest.fixture(scope="module")
-def coord(ray_session):
-    cfg = ServeConfig(device="cpu", coordinator_name="structured-test", step_timeout_s=60,
-                      scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024))
-    c = start_coordinator(cfg)
-    yield c
-    ray_session.get(c.shutdown.remote())
-    ray_session.kill(c)
+def coord(default_model_coord):
+    return default_model_coord  # the session's (conftest): 64 sequences, 1,024-token steps
 
 
 def run_all(ray, coord, jobs: list[tuple[str, SamplingParams]]) -> list:
