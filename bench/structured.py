@@ -4,11 +4,14 @@ in one process (EngineCore over an in-process Worker, as `tests/test_served_loop
 it: tokens fed on the device, replies a step late).
 
     python -m bench.structured [--preset llama3-8b | --model DIR] [--batch 64] [--steps 48]
+        [--synthetic-vocab 128256]
 
-Grammars use the built-in model's tokenizer (4,096 tokens; the bench checkpoints have none):
-a larger vocabulary costs more per mask, which this figure does not include. Constrained
+Grammars use the built-in model's tokenizer (4,096 tokens; the bench checkpoints have none),
+or with `--synthetic-vocab N` a made-up one of N tokens, for the mask cost of a Llama 3
+sized vocabulary (masks are filled on the worker while the forward runs). Constrained
 rows follow a grammar that never ends (`[a-z ]+` then "END"), so no row stops early; the
-figures are each kind of row's time per output token while the whole batch decodes.
+figures are each kind of row's time per output token while the whole batch decodes, after
+a warm-up run; the unconstrained figure is the mean of a run before and one after the others.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import json
 import random
 import statistics
+import string
+import tempfile
 import time
 
 import torch
@@ -121,26 +126,49 @@ def itl_ms(worker, grammars: Grammars, vocab: int, batch: int, steps: int,
     rng = random.Random(0)
     seqs = []
     for i in range(batch):
-        sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True).resolved()
+        guided = i < constrained
+        sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
+                            structured=spec if guided else None).resolved()
         seq = Sequence(i, [rng.randrange(3, vocab) for _ in range(prompt)], sp)
-        if i < constrained:
+        if guided:
             seq.guide = grammars.guide(spec)
         sched.add(seq)
         seqs.append(seq)
     core, dispatch = EngineCore([sched], None, ep=False), local_dispatch(worker)
-    start = None
-    while core.step(dispatch) is not None:
-        if any(s.finish_reason for s in seqs):
-            break
+    start = end = None
+    while core.step(dispatch) is not None:  # to the end: the worker is left with nothing
+        if end is None and any(s.finish_reason for s in seqs):
+            end = time.perf_counter(), [len(s.output_token_ids) for s in seqs]
         if start is None and all(len(s.output_token_ids) >= 2 for s in seqs):
             start = time.perf_counter(), [len(s.output_token_ids) for s in seqs]
-    elapsed = time.perf_counter() - start[0]
-    made = [len(s.output_token_ids) - n for s, n in zip(seqs, start[1])]
+    elapsed = end[0] - start[0]
+    made = [b - a for a, b in zip(start[1], end[1])]
     out = {}
     for name, rows in (("free", made[constrained:]), ("guided", made[:constrained])):
         if rows:
             out[f"{name}_itl_ms"] = round(1e3 * elapsed / statistics.mean(rows), 3)
     return out
+
+
+def synthetic_tokenizer(size: int, path: str) -> str:
+    """A byte-level BPE tokenizer of `size` tokens saved at `path`: the 256 bytes, then
+    random lowercase words of 2-9 letters (half with a leading space, a tenth capitalised)
+    and an EOS. It tokenizes nothing well; it gives a grammar a vocabulary of that size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    rng = random.Random(0)
+    while len(vocab) < size - 1:
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
+        word = ("\u0120" if rng.random() < 0.5 else "") + word  # byte-level's space
+        vocab.setdefault(word.capitalize() if rng.random() < 0.1 else word, len(vocab))
+    vocab["<|eos|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>").save_pretrained(path)
+    return path
 
 
 def main() -> None:
@@ -150,13 +178,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--synthetic-vocab", type=int, default=0,
+                   help="grammars over a made-up tokenizer of this many tokens (a Llama 3 "
+                        "sized vocabulary costs more per mask) instead of the built-in one's")
     a = p.parse_args()
     model = a.model or DEFAULT_MODEL
     if a.preset:
         from bench.checkpoints import bench_model
 
         model = bench_model(a.preset, "auto")
-    grammars = Grammars(load_tokenizer(DEFAULT_MODEL).hf)
+    tokenizer = DEFAULT_MODEL
+    if a.synthetic_vocab:
+        tokenizer = synthetic_tokenizer(a.synthetic_vocab, tempfile.mkdtemp())
+    grammars = Grammars(load_tokenizer(tokenizer).hf)
     times = sorted(compile_ms(grammars))
     print(json.dumps({"schemas": len(times), "compile_ms_p50": round(times[len(times) // 2], 2),
                       "compile_ms_p99": round(times[int(0.99 * (len(times) - 1))], 2),
@@ -164,7 +198,7 @@ def main() -> None:
                       "tokenizer_vocab": grammars.vocab}), flush=True)
     device = a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     blocks = a.batch * -(-(16 + a.steps + 8) // 16) + 8
-    cfg = ServeConfig(model=model, device=device,
+    cfg = ServeConfig(model=model, tokenizer=tokenizer, device=device,
                       cache=CacheConfig(block_size=16, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=a.batch,
                                                 max_num_batched_tokens=a.batch * 16))
@@ -174,9 +208,11 @@ def main() -> None:
     worker.capture_all()
     vocab = min(grammars.vocab, worker.model_cfg.vocab_size)
     row = {"model": a.preset or model, "device": device, "batch": a.batch}
-    for name, n in (("none", 0), ("all", a.batch), ("half", a.batch // 2)):
+    itl_ms(worker, grammars, vocab, a.batch, a.steps, a.batch // 2)  # warm-up, not counted
+    for name, n in (("none", 0), ("all", a.batch), ("half", a.batch // 2), ("none", 0)):
         for k, v in itl_ms(worker, grammars, vocab, a.batch, a.steps, n).items():
-            row[f"{name}_constrained_{k}"] = v
+            key = f"{name}_constrained_{k}"
+            row[key] = round((row[key] + v) / 2, 3) if key in row else v  # none: both runs
     base = row["none_constrained_free_itl_ms"]
     row["all_vs_none"] = round(row["all_constrained_guided_itl_ms"] / base, 2)
     row["half_free_vs_none"] = round(row["half_constrained_free_itl_ms"] / base, 2)

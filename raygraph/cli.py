@@ -44,6 +44,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF checkpoint dir, or a hub id (org/name) downloaded before Ray "
                         "starts (default: the built-in model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir or hub id, for a checkpoint without its own "
+                        "(default: the checkpoint's)")
     p.add_argument("--revision", default=None,
                    help="hub branch, tag or commit of a hub id --model (default: main)")
     p.add_argument("--download-dir", default=None,

@@ -600,6 +600,8 @@ class ServeConfig(msgspec.Struct, frozen=True):
     """Everything `raygraph serve` serves with, one section per concern."""
 
     model: str = DEFAULT_MODEL  # a checkpoint directory (the CLI also takes a hub id)
+    # the tokenizer's directory ("": the checkpoint's own); for a checkpoint without one
+    tokenizer: str = ""
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda with a GPU per rank
     # auto: on cuda a float16 or bfloat16 checkpoint's own torch_dtype, else bfloat16;
     # float32 on cpu

@@ -1,15 +1,12 @@
 """Structured outputs: a request's grammar (JSON schema, regex, choice, Lark/GBNF) compiled
-with llguidance once per distinct spec, and one matcher per sequence that the scheduler asks
-for the bitmask of the tokens its next sample may take and tells each token it got.
+with llguidance once per distinct spec, and one matcher per sequence, told each token the
+sequence got, that says which tokens its next sample may take.
 
 The engine compiles a request's grammar when it arrives (a bad one is a BadRequest before
-anything is queued) and advances matchers on its step thread; an HTTP front compiles it too,
-so a bad schema is a 400 before the request is sent.
-The overlapped loop sends step N+1 before step N's tokens are known, and a grammar's mask
-for a sequence's next token depends on its last one, so the scheduler runs a constrained
-sequence only in steps where its last token is known (engine/scheduler.py): a batch of only
-constrained sequences steps without overlap, a mixed batch keeps its free rows overlapped
-and each constrained row samples every other step.
+anything is queued); an HTTP front compiles it too, so a bad schema is a 400 before the
+request is sent. Two matchers follow each constrained sequence: the workers' fills the
+masks its rows sample under (worker/guides.py: while the step's forward runs), and the
+scheduler's, a step behind, ends the sequence when its grammar is complete.
 """
 
 from __future__ import annotations
@@ -32,26 +29,17 @@ class Guide:
     """One sequence's place in its grammar."""
 
     def __init__(self, matcher: Any, eos: int, vocab: int) -> None:
-        import llguidance.numpy as lln
-
         self.matcher = matcher
         self.eos = eos
-        self._fill = lln.fill_next_token_bitmask
-        self._bits = lln.allocate_token_bitmask(1, vocab)
+        self.vocab = vocab
 
     def mask(self) -> bytes:
         """The tokens the next sample may take, as little-endian bits."""
-        self._fill(self.matcher, self._bits, 0)
-        return self.checked(self._bits[0])
+        import llguidance.numpy as lln
 
-    def checked(self, row: Any) -> bytes:
-        """A filled mask row as bytes. A matcher left with no token (an error, which a
-        sample within its masks cannot cause) allows only EOS, so the sequence ends instead
-        of drawing a token the grammar refuses."""
-        if self.matcher.is_error() or not row.any():
-            row[:] = 0
-            row[self.eos // 32] = 1 << (self.eos % 32)
-        return row.tobytes()
+        bits = lln.allocate_token_bitmask(1, self.vocab)
+        fill_masks([self], bits, self.eos)
+        return bits[0].tobytes()
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; True once the grammar is complete (nothing may
@@ -134,21 +122,25 @@ class LazyGrammars:
 _executor: list[Any] = []  # llguidance's thread pool, made on first use
 
 
-def masks(guides: list[Guide]) -> list[bytes]:
-    """The next-token masks of several sequences, filled in parallel on llguidance's thread
-    pool (native code, without the GIL): a step's constrained rows cost about one row's
-    time on a host with cores to spare."""
-    if len(guides) < 2:
-        return [g.mask() for g in guides]
+def fill_masks(guides: list[Guide | None], bits: Any, eos: int) -> None:
+    """Rows [0, len(guides)) of `bits` (int32 words, llguidance's layout: bit t of the
+    little-endian words is token t) set to each sequence's next-token mask, filled in
+    parallel on llguidance's thread pool (native code, without the GIL). A None guide (its
+    grammar failed to build) or a matcher left with no token allows only EOS."""
     import llguidance
     import llguidance.numpy as lln
 
-    if not _executor:
-        _executor.append(llguidance.LLExecutor())
-    bits = lln.allocate_token_bitmask(len(guides), guides[0]._bits.shape[1] * 32)
-    lln.fill_next_token_bitmask_par(_executor[0], [(g.matcher, i) for i, g in
-                                                   enumerate(guides)], bits)
-    return [g.checked(bits[i]) for i, g in enumerate(guides)]
+    live = [(g.matcher, i) for i, g in enumerate(guides) if g is not None]
+    if len(live) > 1:
+        if not _executor:
+            _executor.append(llguidance.LLExecutor())
+        lln.fill_next_token_bitmask_par(_executor[0], live, bits)
+    elif live:
+        lln.fill_next_token_bitmask(live[0][0], bits, live[0][1])
+    for i, g in enumerate(guides):
+        if g is None or g.matcher.is_error() or not bits[i].any():
+            bits[i] = 0
+            bits[i, eos // 32] = 1 << (eos % 32)
 
 
 def structured_of(params: Any) -> StructuredOutputs | None:

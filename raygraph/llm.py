@@ -115,7 +115,8 @@ class LLM:
             from raygraph.api.chat import ChatTemplate
             from raygraph.tokenizer import load_tokenizer
 
-            self._chat = ChatTemplate(load_tokenizer(self.config.model), self.config.model)
+            tokenizer_dir = self.config.tokenizer or self.config.model
+            self._chat = ChatTemplate(load_tokenizer(tokenizer_dir), tokenizer_dir)
         return self._chat
 
     def _leave_ray(self) -> None:

@@ -196,7 +196,6 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     feed: int = -1  # >= 0: the token is this row of the previous step's sampled tokens
     logprobs: int = -1  # >= 0: return the sampled token's logprob and this many alternatives
     lora_slot: int = -1  # the adapter slot its tokens read (-1: the base model)
-    allowed: bytes = b""  # a grammar's bitmask of the tokens it may sample (b"": any)
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -228,6 +227,8 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True):
     # starts there
     num_computed: int = 0
     lora_slot: int = -1  # SeqChunk.lora_slot
+    structured: StructuredOutputs | None = None  # its grammar: its samples are masked
+    replay: list[int] = []  # with a grammar: the outputs so far, which its matcher consumes
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True):
@@ -237,7 +238,6 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     seq_id: int
     token_ids: list[int]
     sample: bool
-    allowed: bytes = b""  # the sampled token's grammar bitmask (bit t: token t allowed)
 
 
 class StepDelta(msgspec.Struct, frozen=True):

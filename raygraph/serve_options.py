@@ -17,6 +17,7 @@ DEFAULT_MAX_LORAS = 4  # slots when adapters are named but max_loras is not
 # keyword -> (ServeConfig section, field) it sets as given; "" is ServeConfig itself
 FIELDS: dict[str, tuple[str, str]] = {
     "device": ("", "device"),
+    "tokenizer": ("", "tokenizer"),
     "dtype": ("", "dtype"),
     "load_format": ("", "load_format"),
     "quantization": ("", "quantization"),
@@ -93,4 +94,7 @@ def build_config(options: Mapping[str, Any]) -> ServeConfig:
     dummy = top.get("load_format", cfg.load_format) == "dummy"  # no weights to download
     model = resolve_model(given.get("model", cfg.model), given.get("revision"),
                           given.get("download_dir"), weights=not dummy)
+    if top.get("tokenizer"):  # its files only
+        top["tokenizer"] = resolve_model(top["tokenizer"], download_dir=given.get("download_dir"),
+                                         weights=False)
     return msgspec.structs.replace(cfg, model=model, **top, **sections)

@@ -83,8 +83,8 @@ def test_version():
     assert p.stdout == f"raygraph {raygraph_package.__version__}\n"
 
 
-TOP_LEVEL = ("valid: model, device, dtype, load_format, quantization, seed, coordinator_name, "
-             "namespace, step_timeout_s, "
+TOP_LEVEL = ("valid: model, tokenizer, device, dtype, load_format, quantization, seed, "
+             "coordinator_name, namespace, step_timeout_s, "
              "[parallel], [cache], [scheduler], [graph], [offload], [lora], [replica]")
 
 

@@ -13,15 +13,16 @@ import msgspec
 import pytest
 import torch
 
-from bench.structured import INT, NAME, obj, schemas
+from bench.structured import ENDLESS, INT, NAME, obj, schemas
 from raygraph.config import DEFAULT_MODEL, SchedulerConfig, ServeConfig
 from raygraph.engine.pages import PagePool
-from raygraph.engine.scheduler import Scheduler
+from raygraph.engine.scheduler import Scheduler, SchedulerOutput
 from raygraph.engine.sequence import Sequence
 from raygraph.errors import BadRequest
 from raygraph.grammar import Grammars, structured_of
-from raygraph.protocol import SamplingParams, SeqChunk, StructuredOutputs
+from raygraph.protocol import NewSeq, SamplingParams, SeqChunk, StepDelta, StructuredOutputs
 from raygraph.tokenizer import load_tokenizer
+from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import sample_tokens
 
 
@@ -101,10 +102,10 @@ def grammars():
     return Grammars(load_tokenizer(str(DEFAULT_MODEL)).hf)
 
 
-def test_a_constrained_sequence_is_never_fed_and_carries_its_mask(grammars):
-    """In the overlapped loop a free decode is fed (its token in flight); a constrained one
-    sits that step out and is sent explicitly, with its grammar's mask, once its token is
-    known; the mask's tokens are the ones the matcher allows."""
+def test_a_constrained_sequence_is_fed_and_its_workers_get_its_grammar(grammars):
+    """In the overlapped loop a constrained decode is fed like a free one (its token in
+    flight): the workers fill its mask. They learn its grammar when it is first tracked,
+    and on readmission after preemption its outputs so far, to replay."""
     sched = Scheduler(PagePool(64, 4), 8, 64, 128)
     free = Sequence(0, [5, 6, 7], SamplingParams(max_tokens=8).resolved())
     spec = StructuredOutputs("choice", json.dumps(["yes", "no"]))
@@ -112,17 +113,84 @@ def test_a_constrained_sequence_is_never_fed_and_carries_its_mask(grammars):
     guided.guide = grammars.guide(spec)
     sched.add(free)
     sched.add(guided)
-    first = sched.schedule()  # both prefill; the constrained one samples under its mask
-    masks = {seq.seq_id: step.allowed for seq, step in first.chunks}
-    assert masks[0] == b"" and masks[1] == guided.guide.mask()
-    second = sched.schedule()  # tokens of the first step still in flight
-    assert second.feed == [free] and not second.chunks
-    yes = [t for t in range(grammars.vocab) if allowed(masks[1], t)][0]
+    first = sched.schedule()
+    assert [(n.seq_id, n.structured, n.replay) for n in first.new] == [(0, None, []),
+                                                                       (1, spec, [])]
+    second = sched.schedule()  # tokens of the first step still in flight: both fed
+    assert second.feed == [free, guided] and not second.chunks
+    yes = [t for t in range(grammars.vocab) if allowed(guided.guide.mask(), t)][0]
     sched.update(first, [9, yes])
+    out = SchedulerOutput([], [], [], [], [], [], 0)
+    sched.running.remove(guided)
+    sched._preempt(guided, out)
+    guided.num_pending = 0  # its second token was discarded with the step
     third = sched.schedule()
-    assert [s.seq_id for s, _ in third.chunks] == [1] and third.feed == [free]
-    (step,) = [c for _, c in third.chunks]
-    assert step.token_ids == [yes] and step.allowed == guided.guide.mask()
+    assert [(n.seq_id, n.replay) for n in third.new] == [(1, [yes])]
+
+
+def test_worker_guides_mask_rows_and_follow_their_tokens(grammars):
+    """The worker's matchers: a constrained row's mask is its grammar's, moves on with the
+    token it got, a readmitted sequence replays its outputs, free rows have none, and a
+    grammar that cannot build allows only EOS."""
+    spec = StructuredOutputs("choice", json.dumps(["yes", "no"]))
+    guides = Guides(str(DEFAULT_MODEL), 8, torch.device("cpu"))
+    ref = grammars.guide(spec)
+    start = ref.mask()
+    yes = [t for t in range(grammars.vocab) if allowed(start, t)][0]
+    guides.apply(StepDelta(0, new=[NewSeq(1, structured=spec), NewSeq(2),
+                                   NewSeq(3, structured=spec, replay=[yes]),
+                                   NewSeq(4, structured=StructuredOutputs("regex", "a("))]))
+    chunks = [SeqChunk(i, [5], 0, [0], True) for i in (2, 1, 3, 4)]
+    rows = guides.rows(chunks)
+    assert rows == [(1, 1), (2, 3), (3, 4)]
+    vocab = 5000  # the model's vocabulary may be larger than the grammar's
+    sel, masks = guides.masks(rows, vocab)
+    assert sel.tolist() == [1, 2, 3]
+    ref.accept(yes)
+    eos_only = torch.zeros(vocab, dtype=torch.bool)
+    eos_only[grammars.eos] = True
+    assert torch.equal(masks[0], unpacked(start, vocab))
+    assert torch.equal(masks[1], unpacked(ref.mask(), vocab))
+    assert torch.equal(masks[2], eos_only)
+    guides.accept(rows, [0, yes, 0, 0])
+    assert torch.equal(guides.masks(rows[:1], vocab)[1][0], unpacked(ref.mask(), vocab))
+    guides.apply(StepDelta(1, drop=[1, 3, 4]))
+    assert guides.rows(chunks) == []
+
+
+def unpacked(mask: bytes, vocab: int) -> torch.Tensor:
+    return torch.tensor([allowed(mask, t) if t < 8 * len(mask) else False
+                         for t in range(vocab)])
+
+
+def test_constrained_rows_sample_every_step(grammars):
+    """A mixed batch in the served loop's logic: constrained rows get a token in every step
+    the free rows do (the mask is filled on the worker while the step runs)."""
+    from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+    from tests.conftest import loaded_worker
+
+    cfg = ServeConfig(device="cpu", scheduler=SchedulerConfig(max_num_seqs=8,
+                                                              max_num_batched_tokens=64))
+    worker = loaded_worker(cfg, 64)
+    sched = Scheduler(PagePool(64, 16), 8, 64, 512)
+    spec = StructuredOutputs("grammar", ENDLESS)
+    seqs = []
+    for i in range(8):
+        guided = i < 4
+        sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                            structured=spec if guided else None).resolved()
+        seq = Sequence(i, [5 + i, 6, 7], sp)
+        seq.guide = grammars.guide(spec) if guided else None
+        sched.add(seq)
+        seqs.append(seq)
+    steps = run_to_completion(EngineCore([sched], None, ep=False), local_dispatch(worker))
+    assert all(len(s.output_token_ids) == 24 for s in seqs[4:])
+    assert steps <= 24 + 2  # a step behind at the end; constrained rows never sat one out
+    tok = load_tokenizer(str(DEFAULT_MODEL))
+    for s in seqs[:4]:
+        text = tok.decode(s.output_token_ids)
+        assert re.fullmatch(r"[a-z ]+(END)?", text), text
+        assert len(s.output_token_ids) == 24 or (s.finish_reason, text[-3:]) == ("stop", "END")
 
 
 def test_constrained_sequences_through_chunking_and_preemption(grammars):
@@ -190,14 +258,14 @@ def test_the_sampler_takes_the_best_allowed_token(grammars):
     for t in ok:
         mask[t // 8] |= 1 << (t % 8)
 
-    def chunk(i: int, temperature: float, allowed: bytes) -> SeqChunk:
-        return SeqChunk(i, [0], 0, [0], True, temperature, 0, 1.0, None, 0,
-                        allowed=bytes(allowed))
+    def chunk(i: int, temperature: float) -> SeqChunk:
+        return SeqChunk(i, [0], 0, [0], True, temperature, 0, 1.0, None, 0)
 
-    chunks = [chunk(0, 0.0, mask), chunk(1, 0.0, b""), chunk(2, 1.0, mask)]
+    chunks = [chunk(0, 0.0), chunk(1, 0.0), chunk(2, 1.0)]
+    masks = torch.tensor([0, 2]), unpacked(bytes(mask), vocab).expand(2, vocab)
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
-        out = sample_tokens(logits, chunks, gen).tolist()
+        out = sample_tokens(logits, chunks, gen, masks=masks).tolist()
         assert out[0] == max(ok, key=lambda t: logits[0, t].item())
         assert out[1] == int(logits[1].argmax())
         assert out[2] in ok

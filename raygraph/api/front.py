@@ -102,14 +102,15 @@ class Front:
         self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raygraph-http-cpu")
         # transformers takes seconds to import: the tokenizer loads while the server already
         # answers probes and token-id routes (a server restarted after a crash serves at once)
-        self._text = self.cpu.submit(self._load_text, model_dir, cfg.chat_template)
+        self._text = self.cpu.submit(self._load_text, info.get("tokenizer", model_dir),
+                                     cfg.chat_template)
         self.grammars = LazyGrammars(lambda: self.tokenizer)  # checks structured outputs
 
     @staticmethod
-    def _load_text(model_dir: str, template: str | None
+    def _load_text(tokenizer_dir: str, template: str | None
                    ) -> tuple[TextTokenizer | None, Logprobs, ChatTemplate]:
-        tokenizer = load_tokenizer(model_dir)
-        return tokenizer, Logprobs(tokenizer), ChatTemplate(tokenizer, model_dir, template)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        return tokenizer, Logprobs(tokenizer), ChatTemplate(tokenizer, tokenizer_dir, template)
 
     def text_ready(self) -> None:
         """Wait for the tokenizer (ValueError if it does not load)."""

@@ -130,7 +130,7 @@ class Engine:
         # do not hold back the workers' creation by sharing this process's GIL
         await asyncio.sleep(0)
         loader = concurrent.futures.ThreadPoolExecutor(1)
-        tokenizer = loader.submit(load_tokenizer, self.cfg.model)
+        tokenizer = loader.submit(load_tokenizer, self.cfg.tokenizer or self.cfg.model)
         loader.shutdown(wait=False)
         await starting
         self.tokenizer = self.clients.tokenizer = await asyncio.wrap_future(tokenizer)
@@ -191,7 +191,8 @@ class Engine:
         reports = self.capture_report()
         cap = self.capture
         return {
-            "model": self.cfg.model, "device": self.cfg.device, "dtype": self.cfg.dtype,
+            "model": self.cfg.model, "tokenizer": self.cfg.tokenizer or self.cfg.model,
+            "device": self.cfg.device, "dtype": self.cfg.dtype,
             "vocab_size": self.model_cfg.vocab_size,
             "tp": self.cfg.parallel.tp, "healthy": self.healthy,
             "dp": self.cfg.parallel.dp, "ep": self.cfg.parallel.ep,

@@ -15,9 +15,10 @@ token *pending*: sampled on the workers, unknown here. Its next decode is sent a
 token arrives, one step later, and a token computed past a stop is discarded. Limits known
 in advance (max_tokens, the context) are never overshot: such a sequence is not scheduled.
 
-A sequence with a grammar (raygraph/grammar.py) is never fed: its next token's mask depends
-on the pending one, so it sits out the steps in which its last token is still in flight and
-is sent explicitly, with the mask, once that token is known.
+A sequence with a grammar (raygraph/grammar.py) is scheduled like any other: the workers
+keep its matcher and fill its mask once its pending token is on their host, while the
+step's forward runs (worker/guides.py). Its matcher here, a step behind, ends it when the
+grammar is complete.
 
 Each step is described as a change to what the workers hold (new sequences, appended
 blocks, dropped ids), so its message and cost grow with what changed, not with the batch.
@@ -27,12 +28,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raygraph.engine.kv_cache import KVCacheManager
 from raygraph.engine.pages import PagePool
 from raygraph.engine.sequence import Sequence
-from raygraph.grammar import masks
 from raygraph.protocol import FinishReason, NewSeq, SeqStep, TokenLogprobs
 
 
@@ -47,7 +47,6 @@ class SchedulerOutput:
     drop: list[int]
     preempted: list[Sequence]
     num_tokens: int
-    guided: list[int] = field(default_factory=list)  # chunks that sample under a grammar
 
     @property
     def num_seqs(self) -> int:
@@ -120,8 +119,6 @@ class Scheduler:
             seq = self.running[i]
             i += 1
             if seq.num_pending:  # decode the token in flight: the common case, kept lean
-                if seq.guide is not None:
-                    continue  # its mask needs the token in flight: next step
                 outputs = len(seq.output_token_ids) + seq.num_pending
                 if (outputs >= seq.params.max_tokens
                         or len(seq.prompt_token_ids) + outputs >= max_len):
@@ -168,26 +165,18 @@ class Scheduler:
             self._drop = out.drop + self._drop  # nothing to send them with yet
             return None
         out.num_tokens += len(feed)
-        if out.guided:
-            self._masks(out)
         return out
-
-    @staticmethod
-    def _masks(out: SchedulerOutput) -> None:
-        """The grammar masks of the step's constrained rows, filled together."""
-        rows = [out.chunks[k] for k in out.guided]
-        for k, mask in zip(out.guided, masks([seq.guide for seq, _ in rows])):
-            seq, step = out.chunks[k]
-            out.chunks[k] = (seq, SeqStep(step.seq_id, step.token_ids, step.sample, mask))
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put n tokens of seq into the step and account for them."""
         if not seq.tracked:
             p = seq.params.resolved()  # fields still None (not through the coordinator)
+            guided = seq.guide is not None
             out.new.append(NewSeq(seq.seq_id, p.temperature, p.top_k, p.top_p, p.seed,
                                   len(seq.output_token_ids),
                                   -1 if p.logprobs is None else p.logprobs, seq.num_computed,
-                                  seq.lora_slot))
+                                  seq.lora_slot, p.structured if guided else None,
+                                  list(seq.output_token_ids) if guided else []))
             seq.tracked = True
             if not seq.scheduled_at:
                 seq.scheduled_at = time.perf_counter()
@@ -210,8 +199,6 @@ class Scheduler:
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
-        if sample and seq.guide is not None:  # its mask comes with the others' (_masks)
-            out.guided.append(len(out.chunks))
         out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
         out.num_tokens += n
 

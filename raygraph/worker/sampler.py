@@ -6,7 +6,6 @@ request gives the same tokens whatever it is batched with and after preemption.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from raygraph.model import ops
@@ -59,30 +58,12 @@ class SamplingRows:
         return d[:, 0].long(), d[:, 1], d[:, 2].long(), d[:, 3]
 
 
-def allowed_tokens(chunks: list[SeqChunk], rows: list[int], vocab: int,
-                   device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] bool: each row's grammar bitmask (bit t of the little-endian
-    bytes: token t), False past the grammar's vocabulary. The packed bytes (vocab / 8 a row)
-    go to the device, pinned and without a sync on CUDA, and are unpacked there."""
-    width = -(-vocab // 8)
-    packed = np.zeros((len(rows), width), dtype=np.uint8)
-    for j, i in enumerate(rows):
-        row = np.frombuffer(chunks[i].allowed, np.uint8)[:width]
-        packed[j, : row.size] = row
-    t = torch.from_numpy(packed)
-    if device.type == "cuda":
-        t = t.pin_memory().to(device, non_blocking=True)
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    return ((t.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-
-
-def constrain(logits: torch.Tensor, greedy: torch.Tensor, chunks: list[SeqChunk],
-              rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits with each grammar row's disallowed tokens at -inf, and the argmax taken
-    again for those rows (new tensors: a graph's outputs are read, never written)."""
-    sel = torch.tensor(rows, device=logits.device)
-    masked = logits[sel].masked_fill(~allowed_tokens(chunks, rows, logits.shape[-1],
-                                                     logits.device), float("-inf"))
+def constrain(logits: torch.Tensor, greedy: torch.Tensor, sel: torch.Tensor,
+              allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits with each grammar row's disallowed tokens at -inf (sel: [R] row indices,
+    allowed: [R, vocab] bool, on the logits' device), and the argmax taken again for those
+    rows (new tensors: a graph's outputs are read, never written)."""
+    masked = logits[sel].masked_fill(~allowed, float("-inf"))
     logits = logits.index_copy(0, sel, masked)
     greedy = greedy.clone()
     greedy[sel] = ops.argmax(masked)
@@ -95,17 +76,16 @@ def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Genera
 
 
 def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
-                  greedy: torch.Tensor | None = None,
-                  staging: SamplingRows | None = None) -> torch.Tensor:
+                  greedy: torch.Tensor | None = None, staging: SamplingRows | None = None,
+                  masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Tokens [S] on the logits' device, with no host sync when `staging` is given or every
     row is greedy (the served loop keeps them there for the next step). logits: [S, vocab]
     float32, one row per chunk (all chunks here sample); greedy: their argmax when the step
-    already took it (a graph's output: read, never written). Rows with a grammar bitmask
-    sample among its tokens only (a host copy of the masks: such steps are not overlapped)."""
+    already took it (a graph's output: read, never written). `masks`: (rows, allowed) of
+    the rows that follow a grammar (`constrain`), which sample among its tokens only."""
     out = ops.argmax(logits) if greedy is None else greedy
-    guided = [i for i, c in enumerate(chunks) if c.allowed]
-    if guided:
-        logits, out = constrain(logits, out, chunks, guided)
+    if masks:
+        logits, out = constrain(logits, out, *masks)
         greedy = None  # out is a new tensor already
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if rows:

@@ -50,6 +50,7 @@ from raygraph.protocol import (
     WorkerCall,
     WorkerInfo,
 )
+from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import (
     SamplingRows,
     logprob_rows,
@@ -112,6 +113,7 @@ class _Pending:
     seconds: float = 0.0
     idle: float = 0.0
     logprobs: Logprobs | None = None  # on the host, being filled
+    guided: list[tuple[int, int]] | None = None  # (row, seq id) sampled under a grammar
 
 
 # what the coordinator may call over the compiled graph
@@ -156,6 +158,7 @@ class Worker:
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                              for _ in range(2)]  # alternate: step N+1 copies while N is read
         self._sampling = SamplingRows(n, self.device)
+        self.guides = Guides(cfg.tokenizer or cfg.model, n, self.device)
         self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
         self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
 
@@ -405,17 +408,21 @@ class Worker:
         """Run one step to the end (in-process use, tests); the group's first TP rank returns
         the tokens, other ranks None. Served steps come through `run`."""
         t0 = time.perf_counter()
-        tokens, _ = self._launch(plan)
+        tokens, _, _ = self._launch(plan)
         out = tokens.tolist() if tokens is not None and self.samples else []
         if self.offload is not None:
             self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, out, time.perf_counter() - t0) if self.samples else None
 
-    def _launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, Logprobs | None]:
+    def _launch(self, plan: StepPlan, before_masks: Callable[[], None] | None = None
+                ) -> tuple[torch.Tensor | None, Logprobs | None, list[tuple[int, int]]]:
         """Queue one step on the device; its sampled tokens [S] stay there, in the buffer the
         next step's fed tokens read. Every TP rank samples: their logits are bitwise equal
         and their generators advance alike, so they draw the same tokens. The sampling rank
-        also computes logprobs when a row asked (None otherwise: no work at all)."""
+        also computes logprobs when a row asked (None otherwise: no work at all). Rows
+        under a grammar sample within its mask, filled once the forward is queued, after
+        `before_masks` (which reads the previous step's tokens: worker/guides.py); their
+        (row, seq id) come back third."""
         self.sleep_memory.check_awake()
         try:
             logits, greedy = self.executor.step(plan)
@@ -423,14 +430,19 @@ class Worker:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
         chunks = [s for s in plan.seqs if s.sample]
         if not chunks:
-            return None, None
-        tokens = sample_tokens(logits, chunks, self.generator, greedy, self._sampling)
+            return None, None, []
+        guided, masks = self.guides.rows(chunks), None
+        if guided:
+            if before_masks is not None:
+                before_masks()
+            masks = self.guides.masks(guided, logits.shape[-1])
+        tokens = sample_tokens(logits, chunks, self.generator, greedy, self._sampling, masks)
         self.executor.prev_tokens[: len(chunks)].copy_(tokens)
         rows = logprob_rows(chunks) if self.samples and self.state.logprob_seqs else None
         if not rows:
-            return tokens, None
+            return tokens, None, guided
         k = max(chunks[i].logprobs for i in rows)
-        return tokens, (token_logprobs(logits, tokens, k), rows, chunks)
+        return tokens, (token_logprobs(logits, tokens, k), rows, chunks), guided
 
     # ---- the served path: the coordinator's compiled graph calls only this ----------------
     def run(self, cmd: bytes | WorkerCall) -> bytes | object:
@@ -479,11 +491,18 @@ class Worker:
         pending.step_id = delta.step_id
         self._maybe_fault("step", None)
         loads = [self._load_slot(slot, path) for slot, path in delta.lora_loads]
-        tokens, logprobs = self._launch(self.state.apply(delta))
+        plan = self.state.apply(delta)
+        self.guides.apply(delta)
+        early: list[bytes | None] = []  # the previous step's reply, read before the masks
+        tokens, logprobs, guided = self._launch(plan, lambda: early.append(self._collect(loads)))
+        pending.guided = guided
+        if tokens is not None and (self.samples or guided):
+            pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
+            pending.tokens.copy_(tokens, non_blocking=True)
+        if cuda and guided and not self.samples:
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
         if self.samples:
-            if tokens is not None:
-                pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
-                pending.tokens.copy_(tokens, non_blocking=True)
             if logprobs is not None:
                 packed, rows, chunks = logprobs
                 host = torch.empty(packed.shape, pin_memory=cuda).copy_(packed,
@@ -495,7 +514,7 @@ class Worker:
                 pending.after, self._last_ready = self._last_ready, pending.ready
             else:
                 pending.seconds = time.perf_counter() - pending.started
-        out = self._collect(loads)
+        out = early[0] if early else self._collect(loads)
         self._pending = pending
         return out
 
@@ -504,16 +523,19 @@ class Worker:
         `loads`: those of the step just launched (a rank that does not sample answers only
         when there are some)."""
         p, self._pending = self._pending, None
+        if p is not None and p.ready is not None:
+            p.ready.synchronize()
+        tokens = p.tokens.tolist() if p is not None and p.tokens is not None else []
+        if p is not None and p.guided:
+            self.guides.accept(p.guided, tokens)
         if not self.samples:
             return OUTPUT.encode(StepOutput(-1, [], lora_loads=loads)) if loads else None
         if p is None:
             return OUTPUT.encode(StepOutput(-1, [], lora_loads=loads or []))
         if p.ready is not None:
-            p.ready.synchronize()
             p.seconds = p.start.elapsed_time(p.ready) / 1e3
             if p.after is not None:  # the device's wait between the two steps
                 p.idle = max(0.0, p.after.elapsed_time(p.start) / 1e3)
-        tokens = p.tokens.tolist() if p.tokens is not None else []
         if self.offload is not None:
             self.offload.note_step(p.seconds)
         logprobs = {}
