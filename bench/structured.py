@@ -134,16 +134,27 @@ def itl_ms(worker, grammars: Grammars, vocab: int, batch: int, steps: int,
             seq.guide = grammars.guide(spec)
         sched.add(seq)
         seqs.append(seq)
-    core, dispatch = EngineCore([sched], None, ep=False), local_dispatch(worker)
+    core, local = EngineCore([sched], None, ep=False), local_dispatch(worker)
+    device = [0, 0.0, 0.0]  # steps, the device's time in them and idle between them (s)
+
+    def dispatch(msgs: list[bytes]) -> list:
+        outs = local(msgs)
+        for o in outs:
+            if o.step_id >= 0:
+                device[:] = device[0] + 1, device[1] + o.forward_s, device[2] + o.idle_s
+        return outs
+
     start = end = None
     while core.step(dispatch) is not None:  # to the end: the worker is left with nothing
         if end is None and any(s.finish_reason for s in seqs):
-            end = time.perf_counter(), [len(s.output_token_ids) for s in seqs]
+            end = time.perf_counter(), [len(s.output_token_ids) for s in seqs], list(device)
         if start is None and all(len(s.output_token_ids) >= 2 for s in seqs):
-            start = time.perf_counter(), [len(s.output_token_ids) for s in seqs]
+            start = time.perf_counter(), [len(s.output_token_ids) for s in seqs], list(device)
     elapsed = end[0] - start[0]
     made = [b - a for a, b in zip(start[1], end[1])]
-    out = {}
+    steps = max(1, end[2][0] - start[2][0])
+    out = {"device_ms_per_step": round(1e3 * (end[2][1] - start[2][1]) / steps, 3),
+           "device_idle_ms_per_step": round(1e3 * (end[2][2] - start[2][2]) / steps, 3)}
     for name, rows in (("free", made[constrained:]), ("guided", made[:constrained])):
         if rows:
             out[f"{name}_itl_ms"] = round(1e3 * elapsed / statistics.mean(rows), 3)
@@ -211,7 +222,7 @@ def main() -> None:
     itl_ms(worker, grammars, vocab, a.batch, a.steps, a.batch // 2)  # warm-up, not counted
     for name, n in (("none", 0), ("all", a.batch), ("half", a.batch // 2), ("none", 0)):
         for k, v in itl_ms(worker, grammars, vocab, a.batch, a.steps, n).items():
-            key = f"{name}_constrained_{k}"
+            key = f"{name}_{k}" if k.startswith("device") else f"{name}_constrained_{k}"
             row[key] = round((row[key] + v) / 2, 3) if key in row else v  # none: both runs
     base = row["none_constrained_free_itl_ms"]
     row["all_vs_none"] = round(row["all_constrained_guided_itl_ms"] / base, 2)

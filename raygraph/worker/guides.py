@@ -42,7 +42,7 @@ class Guides:
         self._host_rows: torch.Tensor | None = None
         self._dev_rows: torch.Tensor | None = None
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self._shifts = torch.arange(8, dtype=torch.uint8, device=device)
 
     def apply(self, delta: StepDelta) -> None:
         """Forget the dropped sequences and start building the new constrained ones'."""
@@ -103,7 +103,8 @@ class Guides:
         dev.copy_(self._host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        bits = ((dev.unsqueeze(-1) >> self._shifts) & 1).view(n, -1).bool()
+        # little-endian words as bytes, then bits: bit t of the row is token t
+        bits = ((dev.view(torch.uint8).unsqueeze(-1) >> self._shifts) & 1).view(n, -1).bool()
         if bits.shape[1] < vocab:
             bits = torch.cat([bits, bits.new_zeros(n, vocab - bits.shape[1])], dim=1)
         return sel, bits[:, :vocab]

@@ -59,12 +59,15 @@ class SamplingRows:
 
 
 def constrain(logits: torch.Tensor, greedy: torch.Tensor, sel: torch.Tensor,
-              allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits with each grammar row's disallowed tokens at -inf (sel: [R] row indices,
-    allowed: [R, vocab] bool, on the logits' device), and the argmax taken again for those
-    rows (new tensors: a graph's outputs are read, never written)."""
+              allowed: torch.Tensor, masked_logits: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax taken again for each grammar row with its disallowed tokens at -inf (sel:
+    [R] row indices, allowed: [R, vocab] bool, on the logits' device), and the logits with
+    those rows masked (or as given, when not `masked_logits`: no row samples from them).
+    New tensors: a graph's outputs are read, never written."""
     masked = logits[sel].masked_fill(~allowed, float("-inf"))
-    logits = logits.index_copy(0, sel, masked)
+    if masked_logits:
+        logits = logits.index_copy(0, sel, masked)
     greedy = greedy.clone()
     greedy[sel] = ops.argmax(masked)
     return logits, greedy
@@ -84,10 +87,10 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
     already took it (a graph's output: read, never written). `masks`: (rows, allowed) of
     the rows that follow a grammar (`constrain`), which sample among its tokens only."""
     out = ops.argmax(logits) if greedy is None else greedy
-    if masks:
-        logits, out = constrain(logits, out, *masks)
-        greedy = None  # out is a new tensor already
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
+    if masks:
+        logits, out = constrain(logits, out, *masks, masked_logits=bool(rows))
+        greedy = None  # out is a new tensor already
     if rows:
         if greedy is not None:
             out = out.clone()
