@@ -82,7 +82,8 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
         parallel=ParallelConfig(tp=a.tp),
         replica=ReplicaConfig(replicas=a.replicas, routing=a.routing),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
-                          enable_prefix_caching=not a.no_prefix_caching),
+                          enable_prefix_caching=not a.no_prefix_caching,
+                          cache_dtype=a.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
         graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph, capture=a.capture,
@@ -295,6 +296,7 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
     row["request_rate"] = str(a.request_rate)  # "inf" stays valid JSON
     print(load.format_table(row), file=sys.stderr, flush=True)
     row |= where | {"model": name, "tp": a.tp, "quantization": a.quantization,
+                    "kv_cache_dtype": a.kv_cache_dtype,
                     "replicas": a.replicas, "routing": a.routing,
                     "mode": a.mode, "prefill_graph": a.prefill_graph,
                     "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
@@ -321,6 +323,8 @@ def main() -> None:
                         "config.json is written")
     p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
                    help="fp8: a bf16 checkpoint's linear layers quantized to FP8 at load")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: the KV cache in FP8 e4m3 (twice the tokens)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the coordinator (load mode; use --client mux)")
@@ -394,7 +398,7 @@ def main() -> None:
             else "coordinator worker_step_ms (rank 0's device time per step)",
             "tokens_match": served["tokens"] == eng["tokens"] if in_process else None,
             "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
-            "quantization": a.quantization,
+            "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
             "temperature": a.temperature, "top_k": a.top_k,
             "model": name,
         }), flush=True)

@@ -96,6 +96,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {D.quantization})")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default: {D.cache.block_size})")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="auto: the weights' dtype; fp8: FP8 e4m3, twice the tokens in the "
+                        f"same memory (default: {D.cache.cache_dtype})")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per rank (default: sized from free memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -327,6 +327,9 @@ class CacheConfig(msgspec.Struct, frozen=True):
     and the watermarks do nothing)."""
 
     block_size: int = 16  # tokens per KV block (page)
+    # auto: the weights' dtype; fp8: FP8 e4m3 (scale 1.0, saturating at +-448), half the bytes
+    # a token, so twice the tokens fit; the attention kernels read it back in the weights' dtype
+    cache_dtype: Literal["auto", "fp8"] = "auto"
     num_blocks: int | None = None  # KV blocks per rank; None: sized from memory
     kv_cache_bytes: int | None = None  # KV bytes per rank; None: gpu_memory_utilization
     gpu_memory_utilization: float = 0.85  # share of the GPU the worker may fill, KV included
@@ -345,6 +348,8 @@ class CacheConfig(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.cache_dtype not in ("auto", "fp8"):  # keywords are not type-checked
+            raise ConfigError(f"cache_dtype must be 'auto' or 'fp8', got {self.cache_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -31,6 +31,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "placement": ("replica", "placement"),
     "routing": ("replica", "routing"),
     "block_size": ("cache", "block_size"),
+    "kv_cache_dtype": ("cache", "cache_dtype"),
     "num_kv_blocks": ("cache", "num_blocks"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),

@@ -1,8 +1,10 @@
-"""How close `--quantization fp8` stays to the unquantized model: top-1 agreement of the next
-token under teacher forcing, and perplexity, over a text in windows of 256 tokens (CPU,
-float32 activations). tests/test_fp8_online.py asserts on the same measure.
+"""How close `--quantization fp8` (and `--kv-cache-dtype fp8`) stays to the unquantized
+model: top-1 agreement of the next token under teacher forcing, and perplexity, over a text
+in windows of 256 tokens (CPU, float32 activations). tests/test_fp8_online.py and
+tests/test_fp8_kv.py assert on the same measure.
 
-    python scripts/fp8_agreement.py FILE [--model DIR] [--windows N]
+    python scripts/fp8_agreement.py FILE [--model DIR] [--windows N] [--kv-cache-dtype fp8]
+        [--quantization auto|fp8]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from raygraph.config import DEFAULT_MODEL, ServeConfig
 from raygraph.graph.inputs import batch_from, host_inputs
 from raygraph.model.context import forward_context
 from raygraph.model.loader import build_model
+from raygraph.model.ops import FP8_KV
 from raygraph.model.parallel import Comm
 from raygraph.protocol import SeqChunk, StepPlan
 
@@ -40,13 +43,17 @@ def cpu_model(model: str, quantization: str) -> torch.nn.Module:
     return build_model(cfg, Comm(), torch.float32, CPU)
 
 
-def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab]: every position's next-token logits, over a fresh paged cache."""
+def logits(model: torch.nn.Module, ids: list[int], kv_dtype: torch.dtype = torch.float32
+           ) -> torch.Tensor:
+    """[len(ids), vocab]: every position's next-token logits, over a fresh paged cache of
+    `kv_dtype` (a prompt's keys are stored before any query reads them, so an FP8 cache
+    rounds every key and value a query sees, as in serving)."""
     cfg = model.config
     blocks = -(-len(ids) // BLOCK)
     for layer in model.attention_layers():
         shape = (blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+        layer.k_cache = torch.zeros(shape, dtype=kv_dtype)
+        layer.v_cache = torch.zeros(shape, dtype=kv_dtype)
     plan = StepPlan(0, [SeqChunk(0, ids, 0, list(range(blocks)), False)])
     batch = batch_from(host_inputs(plan, BLOCK), CPU)
     with torch.no_grad(), forward_context(batch.ctx):
@@ -59,11 +66,13 @@ def windows(text: str, model: str = DEFAULT_MODEL, limit: int | None = None) -> 
     return out[:limit]
 
 
-def agreement(ref: torch.nn.Module, fp8: torch.nn.Module, seqs: list[list[int]]) -> Agreement:
+def agreement(ref: torch.nn.Module, fp8: torch.nn.Module, seqs: list[list[int]],
+              kv_dtype: torch.dtype = torch.float32) -> Agreement:
+    """`fp8` (its KV cache in `kv_dtype`) against `ref` (float32 KV cache)."""
     same = total = 0
     nll_ref = nll_fp8 = 0.0
     for ids in seqs:
-        want, got = logits(ref, ids)[:-1], logits(fp8, ids)[:-1]
+        want, got = logits(ref, ids)[:-1], logits(fp8, ids, kv_dtype)[:-1]
         target = torch.tensor(ids[1:])
         same += int((want.argmax(-1) == got.argmax(-1)).sum())
         total += len(target)
@@ -77,10 +86,15 @@ def main() -> None:
     p.add_argument("text", help="a UTF-8 text file")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--windows", type=int, default=None, help="at most this many windows")
+    p.add_argument("--quantization", choices=["auto", "fp8"], default="fp8",
+                   help="the compared model's weights and activations (default: fp8)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the compared model's KV cache (default: float32, as the reference)")
     a = p.parse_args()
     with open(a.text, encoding="utf-8") as f:
         seqs = windows(f.read(), a.model, a.windows)
-    r = agreement(cpu_model(a.model, "auto"), cpu_model(a.model, "fp8"), seqs)
+    kv = FP8_KV if a.kv_cache_dtype == "fp8" else torch.float32
+    r = agreement(cpu_model(a.model, "auto"), cpu_model(a.model, a.quantization), seqs, kv)
     print(f"{r.tokens} tokens: top-1 agreement {r.top1:.2%}; perplexity {r.ppl_ref:.3f} -> "
           f"{r.ppl_fp8:.3f} ({r.ppl_fp8 / r.ppl_ref - 1:+.2%})")
 

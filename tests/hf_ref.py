@@ -9,11 +9,15 @@ import torch
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
-              adapter: Path | None = None) -> list[list[int]]:
-    """`adapter`: a PEFT LoRA adapter directory applied on top (peft, unmerged)."""
+              adapter: Path | None = None, attention: str | None = None) -> list[list[int]]:
+    """`adapter`: a PEFT LoRA adapter directory applied on top (peft, unmerged);
+    `attention`: an attention implementation registered with transformers'
+    AttentionInterface (None: its default)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    kw = {"attn_implementation": attention} if attention else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              **kw)
     if adapter is not None:
         from peft import PeftModel
 

@@ -242,8 +242,22 @@ def store_kv(
         return fused(k, v, k_cache, v_cache, slot_mapping)
     scratch = k_cache.shape[0] * k_cache.shape[1] - 1
     slots = torch.where(slot_mapping >= 0, slot_mapping, scratch)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache(x, cache.dtype)
+        if cache.dtype == FP8_KV:  # index_copy_ has no float8 kernel: copy the bytes
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
+
+
+FP8_KV = torch.float8_e4m3fn  # an FP8 KV cache's storage
+FP8_KV_MAX = 448.0  # its largest finite value: a K/V entry past it saturates
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows in the cache's dtype (FP8: saturated at +-448, the kernels do the same)."""
+    if dtype == FP8_KV:
+        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def paged_attention_ref(
@@ -260,8 +274,9 @@ def paged_attention_ref(
     block_size = k_cache.shape[1]
     num_blocks = -(-md.max_kv_len // block_size)
     table = md.block_tables[:, :num_blocks].long()
-    k = k_cache[table].flatten(1, 2)[:, : md.max_kv_len]  # [B, L, Hkv, D]
-    v = v_cache[table].flatten(1, 2)[:, : md.max_kv_len]
+    # [B, L, Hkv, D], read back in the queries' dtype (an FP8 cache)
+    k = k_cache[table].flatten(1, 2)[:, : md.max_kv_len].to(q.dtype)
+    v = v_cache[table].flatten(1, 2)[:, : md.max_kv_len].to(q.dtype)
     qp = q.new_zeros(num_seqs, md.max_q_len, *q.shape[1:])
     qp[token_seq, token_row] = q[:n]
     qpos = torch.zeros(num_seqs, md.max_q_len, dtype=torch.long, device=q.device)

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from raygraph.model.triton_ops import to_cache
+
 TILE = 64
 PREFIX_ROWS = 64  # (sequence, query head) rows a cascade program attends over the prefix
 PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (56 B of stack), not at 4
@@ -138,8 +140,9 @@ def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d
         blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
         off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
             + d[None, :]
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+        # [TILE, D], in the queries' dtype (an FP8 cache is read back)
+        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -181,6 +184,9 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
         k_last = _load_rotated(kn_ptr, b * stride_kt + kvh * stride_kh, d < D, pos, cos_ptr,
                                sin_ptr, stride_c, d, D, ROPE)
         v_last = tl.load(vn_ptr + b * stride_vt + kvh * stride_vh + d)
+        # as stored: the newest key and value attend as the cache will hold them
+        k_last = to_cache(k_last, k_ptr)
+        v_last = to_cache(v_last, v_ptr)
         if (split == 0) & (seq_len > 0):  # NOTE: padding rows (seq_len 0) write nothing
             blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
             off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
@@ -376,6 +382,8 @@ def paged_decode_attention(
     cascade = shared_len is not None and window == 0
     splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
                                   tile, cascade)
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two (the merge's lanes), got {splits}")
     row_blocks = -(-num_seqs * group // PREFIX_ROWS)
     # the prefix's splits fill the GPU on their own (not tied to the sequences' splits,
     # which large batches keep few); partials: the sequences' splits, then the prefix's
@@ -463,6 +471,7 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     else:
         k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache is read back in the queries' dtype
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASK:
         seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])

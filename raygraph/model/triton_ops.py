@@ -150,6 +150,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x in the KV cache's dtype; an FP8 cache saturates at +-448 (e4m3's largest finite
+    value), as ops.to_cache does."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_k, stride_v,
                      N: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
@@ -157,10 +166,10 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_k, stride_v
     if slot >= 0:  # NOTE: padding slots are -1 and write nothing
         cols = tl.arange(0, BLOCK)
         mask = cols < N
-        tl.store(kc_ptr + slot * N + cols, tl.load(k_ptr + t * stride_k + cols, mask=mask),
-                 mask=mask)
-        tl.store(vc_ptr + slot * N + cols, tl.load(v_ptr + t * stride_v + cols, mask=mask),
-                 mask=mask)
+        k = to_cache(tl.load(k_ptr + t * stride_k + cols, mask=mask), kc_ptr)
+        v = to_cache(tl.load(v_ptr + t * stride_v + cols, mask=mask), vc_ptr)
+        tl.store(kc_ptr + slot * N + cols, k, mask=mask)
+        tl.store(vc_ptr + slot * N + cols, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

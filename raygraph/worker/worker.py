@@ -138,6 +138,8 @@ class Worker:
             self.device = torch.device("cpu")
             torch.set_num_threads(int(os.environ.get("RAYGRAPH_CPU_THREADS", "1")))
         self.dtype = DTYPES[cfg.weights_dtype(self.device.type)]
+        # the KV cache's storage: the weights' dtype, or FP8 (ops store and read it back)
+        self.kv_dtype = torch.float8_e4m3fn if cfg.cache.cache_dtype == "fp8" else self.dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.seed)
         self.model_cfg: ModelConfig | None = None
@@ -224,7 +226,7 @@ class Worker:
         return tp, Comm(dist.group.WORLD) if p.ep > 1 else None
 
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.cfg, self.model_cfg, self.dtype)
+        return kv_bytes_per_block(self.cfg, self.model_cfg, self.kv_dtype)
 
     def _one_token_forward(self) -> None:
         """One eager forward of a single token over a throwaway cache (records the order in
@@ -294,15 +296,16 @@ class Worker:
         """A throwaway cache (sizing, offload's order recording): plain device memory."""
         shape = self._kv_shape(num_blocks)
         for layer in self.model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Bind the KV cache and build the executor over it (graphs capture its addresses).
         The cache lives in a VMM arena, so sleep can release it and wake map it back there."""
         t0 = time.perf_counter()
         layers = self.model.attention_layers()
-        pairs = self.sleep_memory.kv_cache(self._kv_shape(num_blocks), self.dtype, len(layers))
+        pairs = self.sleep_memory.kv_cache(self._kv_shape(num_blocks), self.kv_dtype,
+                                           len(layers))
         if pairs is None:
             self._bind_kv_cache(num_blocks)
         else:
