@@ -3,12 +3,13 @@ generate, on one GPU, in one run, against the HBM floor measured in the same run
 first, in a child process (its compiled CUDA-graph trees stay out of raygraph's process).
 
     python -m bench.decode_step [--preset llama-1b] [--batches 1 8 32 128] [--contexts 128 1024]
-                                [--load-format dummy] [--quantization fp8]
+                                [--load-format dummy] [--quantization fp8] [--kv-cache-dtype fp8]
 
 With --load-format dummy only the preset's config.json is written and the weights are drawn
 on the GPU; HF is not timed then (it has no weights to load). --quantization fp8 quantizes the
 linear layers to FP8 e4m3 at load (one scale per output row, activations per token; HF is not
-timed: it would run bf16). FP8 against bf16 is two runs, the same but for that flag.
+timed: it would run bf16); --kv-cache-dtype fp8 stores the KV cache in FP8 (the floor reads
+half the KV bytes). FP8 against bf16 is two runs, the same but for that flag.
 
 The floor is the bytes a decode step reads over the copy bandwidth: every parameter (FP8
 weights at a byte an element, their float32 scales, the bf16 norms, lm_head) except an
@@ -111,12 +112,12 @@ def median_replay_s(graph: torch.cuda.CUDAGraph, iters: int) -> float:
 
 def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
                 pool: str = "vmm", load_format: str = "auto",
-                quantization: str = "auto") -> Worker:
+                quantization: str = "auto", kv_cache_dtype: str = "auto") -> Worker:
     blocks = max_batch * -(-(max_ctx + 1) // bs)
     cfg = ServeConfig(
         model=model, device="cuda", dtype="bfloat16", load_format=load_format,
         quantization=quantization,
-        cache=CacheConfig(block_size=bs, num_blocks=blocks),
+        cache=CacheConfig(block_size=bs, num_blocks=blocks, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max_ctx + 64),
         graph=GraphConfig(mode=mode, prefill_sizes=[512], pool=pool),
@@ -182,6 +183,8 @@ def main() -> None:
                    help="dummy: config.json only, weights drawn on the GPU (no HF timing)")
     p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
                    help="fp8: linear layers quantized to FP8 e4m3 at load (no HF timing)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: the KV cache in FP8 e4m3 (no HF timing); the floor reads it")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.decode_step times decode steps on a CUDA GPU: none is visible")
@@ -189,10 +192,10 @@ def main() -> None:
     model = bench_model(a.preset, a.load_format)
     bw = copy_bandwidth()
     print(json.dumps({"torch": torch.__version__, "graph_pool": a.pool,
-                      "quantization": a.quantization}))
+                      "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype}))
     max_b, max_c = max(a.batches), max(a.contexts)
     hf_cases = [(b, c) for c in a.contexts if c in a.hf_contexts for b in a.batches
-                if a.load_format == "auto" and a.quantization == "auto"]
+                if a.load_format == "auto" and a.quantization == a.kv_cache_dtype == "auto"]
     hf = {}
     if hf_cases:  # first, alone on the GPU, in a child process of this run
         import multiprocessing
@@ -204,7 +207,7 @@ def main() -> None:
     for mode in ("eager", "graph"):
         t0 = time.perf_counter()
         workers[mode] = make_worker(model, mode, max_b, max_c, bs, a.pool, a.load_format,
-                                    a.quantization)
+                                    a.quantization, a.kv_cache_dtype)
         cap = workers[mode].capture_all()
         if mode == "graph":
             print(json.dumps({"capture_s": round(time.perf_counter() - t0, 2),
