@@ -327,8 +327,9 @@ class CacheConfig(msgspec.Struct, frozen=True):
     and the watermarks do nothing)."""
 
     block_size: int = 16  # tokens per KV block (page)
-    # auto: the weights' dtype; fp8: FP8 e4m3 (scale 1.0, saturating at +-448), half the bytes
-    # a token, so twice the tokens fit; the attention kernels read it back in the weights' dtype
+    # auto: the weights' dtype; fp8: FP8 e4m3 (per-tensor scales from the checkpoint, else
+    # 1.0; saturating at +-448), half the bytes a token, so twice the tokens fit; the
+    # attention kernels read it back in the weights' dtype
     cache_dtype: Literal["auto", "fp8"] = "auto"
     num_blocks: int | None = None  # KV blocks per rank; None: sized from memory
     kv_cache_bytes: int | None = None  # KV bytes per rank; None: gpu_memory_utilization

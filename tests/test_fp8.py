@@ -32,6 +32,7 @@ from raygraph.model.loader import build_model, check_checkpoint
 from raygraph.model.parallel import Comm
 from raygraph.model.quant import FP8, Fp8Weight, fp8_weight
 from raygraph.protocol import SamplingParams
+from raygraph.worker.worker import Worker
 from tests.conftest import (
     assert_close_across_shapes,
     free_port,
@@ -106,6 +107,18 @@ def test_each_format_loads_as_its_dequantized_weights(checkpoints, name: str) ->
     if fmt.method == "modelopt":  # recorded for an FP8 KV cache
         attn = got.model.layers[1].self_attn
         assert (attn.k_scale.item(), attn.v_scale.item()) == (0.5, 0.25)
+
+
+def test_an_fp8_cache_takes_the_checkpoints_kv_scales(checkpoints) -> None:
+    """ModelOpt's k_scale / v_scale (0.5 / 0.25 here) divide what an FP8 cache stores; a
+    cache in the model's dtype needs none."""
+    quant, _ = checkpoints("modelopt")
+    for kind, want in (("fp8", (0.5, 0.25)), ("auto", (1.0, 1.0))):
+        cfg = ServeConfig(model=str(quant), device="cpu", cache=CacheConfig(cache_dtype=kind))
+        worker = Worker(cfg, 0)
+        worker.load(("127.0.0.1", 0))
+        assert {layer.kv_scale for layer in worker.model.attention_layers()} == {want}
+        worker.shutdown()
 
 
 def greedy(path: Path) -> list[list[int]]:

@@ -173,3 +173,25 @@ def test_next_token_agreement_and_perplexity_with_an_fp8_cache():
         r = measure.agreement(ref, measure.cpu_model(DEFAULT_MODEL, quantization), seqs, FP8_KV)
         assert r.top1 >= top1, (quantization, r)
         assert abs(r.ppl_fp8 / r.ppl_ref - 1) <= ppl, (quantization, r)
+
+
+def test_per_tensor_scales_divide_what_is_stored_and_scale_what_is_read():
+    """kv_scale (k_scale, v_scale): the cache holds k / k_scale and v / v_scale; attention
+    equals the reference over float32 caches holding what those entries stand for."""
+    from raygraph.model.context import ForwardContext, forward_context
+    from raygraph.model.ops import attention
+
+    torch.manual_seed(4)
+    seqs = [SeqChunk(0, [1] * 20, 0, [3, 1], True), SeqChunk(1, [1] * 5, 0, [0], True)]
+    md = prepare_batch(StepPlan(0, seqs), BS, CPU).ctx.attn
+    q = torch.randn(25, HKV * GROUP, 8)
+    k, v = 3 * torch.randn(2, 25, HKV, 8)
+    kc = torch.zeros(5, BS, HKV, 8, dtype=FP8_KV)
+    vc = torch.zeros_like(kc)
+    with forward_context(ForwardContext(attn=md)):
+        got = attention(q, k, v, kc, vc, 8**-0.5, kv_scale=(0.5, 4.0))
+    kf, vf = torch.zeros(2, 5, BS, HKV, 8)
+    store_kv(rounded(k / 0.5) * 0.5, rounded(v / 4.0) * 4.0, kf, vf, md.slot_mapping)
+    assert torch.equal(kc.float()[3, :16], rounded(k[:16] / 0.5))
+    ref = paged_attention_ref(q, kf, vf, md, 8**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

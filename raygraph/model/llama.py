@@ -72,11 +72,15 @@ class Attention(nn.Module):
         # Bound by the worker once the paged cache exists: [num_blocks + 1, block_size, Hkv, D].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # (k_scale, v_scale): an FP8 cache holds k / k_scale and v / v_scale (the worker sets
+        # a checkpoint's scales when the cache is FP8)
+        self.kv_scale = (1.0, 1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v, rope = self.qkv(positions, x)
-        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.window, rope)
+        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.window, rope,
+                          self.kv_scale)
         return self.o_proj(o.reshape(t, -1))
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor

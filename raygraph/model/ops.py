@@ -303,18 +303,26 @@ def paged_attention_ref(
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float, window: int = 0, rope: Rope = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Store this step's K/V into the paged cache, then attend. Reads the forward context.
-    `rope`: q and k are not rotated yet (rotary_or_defer).
+    `rope`: q and k are not rotated yet (rotary_or_defer). `kv_scale` (k_scale, v_scale):
+    the cache holds k / k_scale and v / v_scale (an FP8 cache's per-tensor scales), so the
+    scores take k_scale into the softmax scale and the output is multiplied by v_scale.
 
     This is the one place a piecewise executor splits: when the context carries a `split`
     hook, the hook runs attention (eagerly, between captured pieces) instead.
     """
+    k_scale, v_scale = kv_scale
+    if k_scale != 1.0 or v_scale != 1.0:  # rotary is linear: k may be scaled before it
+        k, v, scale = k / k_scale, v / v_scale, scale * k_scale
     ctx = get_forward_context()
     if ctx.split is not None:  # rope is None here: rotary_or_defer never defers under one
-        return ctx.split(q, k, v, k_cache, v_cache, scale, window)
-    return paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window,
-                           rope=rope)
+        out = ctx.split(q, k, v, k_cache, v_cache, scale, window)
+    else:
+        out = paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window,
+                              rope=rope)
+    return out if v_scale == 1.0 else out * v_scale
 
 
 def paged_attention(

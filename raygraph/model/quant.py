@@ -146,8 +146,8 @@ def quantize_layer(layer: nn.Module) -> None:
 
 
 def add_kv_scales(attention: nn.Module) -> None:
-    """The checkpoint's attention k_scale and v_scale, kept (an FP8 KV cache uses 1.0 for
-    now)."""
+    """The checkpoint's attention k_scale and v_scale (its FP8 KV cache's per-tensor
+    scales), loaded into these parameters."""
     device = attention.qkv_proj.weight.device
     for name in ("k_scale", "v_scale"):
         setattr(attention, name, nn.Parameter(torch.ones(1, device=device), requires_grad=False))

@@ -36,6 +36,7 @@ from raygraph.memory.offload import apply_offload
 from raygraph.memory.offload_engine import OffloadEngine, OffloadStats
 from raygraph.memory.stats import MemoryStats, SleepStats
 from raygraph.model.loader import build_model
+from raygraph.model.ops import FP8_KV
 from raygraph.model.parallel import Comm
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
@@ -139,7 +140,7 @@ class Worker:
             torch.set_num_threads(int(os.environ.get("RAYGRAPH_CPU_THREADS", "1")))
         self.dtype = DTYPES[cfg.weights_dtype(self.device.type)]
         # the KV cache's storage: the weights' dtype, or FP8 (ops store and read it back)
-        self.kv_dtype = torch.float8_e4m3fn if cfg.cache.cache_dtype == "fp8" else self.dtype
+        self.kv_dtype = FP8_KV if cfg.cache.cache_dtype == "fp8" else self.dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.seed)
         self.model_cfg: ModelConfig | None = None
@@ -207,6 +208,10 @@ class Worker:
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
         if warmup is not None:
             warmup.join()
+        if self.kv_dtype == FP8_KV:  # a checkpoint's per-tensor cache scales (else 1.0)
+            for layer in self.model.attention_layers():
+                if hasattr(layer, "k_scale"):
+                    layer.kv_scale = (layer.k_scale.item(), layer.v_scale.item())
         self.weight_bytes = weight_bytes = sum(p.numel() * p.element_size()
                                                for p in self.model.parameters())
         per_block = self.kv_bytes_per_block()
