@@ -24,6 +24,7 @@ from raygraph.protocol import NewSeq, SamplingParams, SeqChunk, StepDelta, Struc
 from raygraph.tokenizer import load_tokenizer
 from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import sample_tokens
+from tests.conftest import start_coordinators, stop_coordinators
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,32 @@ def test_constrained_and_free_requests_share_steps(ray_session, coord):
     out = run_all(ray_session, coord, jobs)
     assert out[0].token_ids == alone
     assert all(json.loads(r.text)["n"] in range(-5, 100) for r in out[1:])
+
+
+def test_constrained_rows_at_tp2(ray_session):
+    """Both ranks of a TP=2 group keep matchers and fill masks (each samples the tokens it
+    feeds itself): constrained outputs match, free requests share their steps, nothing
+    hangs."""
+    from raygraph.config import ParallelConfig
+
+    cfg = ServeConfig(device="cpu", parallel=ParallelConfig(tp=2),
+                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                      coordinator_name="structured-tp2")
+    (tp2,) = start_coordinators([cfg])
+    try:
+        schema = obj({"name": NAME, "age": INT})
+        jobs = [(f"Person {i} as JSON:", constrained("json", json.dumps(schema),
+                                                     temperature=0.0)) for i in range(3)]
+        jobs += [("A list of three colors: ", constrained("regex", r"(red|green|blue), "
+                                                          r"(red|green|blue), (red|green|blue)"))]
+        jobs += [(f"Free text {i}", SamplingParams(max_tokens=24)) for i in range(2)]
+        results = run_all(ray_session, tp2, jobs)
+    finally:
+        stop_coordinators([tp2])
+    for r in results[:3]:
+        jsonschema.validate(json.loads(r.text), schema)
+    assert re.fullmatch(r"(red|green|blue), (red|green|blue), (red|green|blue)", results[3].text)
+    assert all(len(r.token_ids) == 24 or r.finish_reason == "stop" for r in results[4:])
 
 
 def test_a_bad_grammar_is_refused_before_anything_runs(ray_session, coord):
