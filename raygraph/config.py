@@ -676,9 +676,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
                 raise ConfigError(f"quantization='fp8' is not supported for MoE models "
                                   f"({model.architecture}) yet: the experts are not quantized")
             quant = ONLINE
-        if quant is not None and (self.lora.enabled or self.offload.budget_bytes is not None):
+        if quant is not None and self.lora.enabled:
             raise ConfigError(f"FP8 weights ({quant.method}) cannot be combined with LoRA "
-                              "adapters or weight offload yet")
+                              "adapters yet")
         return msgspec.structs.replace(model, quant=quant)
 
     def weights_dtype(self, device: str) -> str:

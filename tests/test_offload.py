@@ -157,9 +157,10 @@ def test_check_order_and_host_weights():
 # ---- whole workers on the tiny checkpoint ---------------------------------------------
 
 def make_worker(ckpt, offload: OffloadConfig | None, mode: str = "eager",
-                prefill_graph: str = "full") -> Worker:
+                prefill_graph: str = "full", quantization: str = "auto") -> Worker:
     cfg = ServeConfig(
-        model=str(ckpt), device="cpu", cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
+        model=str(ckpt), device="cpu", quantization=quantization,
+        cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=200),
         graph=GraphConfig(mode=mode, prefill_graph=prefill_graph),
         offload=offload or OffloadConfig(),
@@ -250,6 +251,28 @@ def test_offloaded_worker_matches_all_resident(tiny_llama, reference, mode, grap
         assert stats.steps == 1 and stats.bytes_copied > 0 and stats.floor_bytes == floor
         assert (stats.evictions > 0) == (mode == "lru")  # only the capped pool evicts
         msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=type(stats))
+
+
+@pytest.mark.parametrize("mode,graph", [("sync", "eager"), ("ring", "graph")])
+def test_fp8_weights_offload_as_stored(tiny_llama, mode, graph):
+    """FP8 linear weights move as FP8 (their scales stay resident): the offloaded worker
+    gives the all-resident FP8 worker's logits bit for bit and copies under half the bytes
+    a step of the unquantized one (float32 here: a quarter for the linears; the lm_head
+    stays float32)."""
+    copied = {}
+    for quantization in ("auto", "fp8"):
+        probe = make_worker(tiny_llama, OffloadConfig(budget_bytes=10**9, mode="sync"),
+                            quantization=quantization)
+        w = make_worker(tiny_llama, OffloadConfig(budget_bytes=probe.offload.floor.bytes,
+                                                  mode=mode), graph, quantization=quantization)
+        if quantization == "fp8":
+            want = run(make_worker(tiny_llama, None, graph, quantization="fp8"))
+            for a, b in zip(run(w), want, strict=True):
+                assert torch.equal(a, b)
+            assert {str(s.dtype) for s in w.offload.specs} == {"float8_e4m3fn", "float32"}
+        w.execute(plans(0)[1])
+        copied[quantization] = w.offload_stats().bytes_copied
+    assert copied["fp8"] < 0.5 * copied["auto"]
 
 
 def test_offloaded_graph_worker_skips_the_logits_warm_up(tiny_llama, monkeypatch):
