@@ -912,6 +912,39 @@ def test_a_stream_that_fails_after_its_200_ends_with_one_error_event(ray_session
     assert http(url + "/health")[0] == 200
 
 
+def test_a_responses_stream_that_fails_ends_with_error_and_response_failed(ray_session,
+                                                                            server):
+    """The Responses API's own ending for a failure after the 200: an `error` event, then
+    `response.failed` (status failed, the error, the items finished so far)."""
+    coord, url = server
+    u = urlsplit(url)
+    conn = HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/responses", json.dumps(
+        {"model": MODEL, "input": "A class", "max_output_tokens": 400, "stream": True}),
+        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    lines = []
+    while not any(b"output_text.delta" in line for line in lines):
+        lines.append(r.readline())
+    ray_session.get(coord.inject_fault.remote(0, "raise", "step"))
+    lines += r.readlines()
+    conn.close()
+    events = [json.loads(line[len(b"data: "):]) for line in lines if line.startswith(b"data: ")]
+    error, failed = events[-2:]
+    assert error["type"] == "error" and error["code"] == "worker_failure"
+    assert "injected fault" in error["message"]
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "worker_failure",
+                                           "message": error["message"]}
+    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+    deadline = time.monotonic() + 120
+    while http(url + "/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert http(url + "/health")[0] == 200
+
+
 def test_health_is_503_once_the_coordinator_stops(ray_session, server, client):
     """Last in the module: it stops the coordinator."""
     coord, url = server

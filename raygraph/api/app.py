@@ -210,14 +210,21 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             for kind in ("response.created", "response.in_progress"):
                 yield event(out.event(kind, response=response([], 0, None)))
             finish = None
-            async for _, d in deltas:
-                n += len(d.token_ids)
-                pieces = parts.feed(d.text or "")
-                if d.finish_reason is not None:
-                    pieces += parts.finish()
-                    finish = d.finish_reason
-                for e in out.feed(pieces):
-                    yield event(e)
+            try:
+                async for _, d in deltas:
+                    n += len(d.token_ids)
+                    pieces = parts.feed(d.text or "")
+                    if d.finish_reason is not None:
+                        pieces += parts.finish()
+                        finish = d.finish_reason
+                    for e in out.feed(pieces):
+                        yield event(e)
+            except Exception as e:  # after the 200: Responses' own error events
+                err = translate(e)
+                for ev in out.failed(response(out.items, n, None), err.code or err.type,
+                                     err.message, err.param):
+                    yield event(ev)
+                return
             for e in out.close():
                 yield event(e)
             done = "response.incomplete" if finish == "length" else "response.completed"

@@ -267,6 +267,15 @@ class ResponseEvents:
                                   logprobs=[]))
         return out
 
+    def failed(self, response: dict[str, Any], code: str, message: str,
+               param: str | None) -> list[dict[str, Any]]:
+        """A stream that fails after its 200: an `error` event, then `response.failed` with
+        the items finished so far (the text sent stays with the client)."""
+        failed = {**response, "status": "failed", "output": self.items,
+                  "error": {"code": code, "message": message}}
+        return [self.event("error", code=code, message=message, param=param),
+                self.event("response.failed", response=failed)]
+
     def close(self) -> list[dict[str, Any]]:
         """The open text item's done events."""
         if self._open is None:
