@@ -527,6 +527,38 @@ class LoRAConfig(msgspec.Struct, frozen=True):
             self, target_modules=tuple(m for m in LORA_MODULES if m in found))
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding (vLLM's --speculative-config). method "ngram": prompt lookup
+    proposes up to `num_speculative_tokens` drafts a step from the sequence's own tokens
+    (engine/ngram.py); the target verifies them in one step and keeps the ones its greedy
+    argmax agrees with. Greedy requests only (sampled, constrained and logprob requests
+    decode as usual); a speculating sequence runs in every other step of the overlapped
+    loop (its drafts need its last token), so one whose proposals rarely hold (or that
+    finds none) stops speculating and decodes as usual."""
+
+    method: Literal["", "ngram"] = ""  # "": off
+    num_speculative_tokens: int = 4  # drafts a step at most (k)
+    prompt_lookup_min: int = 1  # the shortest n-gram matched
+    prompt_lookup_max: int = 4  # the longest (tried first)
+    # no drafts in a step with this many running sequences or more (0: any batch): there a
+    # step's time grows with its tokens, and a verifying sequence gives up the overlap
+    disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("", "ngram"):
+            raise ConfigError(f"speculative method must be 'ngram' (draft models and EAGLE "
+                              f"heads are not supported yet), got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError("num_speculative_tokens must be >= 1, got "
+                              f"{self.num_speculative_tokens}")
+        if self.disable_by_batch_size < 0:
+            raise ConfigError("disable_by_batch_size must be >= 0, got "
+                              f"{self.disable_by_batch_size}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+
 class ReplicaConfig(msgspec.Struct, frozen=True):
     """Scale-out: engines (replicas) of the model, each one TP group (or one MoE DP x EP
     group) packed on one node with its own KV cache and graphs, behind one coordinator."""
@@ -627,6 +659,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
     offload: OffloadConfig = OffloadConfig()
     lora: LoRAConfig = LoRAConfig()
     replica: ReplicaConfig = ReplicaConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     coordinator_name: str = "raygraph-coordinator"  # the named Ray actor clients find
     namespace: str = "raygraph"  # its Ray namespace
     # a step (or worker call) not answered in this long fails the group, which restarts

@@ -196,6 +196,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     feed: int = -1  # >= 0: the token is this row of the previous step's sampled tokens
     logprobs: int = -1  # >= 0: return the sampled token's logprob and this many alternatives
     lora_slot: int = -1  # the adapter slot its tokens read (-1: the base model)
+    verify: int = 0  # its last `verify` tokens are drafts: greedy tokens at each of them too
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -238,6 +239,9 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     seq_id: int
     token_ids: list[int]
     sample: bool
+    verify: int = 0  # SeqChunk.verify
+    # drafts of its last verify step that were not kept: its workers forget their KV first
+    forget: int = 0
 
 
 class StepDelta(msgspec.Struct, frozen=True):
@@ -283,6 +287,9 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
     logprobs: dict[int, TokenLogprobs] = {}  # batch row -> logprobs, for rows that asked
     # the loads of the step this call launched (not of step_id): every rank answers with them
     lora_loads: list[LoRALoad] = []
+    # tokens per sampling sequence when a row verified drafts (then token_ids holds each
+    # row's kept drafts and next token); empty: one token each
+    counts: list[int] = []
 
 
 class StepResult(msgspec.Struct, frozen=True):

@@ -4,12 +4,13 @@ keyword here, and None means "not given" (the --config file's value, else the de
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from raygraph.config import ServeConfig, load_toml, parse_bytes
+from raygraph.config import ConfigError, ServeConfig, SpeculativeConfig, load_toml, parse_bytes
 from raygraph.hub import resolve_model
 
 DEFAULT_MAX_LORAS = 4  # slots when adapters are named but max_loras is not
@@ -47,8 +48,19 @@ FIELDS: dict[str, tuple[str, str]] = {
     "max_lora_adapters": ("lora", "max_adapters"),
 }
 
+def speculative(value: Any) -> SpeculativeConfig:
+    """--speculative-config's JSON object (vLLM's keys: method, num_speculative_tokens,
+    prompt_lookup_min, prompt_lookup_max), or the same as a dict."""
+    try:
+        return msgspec.convert(json.loads(value) if isinstance(value, str) else value,
+                               SpeculativeConfig)
+    except (ValueError, msgspec.ValidationError) as e:
+        raise ConfigError(f"speculative config: {e} (methods: ngram)") from None
+
+
 # keyword -> (section, field, conversion) for values given in another unit or shape
 CONVERTED: dict[str, tuple[str, str, Any]] = {
+    "speculative_config": ("", "speculative", speculative),
     "eager": ("graph", "mode", lambda on: "eager" if on else "graph"),
     "offload_budget": ("offload", "budget_bytes",
                        lambda v: parse_bytes(v) if isinstance(v, str) else v),

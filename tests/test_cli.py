@@ -85,7 +85,8 @@ def test_version():
 
 TOP_LEVEL = ("valid: model, tokenizer, device, dtype, load_format, quantization, seed, "
              "coordinator_name, namespace, step_timeout_s, "
-             "[parallel], [cache], [scheduler], [graph], [offload], [lora], [replica]")
+             "[parallel], [cache], [scheduler], [graph], [offload], [lora], [replica], "
+             "[speculative]")
 
 
 @pytest.mark.parametrize("text, cause", [

@@ -106,3 +106,92 @@ def test_rejection_sampling_never_keeps_padding_or_impossible_drafts():
     assert set(tokens[:, 1].tolist()) <= {0, 1}  # drawn from p_1 without the refused 2
     kept, _ = accept_sampled(probs, drafts, torch.zeros(64, dtype=torch.long), None)
     assert (kept == 0).all()  # no real drafts: only the target's own token
+
+
+# ---- n-gram speculation in the served loop --------------------------------------------
+
+TEXTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+         "The list of colors: red, green, blue, red, green, blue, red,",
+         "x = 1\ny = 2\nx = 1\ny =", "Hello world. Hello world. Hello"]
+
+
+def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True):
+    """The built-in model through the served loop's logic (EngineCore over an in-process
+    worker: tokens fed on the device, replies a step late), n-gram speculation on or off."""
+    from raygraph.config import (
+        DEFAULT_MODEL,
+        CacheConfig,
+        GraphConfig,
+        SchedulerConfig,
+        ServeConfig,
+        SpeculativeConfig,
+    )
+    from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+    from raygraph.engine.sequence import Sequence
+    from raygraph.protocol import SamplingParams
+    from raygraph.tokenizer import load_tokenizer
+    from tests.conftest import loaded_worker
+
+    tok = load_tokenizer(DEFAULT_MODEL)
+    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=blocks),
+                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                      graph=GraphConfig(mode=mode),
+                      speculative=SpeculativeConfig(method="ngram" if spec else ""))
+    worker = loaded_worker(cfg, blocks, capture=True)
+    core = EngineCore.from_config(cfg, worker.model_cfg, blocks)
+    seqs = []
+    for i, text in enumerate(TEXTS):
+        prompt = tok.encode(text)
+        sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=ignore_eos).resolved()
+        seq = Sequence(i, prompt, sp)
+        if spec:
+            seq.ngram = NgramIndex(1, 4)
+            seq.ngram.extend(prompt)
+        core.schedulers[0].add(seq)
+        seqs.append(seq)
+    run_to_completion(core, local_dispatch(worker))
+    return seqs, core.schedulers[0]
+
+
+@pytest.mark.parametrize("mode,blocks,ignore_eos", [("graph", 128, True), ("eager", 128, False),
+                                                    ("graph", 12, True)])
+def test_ngram_speculation_keeps_greedy_tokens(mode, blocks, ignore_eos):
+    """Greedy tokens and finish reasons with drafts verified equal those without; drafts
+    were proposed and some kept; with 12 blocks sequences are preempted on the way."""
+    plain, _ = served(False, mode, blocks, ignore_eos)
+    spec, sched = served(True, mode, blocks, ignore_eos)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert [s.finish_reason for s in spec] == [s.finish_reason for s in plain]
+    assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
+    if blocks == 12:
+        assert sum(s.num_preemptions for s in spec) > 0
+
+
+def test_speculation_through_coordinators_at_tp2(ray_session):
+    """Requests served with n-gram speculation at TP=2 (both ranks verify alike): the same
+    texts, token ids and finish reasons as without (stop strings and max_tokens included);
+    the drafts counted in the engine's stats. TP=1 is the in-process test above."""
+    from raygraph.config import ParallelConfig, SchedulerConfig, ServeConfig, SpeculativeConfig
+    from raygraph.protocol import SamplingParams
+    from tests.conftest import start_coordinators, stop_coordinators
+
+    def cfg(spec: bool) -> ServeConfig:
+        return ServeConfig(device="cpu", parallel=ParallelConfig(tp=2),
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                           speculative=SpeculativeConfig(method="ngram" if spec else ""),
+                           coordinator_name=f"speculative-tp2-{spec}")
+
+    jobs = [(text, SamplingParams(max_tokens=32, temperature=0.0)) for text in TEXTS]
+    jobs += [(TEXTS[1], SamplingParams(max_tokens=32, temperature=0.0, stop=[" blue"])),
+             (TEXTS[0], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))]
+    coords = start_coordinators([cfg(True), cfg(False)])
+    try:
+        out = [ray_session.get([c.generate.remote(p, sp) for p, sp in jobs]) for c in coords]
+        stats = ray_session.get(coords[0].stats.remote())
+    finally:
+        stop_coordinators(coords)
+    spec, plain = [[(r[0].text, r[0].token_ids, r[0].finish_reason) for r in o] for o in out]
+    assert spec == plain
+    assert plain[-1][2] == "length" and len(plain[-1][1]) == 7
+    engine = stats if "spec_decode_num_draft_tokens" in stats else stats["replicas"][0]
+    assert engine["spec_decode_num_draft_tokens"] > 0

@@ -78,6 +78,10 @@ class CoordinatorCollector:
                            s["generation_tokens"])
         yield self._family(C, "num_preemptions", "Sequences preempted (recomputed later).",
                            s["preemptions"])
+        yield self._family(C, "spec_decode_num_draft_tokens", "Draft tokens proposed for "
+                           "speculative decoding.", s.get("spec_decode_num_draft_tokens", 0))
+        yield self._family(C, "spec_decode_num_accepted_tokens", "Draft tokens the target "
+                           "kept.", s.get("spec_decode_num_accepted_tokens", 0))
         done = C("raygraph:request_success", "Finished requests by finish reason.",
                  labels=["model_name", "replica", "finished_reason"])
         for reason in ("stop", "length", "abort"):

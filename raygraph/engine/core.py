@@ -71,7 +71,9 @@ class EngineCore:
         max_len = cfg.max_model_len(model, num_blocks)
         schedulers = [Scheduler(PagePool.from_config(num_blocks, c), s.max_num_seqs,
                                 s.max_num_batched_tokens, max_len, model.eos_token_ids,
-                                c.enable_prefix_caching)
+                                c.enable_prefix_caching,
+                                cfg.speculative.num_speculative_tokens if cfg.speculative.method
+                                else 0, cfg.speculative.disable_by_batch_size)
                       for _ in range(cfg.parallel.dp)]
         return EngineCore(schedulers, bucket_plan(cfg), cfg.parallel.ep > 1, capture, lora)
 
@@ -132,7 +134,7 @@ class EngineCore:
         outs, self.in_flight = self.in_flight, None
         if outs is None:
             return [[] for _ in self.schedulers]
-        return [s.update(o, out.token_ids, out.logprobs) if o is not None else []
+        return [s.update(o, out.token_ids, out.logprobs, out.counts) if o is not None else []
                 for s, o, out in zip(self.schedulers, outs, outputs)]
 
     def step(self, dispatch: Dispatch) -> Emitted | None:

@@ -38,6 +38,7 @@ from raygraph.engine.group import WorkerGroup
 from raygraph.engine.kv_cache import merge_stats
 from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
 from raygraph.engine.lora import LoRAAdmission, LoRARegistry
+from raygraph.engine.ngram import NgramIndex
 from raygraph.engine.requests import Request, RequestTable
 from raygraph.engine.scheduler import Scheduler
 from raygraph.engine.sequence import Sequence
@@ -50,6 +51,7 @@ from raygraph.protocol import (
     REPLICA_SHIFT,
     BucketKey,
     GenerateResult,
+    SamplingParams,
     StartupProgress,
     StepOutput,
     StreamDelta,
@@ -219,6 +221,8 @@ class Engine:
             "healthy": self.healthy, "reason": self.unhealthy_reason, "steps": self.steps,
             "restarts": self.restarts,
             "tokens_generated": self.tokens_generated, "preemptions": core.preemptions,
+            "spec_decode_num_draft_tokens": sum(s.num_draft_tokens for s in ss),
+            "spec_decode_num_accepted_tokens": sum(s.num_accepted_tokens for s in ss),
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
             # where a served step's time goes: the device idle between steps (rank 0), and
             # the step thread's own host time (its time in steps less waiting for replies)
@@ -528,11 +532,23 @@ class Engine:
             seq = Sequence(next(self._ids), ids, sp, watch=stream or bool(sp.stop))
             if grammars is not None:
                 seq.guide = grammars.guide(sp.structured)
+            seq.ngram = self.speculation(sp, ids)
             if sp.lora is not None:  # its blocks are keyed by the adapter's id
                 seq.adapter_id = self.lora.registry.open(sp.lora).adapter_id
             reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
             seqs.append((seq, sp.lora))
         return reqs, seqs
+
+    def speculation(self, sp: SamplingParams, prompt: list[int]) -> NgramIndex | None:
+        """A new sequence's n-gram index when it speculates: n-gram speculation on, and a
+        greedy request without a grammar or logprobs (their tokens come one a step)."""
+        spec = self.cfg.speculative
+        if (spec.method != "ngram" or sp.temperature != 0.0 or sp.structured is not None
+                or sp.logprobs is not None):
+            return None
+        index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        index.extend(prompt)
+        return index
 
     async def _compile_grammars(self, params: list[Any]) -> None:
         """The requests' grammars compiled on a thread (then cached) before they register,

@@ -20,6 +20,11 @@ keep its matcher and fill its mask once its pending token is on their host, whil
 step's forward runs (worker/guides.py). Its matcher here, a step behind, ends it when the
 grammar is complete.
 
+A sequence with an n-gram index (speculative decoding, engine/ngram.py) is sent, once its
+last token is known, with the drafts the index proposes after it: the workers return the
+drafts their greedy tokens agree with and the token after them (one to k + 1 tokens). Its
+drafts need its last token, so it sits out the step in which that token is in flight.
+
 Each step is described as a change to what the workers hold (new sequences, appended
 blocks, dropped ids), so its message and cost grow with what changed, not with the batch.
 """
@@ -35,6 +40,10 @@ from raygraph.engine.pages import PagePool
 from raygraph.engine.sequence import Sequence
 from raygraph.protocol import FinishReason, NewSeq, SeqStep, TokenLogprobs
 
+# a speculating sequence stops once this many of its drafts kept under this share, or after
+# this many steps in a row without a proposal: it would lose more overlap than it gains
+SPEC_TRIAL_DRAFTS, SPEC_MIN_KEPT, SPEC_MAX_MISSES = 16, 0.25, 8
+
 
 @dataclass
 class SchedulerOutput:
@@ -47,6 +56,7 @@ class SchedulerOutput:
     drop: list[int]
     preempted: list[Sequence]
     num_tokens: int
+    num_drafts: int = 0  # draft tokens sent to verify (each one more logits row)
 
     @property
     def num_seqs(self) -> int:
@@ -67,6 +77,7 @@ class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int,
         max_model_len: int, eos_token_ids: tuple[int, ...] = (), prefix_caching: bool = True,
+        num_speculative_tokens: int = 0, speculative_max_batch: int = 0,
     ) -> None:
         self.pool = pool
         self.kv = KVCacheManager(pool, prefix_caching)
@@ -74,6 +85,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        self.num_speculative_tokens = num_speculative_tokens  # drafts a verify step at most
+        self.speculative_max_batch = speculative_max_batch  # no drafts from this batch (0: any)
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding's totals
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._drop: list[int] = []  # tracked sequences to forget with the next step
@@ -114,10 +128,22 @@ class Scheduler:
         out = SchedulerOutput([], [], [], [], self._drop, [], 0)
         self._drop = []
         feed, bs, max_len = out.feed, self.kv.block_size, self.max_model_len
+        speculate = self.num_speculative_tokens > 0 and (
+            not self.speculative_max_batch or len(self.running) < self.speculative_max_batch)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
+            if seq.ngram is not None and speculate:
+                if seq.num_pending:
+                    continue  # its drafts follow the token in flight: next step
+                drafts = self._drafts(seq, budget, out)
+                if drafts:
+                    if not self._reserve(seq, 1 + len(drafts), out):
+                        break
+                    budget -= 1 + len(drafts)
+                    self._take_drafts(seq, drafts, out)
+                    continue
             if seq.num_pending:  # decode the token in flight: the common case, kept lean
                 outputs = len(seq.output_token_ids) + seq.num_pending
                 if (outputs >= seq.params.max_tokens
@@ -136,7 +162,7 @@ class Scheduler:
             self._take(seq, n, out)
         computing: set[int] = set()  # first blocks computed by the sequences admitted now
         while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + out.num_drafts < self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token in flight: readmitted once it is known
@@ -199,13 +225,48 @@ class Scheduler:
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
-        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample)))
+        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample,
+                                        forget=seq.forget)))
+        seq.forget = 0
         out.num_tokens += n
+
+    def _drafts(self, seq: Sequence, budget: int, out: SchedulerOutput) -> list[int]:
+        """What seq's n-gram index proposes after its last token, if it is decoding: never
+        past max_tokens or the context (a step emits at most drafts + 1 tokens), the step's
+        token budget, or max_num_seqs logits rows in all (a row per sequence and draft)."""
+        p = seq.params
+        if seq.num_computed != seq.num_tokens - 1:
+            return []  # still in its prompt (or recomputing)
+        room = min(self.num_speculative_tokens, budget - 1,
+                   self.max_num_seqs - len(self.running) - out.num_drafts,
+                   p.max_tokens - len(seq.output_token_ids) - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        drafts = seq.ngram.propose(room) if room > 0 else []
+        seq.spec_misses = 0 if drafts else seq.spec_misses + 1
+        if seq.spec_misses >= SPEC_MAX_MISSES:
+            seq.ngram = None  # decodes as usual from now on
+        return drafts
+
+    def _take_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput) -> None:
+        """seq's last token and its drafts into the step, to verify."""
+        if seq.sent_blocks < len(seq.block_table):
+            out.blocks += ((seq.seq_id, b) for b in seq.block_table[seq.sent_blocks:])
+            seq.sent_blocks = len(seq.block_table)
+        start = seq.num_computed
+        seq.num_computed += 1 + len(drafts)  # until the result says how many were kept
+        seq.num_pending += 1
+        seq.drafts = len(drafts)
+        out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, 1) + drafts, True,
+                                        len(drafts), seq.forget)))
+        seq.forget = 0
+        out.num_tokens += 1 + len(drafts)
+        out.num_drafts += len(drafts)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for n more tokens of seq, preempting from the back of the running list."""
+        # <= 0: it holds them already (blocks taken for drafts it did not keep)
         need = self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
-        if not need:
+        if need <= 0:
             return True
         while need > self.pool.num_free and need > self.pool.num_available:
             victim = self.running.pop()
@@ -218,7 +279,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.release(seq)  # not in self._filled: see the NOTE below
-        seq.num_computed = seq.sent_blocks = 0
+        seq.num_computed = seq.sent_blocks = seq.forget = 0
         seq.num_preemptions += 1
         if seq.tracked:  # NOTE: never in this step yet: victims come from the back of running
             out.drop.append(seq.seq_id)
@@ -226,10 +287,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, out: SchedulerOutput, sampled: list[int],
-               logprobs: dict[int, TokenLogprobs] | None = None) -> list[tuple[Sequence, int]]:
-        """Apply one step's tokens (one per `out.sampled`, in order) and the logprobs of the
-        rows that asked; returns the (seq, token) pairs to emit. A token past a stop is
+               logprobs: dict[int, TokenLogprobs] | None = None,
+               counts: list[int] | None = None) -> list[tuple[Sequence, int]]:
+        """Apply one step's tokens (one per `out.sampled`, in order; with `counts`, that
+        many each: a verifying sequence's kept drafts and next token) and the logprobs of
+        the rows that asked; returns the (seq, token) pairs to emit. A token past a stop is
         discarded; finished sequences leave."""
+        if counts:
+            return self._update_verified(out, sampled, counts)
         new: list[tuple[Sequence, int]] = []
         seqs = out.sampled
         if len(seqs) != len(sampled):
@@ -253,7 +318,60 @@ class Scheduler:
             elif (len(outputs) >= p.max_tokens
                   or len(seq.prompt_token_ids) + len(outputs) >= max_len):
                 self.finish(seq, "length")
+            if seq.ngram is not None:
+                seq.ngram.extend((token,))
         return new
+
+    def _update_verified(self, out: SchedulerOutput, sampled: list[int], counts: list[int]
+                         ) -> list[tuple[Sequence, int]]:
+        """update() for a step in which sequences verified drafts: each sequence's tokens
+        one by one, so nothing past a stop is kept; a verifying one's KV holds its last
+        token and the drafts kept."""
+        seqs = out.sampled
+        if len(seqs) != len(counts) or sum(counts) != len(sampled):
+            raise RuntimeError(f"step returned {len(sampled)} tokens in {len(counts)} rows "
+                               f"for {len(seqs)} sequences")
+        new: list[tuple[Sequence, int]] = []
+        at = 0
+        for seq, n in zip(seqs, counts):
+            tokens, at = sampled[at: at + n], at + n
+            if seq.finish_reason is not None:
+                continue
+            seq.num_pending -= 1
+            if seq.drafts:
+                self.num_draft_tokens += seq.drafts
+                self.num_accepted_tokens += n - 1
+                seq.spec_drafts += seq.drafts
+                seq.spec_kept += n - 1
+                if (seq.spec_drafts >= SPEC_TRIAL_DRAFTS
+                        and seq.spec_kept < SPEC_MIN_KEPT * seq.spec_drafts):
+                    seq.ngram = None  # decodes as usual from now on
+                if seq.block_table:  # not preempted since: its rejected drafts' KV is stale
+                    seq.num_computed -= seq.drafts - (n - 1)
+                    seq.forget = seq.drafts - (n - 1)
+                seq.drafts = 0
+            kept = self._append(seq, tokens, new)
+            if seq.ngram is not None:
+                seq.ngram.extend(kept)
+        return new
+
+    def _append(self, seq: Sequence, tokens: list[int], new: list[tuple[Sequence, int]]
+                ) -> list[int]:
+        """Apply seq's tokens in order up to the first stop; returns those applied."""
+        p, outputs = seq.params, seq.output_token_ids
+        for j, token in enumerate(tokens):
+            outputs.append(token)
+            new.append((seq, token))
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                self.finish(seq, "stop")
+            elif seq.guide is not None and seq.guide.accept(token):
+                self.finish(seq, "stop")
+            elif (len(outputs) >= p.max_tokens
+                  or len(seq.prompt_token_ids) + len(outputs) >= self.max_model_len):
+                self.finish(seq, "length")
+            if seq.finish_reason is not None:
+                return tokens[: j + 1]
+        return tokens
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.finish_reason is not None:

@@ -111,8 +111,8 @@ def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInpu
         starts.append(s.start_pos)
         seq_lens.append(end)
         tables.append(s.block_table)
-        if s.sample:
-            sample_idx.append(len(ids) - 1)
+        if s.sample:  # its last token, and each draft it verifies
+            sample_idx += range(len(ids) - 1 - s.verify, len(ids))
     token_seq, token_row, positions = token_layout(q_lens, starts)
     h = HostInputs(ids, positions, None, token_seq, token_row, seq_lens, tables, sample_idx,
                    max(q_lens, default=0), q_lens.count(1) == len(q_lens),

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from raygraph.model import ops
+from raygraph.protocol import SeqChunk
+
 
 def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,3 +63,43 @@ def accept_sampled(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
     tokens = torch.cat([drafts, drafts.new_zeros(s, 1)], dim=1)
     tokens[rows, kept] = last
     return kept, tokens
+
+
+def verify_rows(chunks: list[SeqChunk]) -> list[tuple[int, int, list[int]]]:
+    """(chunk index, its first logits row, its drafts) of the sampling chunks that verify
+    drafts; a step's logits rows are each chunk's last token, and before it its drafts'."""
+    out, row = [], 0
+    for i, c in enumerate(chunks):
+        if c.verify:
+            out.append((i, row, c.token_ids[-c.verify:]))
+        row += 1 + c.verify
+    return out
+
+
+def last_rows(chunks: list[SeqChunk], logits: torch.Tensor, greedy: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(logits, greedy) of each chunk's last row, which samples as usual, and the greedy
+    token of every row (the target's token at each draft and after the last)."""
+    ends, row = [], -1
+    for c in chunks:
+        row += 1 + c.verify
+        ends.append(row)
+    targets = greedy if greedy is not None else ops.argmax(logits)
+    idx = torch.tensor(ends, device=logits.device)
+    return logits[idx], (greedy[idx] if greedy is not None else None), targets
+
+
+def emitted(tokens: list[int], targets: list[int], verify: list[tuple[int, int, list[int]]]
+            ) -> tuple[list[int], list[int]]:
+    """A step's tokens per sampling chunk, flat, and how many each: a verifying chunk's
+    kept drafts (leading ones equal to the target's greedy token there) and the target's
+    token after them; any other chunk its sampled token."""
+    counts = [1] * len(tokens)
+    per_chunk = [[t] for t in tokens]
+    for i, row, drafts in verify:
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == targets[row + kept]:
+            kept += 1
+        per_chunk[i] = targets[row: row + kept + 1]
+        counts[i] = kept + 1
+    return [t for toks in per_chunk for t in toks], counts

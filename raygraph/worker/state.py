@@ -43,7 +43,10 @@ class SeqTable:
                 seqs[seq_id].blocks.append(block)
             rows = self.sampled_rows
             chunks = [self._chunk(seq_id, [0], True, rows[seq_id]) for seq_id in d.feed]
-            chunks += [self._chunk(c.seq_id, c.token_ids, c.sample, -1)
+            for c in d.chunks:
+                if c.forget:
+                    seqs[c.seq_id].num_computed -= c.forget
+            chunks += [self._chunk(c.seq_id, c.token_ids, c.sample, -1, c.verify)
                        for c in d.chunks]
         except KeyError as e:
             raise StateError(f"step {d.step_id}: sequence {e.args[0]} is not tracked here "
@@ -51,7 +54,8 @@ class SeqTable:
         self.sampled_rows = {c.seq_id: r for r, c in enumerate(c for c in chunks if c.sample)}
         return StepPlan(d.step_id, chunks, d.key, d.num_comm_tokens)
 
-    def _chunk(self, seq_id: int, tokens: list[int], sample: bool, feed: int) -> SeqChunk:
+    def _chunk(self, seq_id: int, tokens: list[int], sample: bool, feed: int,
+               verify: int = 0) -> SeqChunk:
         s = self.seqs[seq_id]
         start, gen = s.num_computed, s.num_generated
         s.num_computed += len(tokens)
@@ -60,4 +64,4 @@ class SeqTable:
         # NOTE: the chunk shares the table's live block list; a plan is consumed before the
         # next delta can append to it
         return SeqChunk(seq_id, tokens, start, s.blocks, sample, p.temperature, p.top_k,
-                        p.top_p, p.seed, gen, feed, p.logprobs, p.lora_slot)
+                        p.top_p, p.seed, gen, feed, p.logprobs, p.lora_slot, verify)

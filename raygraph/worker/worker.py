@@ -61,6 +61,7 @@ from raygraph.worker.sampler import (
 )
 from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
 from raygraph.worker.sleep import SleepMemory
+from raygraph.worker.speculative import emitted, last_rows, verify_rows
 from raygraph.worker.state import SeqTable, StateError
 from raygraph.worker.warmup import start_triton_warmup
 
@@ -115,6 +116,8 @@ class _Pending:
     idle: float = 0.0
     logprobs: Logprobs | None = None  # on the host, being filled
     guided: list[tuple[int, int]] | None = None  # (row, seq id) sampled under a grammar
+    verify: list[tuple[int, int, list[int]]] | None = None  # speculative.verify_rows
+    targets: torch.Tensor | None = None  # pinned host copy: the greedy token of each row
 
 
 # what the coordinator may call over the compiled graph
@@ -161,6 +164,10 @@ class Worker:
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                              for _ in range(2)]  # alternate: step N+1 copies while N is read
         self._sampling = SamplingRows(n, self.device)
+        # a verifying step's greedy token per logits row (a row per sequence and draft; the
+        # scheduler keeps them to max_num_seqs)
+        self._host_targets = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
+                              for _ in range(2)]
         self.guides = Guides(cfg.tokenizer or cfg.model, n, self.device)
         self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
         self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
@@ -416,21 +423,23 @@ class Worker:
         """Run one step to the end (in-process use, tests); the group's first TP rank returns
         the tokens, other ranks None. Served steps come through `run`."""
         t0 = time.perf_counter()
-        tokens, _, _ = self._launch(plan)
+        tokens, _, _, _ = self._launch(plan)
         out = tokens.tolist() if tokens is not None and self.samples else []
         if self.offload is not None:
             self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, out, time.perf_counter() - t0) if self.samples else None
 
     def _launch(self, plan: StepPlan, before_masks: Callable[[], None] | None = None
-                ) -> tuple[torch.Tensor | None, Logprobs | None, list[tuple[int, int]]]:
+                ) -> tuple[torch.Tensor | None, Logprobs | None, list[tuple[int, int]],
+                           torch.Tensor | None]:
         """Queue one step on the device; its sampled tokens [S] stay there, in the buffer the
         next step's fed tokens read. Every TP rank samples: their logits are bitwise equal
         and their generators advance alike, so they draw the same tokens. The sampling rank
         also computes logprobs when a row asked (None otherwise: no work at all). Rows
         under a grammar sample within its mask, filled once the forward is queued, after
         `before_masks` (which reads the previous step's tokens: worker/guides.py); their
-        (row, seq id) come back third."""
+        (row, seq id) come back third. Fourth, when a chunk verifies drafts: the greedy
+        token of every logits row (worker/speculative.py); None otherwise."""
         self.sleep_memory.check_awake()
         try:
             logits, greedy = self.executor.step(plan)
@@ -438,7 +447,10 @@ class Worker:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
         chunks = [s for s in plan.seqs if s.sample]
         if not chunks:
-            return None, None, []
+            return None, None, [], None
+        targets = None
+        if any(c.verify for c in chunks):
+            logits, greedy, targets = last_rows(chunks, logits, greedy)
         guided, masks = self.guides.rows(chunks), None
         if guided:
             if before_masks is not None:
@@ -448,9 +460,9 @@ class Worker:
         self.executor.prev_tokens[: len(chunks)].copy_(tokens)
         rows = logprob_rows(chunks) if self.samples and self.state.logprob_seqs else None
         if not rows:
-            return tokens, None, guided
+            return tokens, None, guided, targets
         k = max(chunks[i].logprobs for i in rows)
-        return tokens, (token_logprobs(logits, tokens, k), rows, chunks), guided
+        return tokens, (token_logprobs(logits, tokens, k), rows, chunks), guided, targets
 
     # ---- the served path: the coordinator's compiled graph calls only this ----------------
     def run(self, cmd: bytes | WorkerCall) -> bytes | object:
@@ -502,11 +514,16 @@ class Worker:
         plan = self.state.apply(delta)
         self.guides.apply(delta)
         early: list[bytes | None] = []  # the previous step's reply, read before the masks
-        tokens, logprobs, guided = self._launch(plan, lambda: early.append(self._collect(loads)))
+        tokens, logprobs, guided, targets = self._launch(
+            plan, lambda: early.append(self._collect(loads)))
         pending.guided = guided
         if tokens is not None and (self.samples or guided):
             pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
             pending.tokens.copy_(tokens, non_blocking=True)
+        if targets is not None and self.samples:
+            pending.verify = verify_rows([s for s in plan.seqs if s.sample])
+            pending.targets = self._host_targets[delta.step_id % 2][: len(targets)]
+            pending.targets.copy_(targets, non_blocking=True)
         if cuda and guided and not self.samples:
             pending.ready = torch.cuda.Event()
             pending.ready.record()
@@ -550,8 +567,11 @@ class Worker:
         if p.logprobs is not None:
             packed, rows, chunks = p.logprobs
             logprobs = unpack_logprobs(packed.tolist(), rows, chunks)
+        counts: list[int] = []
+        if p.verify:
+            tokens, counts = emitted(tokens, p.targets.tolist(), p.verify)
         return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle, logprobs,
-                                        loads or []))
+                                        loads or [], counts))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
