@@ -3,6 +3,7 @@
 (cuBLAS against the Triton skinny kernels, per config).
 
     python -m bench.decode_profile [--preset llama-1b] [--cases 1x128 8x1024]
+    python -m bench.decode_profile --gemm-only --preset llama3-8b [--gemm-fp8]
 
 Prints JSON lines. GEMM timings replay a CUDA graph of 20 calls cycling over weight copies
 larger than L2, so each call streams its weight from HBM as in a real forward.
@@ -19,9 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.checkpoints import make_random_checkpoint
+from bench.checkpoints import PRESETS, make_random_checkpoint
 from bench.decode_step import decode_plan, make_worker
 from raygraph.graph.inputs import host_inputs
+from raygraph.model.quant import Fp8Weight
 from raygraph.worker.worker import Worker
 
 
@@ -163,31 +165,49 @@ def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
 
 
 def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
-              ms: tuple[int, ...] = (1, 8)) -> None:
+              ms: tuple[int, ...] = (1, 8), fp8: bool = False) -> None:
+    """cuBLAS on bf16 weights against the Triton configs, on bf16 weights or (fp8) the same
+    weights quantized per row: microseconds and the weight bytes' GB/s."""
+    from raygraph.model.quant import quantize
     from raygraph.model.triton_gemv import GemvConfig
 
     copies = max(2, -(-(256 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    own_ws, size = ws, n * k * 2
+    if fp8:
+        own_ws = [Fp8Weight(*quantize(w, k), k, "dynamic") for w in ws]
+        size //= 2
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         t = time_graph(_gemm_call(name, x, ws))
-        row = {"gemm": name, "n": n, "k": k, "m": m, "cublas_us": round(1e6 * t, 2),
+        row = {"gemm": name, "n": n, "k": k, "m": m, "fp8": fp8, "cublas_us": round(1e6 * t, 2),
                "cublas_GBps": round(n * k * 2 / t / 1e9)}
         for cfg in configs:
             try:
                 own = cfg if cfg == "auto" else GemvConfig(*cfg)
-                t = time_graph(_gemm_call(name, x, ws, own))
-                row[f"triton{cfg}"] = [round(1e6 * t, 2), round(n * k * 2 / t / 1e9)]
+                t = time_graph(_gemm_call(name, x, own_ws, own))
+                row[f"triton{cfg}"] = [round(1e6 * t, 2), round(size / t / 1e9)]
             except Exception as e:  # a config the shape cannot tile: say so
                 row[f"triton{cfg}"] = type(e).__name__
         print(json.dumps(row), flush=True)
 
 
-def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8)) -> None:
-    shapes = {"qkv+rotary": (3072, 2048), "o": (2048, 2048), "gate_up+silu": (16384, 2048),
-              "down": (2048, 8192), "lm_head": (32000, 2048)}
-    for name, (n, k) in shapes.items():
-        gemm_rows(name, n, k, configs, ms)
+def gemm_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """A preset's decode GEMMs (n, k): its layers' and the lm_head's."""
+    c = PRESETS[preset]
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    return {"qkv+rotary": ((heads + 2 * kv) * d, h), "o": (h, heads * d),
+            "gate_up+silu": (2 * c["intermediate_size"], h), "down": (h, c["intermediate_size"]),
+            "lm_head": (c["vocab_size"], h)}
+
+
+def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8),
+               preset: str = "llama-1b", fp8: bool = False) -> None:
+    for name, (n, k) in gemm_shapes(preset).items():
+        if fp8 and name == "lm_head":
+            continue  # stays in the model's dtype
+        gemm_rows(name, n, k, configs, ms, fp8)
         torch.cuda.empty_cache()
 
 
@@ -245,6 +265,8 @@ def main() -> None:
     p.add_argument("--skip-gemm", action="store_true")
     p.add_argument("--gemm-only", action="store_true")
     p.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8], help="token rows")
+    p.add_argument("--gemm-fp8", action="store_true",
+                   help="time the Triton configs on FP8 weights (per-row scales)")
     p.add_argument("--gemm-configs", nargs="+", default=None,
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages, "
                         "or auto (the kernels' own choice for the rows)")
@@ -268,7 +290,7 @@ def main() -> None:
                     for c in a.gemm_configs]
                    if a.gemm_configs else ["auto", (16, 256, 4, 4), (16, 512, 4, 3),
                                            (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6)])
-        gemm_table(configs, tuple(a.gemm_m))
+        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8)
     if a.gemm_only:
         return
     model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))

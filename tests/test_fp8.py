@@ -30,7 +30,7 @@ from raygraph.model import ops
 from raygraph.model.checkpoint import CheckpointError
 from raygraph.model.loader import build_model, check_checkpoint
 from raygraph.model.parallel import Comm
-from raygraph.model.quant import FP8, Fp8Weight, fp8_weight
+from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight, fp8_weight
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import (
@@ -189,9 +189,10 @@ def test_modules_to_not_convert_stay_in_the_model_dtype(source: Path, tmp_path: 
 
 def test_linear_of_an_fp8_weight_is_the_dequantized_product() -> None:
     """ops.linear's reference path against the definition, written out: W[o, i] =
-    data[o, i] * scale[o, i // group]; x quantized per token and group of columns."""
+    data[o, i] * scale[o, i // group]; x quantized per token and group of columns past
+    DECODE_ROWS tokens, as it is at decode rows."""
     torch.manual_seed(0)
-    x, w = torch.randn(5, 12) * 3, torch.randn(8, 12)
+    x, w = torch.randn(DECODE_ROWS + 4, 12) * 3, torch.randn(8, 12)
     group = 4
     scale = w.abs().view(8, 3, 4).amax(-1) / 448
     data = (w / scale.repeat_interleave(group, 1)).to(FP8)
@@ -199,7 +200,7 @@ def test_linear_of_an_fp8_weight_is_the_dequantized_product() -> None:
     deq = torch.tensor([[data[o, i].item() * scale[o, i // group].item() for i in range(12)]
                         for o in range(8)])
     torch.testing.assert_close(ops.linear(x, weight), x @ deq.T, rtol=1e-6, atol=1e-6)
-    xs = x.abs().view(5, 3, 4).amax(-1) / 448
+    xs = x.abs().view(-1, 3, 4).amax(-1) / 448
     xq = (x / xs.repeat_interleave(group, 1)).to(FP8).float() * xs.repeat_interleave(group, 1)
     dynamic = Fp8Weight(data, scale, group, "dynamic")
     torch.testing.assert_close(ops.linear(x, dynamic), xq @ deq.T, rtol=1e-6, atol=1e-6)
@@ -208,6 +209,9 @@ def test_linear_of_an_fp8_weight_is_the_dequantized_product() -> None:
     xq = (x / s).clamp(-448, 448).to(FP8).float() * s
     torch.testing.assert_close(ops.linear(x, static), xq @ deq.T, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(ops.linear(x, static), ops.linear(x, weight), atol=1e-2)
+    decode = x[:DECODE_ROWS]
+    for w8 in (dynamic, static):
+        assert torch.equal(ops.linear(decode, w8), ops.linear(decode, weight))
 
 
 def with_quant_config(src: Path, dst: Path, qc: dict) -> Path:

@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT_PTRS = {"tables_ptr", "lens_ptr", "shared_ptr", "starts_ptr"}
-FP32_PTRS = {"ml_ptr", "acc_ptr", "ws_ptr", "xs_ptr"}
+FP32_PTRS = {"ml_ptr", "acc_ptr", "ws_ptr"}
 
 
 Case = tuple[str, triton.JITFunction, dict, int, dict]  # name, kernel, constexprs, warps, types
@@ -101,11 +101,11 @@ def other_cases() -> list[Case]:
 
     rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
-                ROT_ROWS=2560, FP8=False, GROUP=2048, XQ=gv.X_AS_IS, BM=gv.BM, BN=32, BK=128,
+                ROT_ROWS=2560, FP8=False, GROUP=2048, BM=gv.BM, BN=32, BK=128,
                 PRECISION="tf32")
-    row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP", "XQ")}
-    # FP8 weights: one scale a row, or one a row and 128 columns; x rounded to e4m3
-    fp8 = dict(FP8=True, XQ=gv.X_DYNAMIC)
+    row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP")}
+    # FP8 weights: one scale a row, or one a row and 128 columns
+    fp8 = dict(FP8=True)
     e4m3 = rope | {"w_ptr": "*fp8e4nv"}
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
     return [
@@ -115,19 +115,22 @@ def other_cases() -> list[Case]:
         ("rotary", op._rotary_kernel, dict(HQ=32, HK=8, HQ_PAD=32, HK_PAD=8, HALF=32), 1, rope),
         ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024), 4, {}),
         ("store_kv", op._store_kv_kernel, dict(N=512, BLOCK=512), 1, {"slots_ptr": "*i64"}),
+        ("quantize rows to e4m3", op._quantize_rows_kernel, dict(STATIC=False, BLOCK=8192), 8,
+         {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "fp8_max": "fp32",
+          "min_scale": "fp32"}),
         ("skinny gemm + rotary", gv._gemv_kernel, gemv, 4, rope),
         ("skinny gemm + silu*mul", gv._gemv_kernel,
          gemv | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, rope),
         ("row gemv + bias", gv._gemv1_kernel,
          row | dict(EPILOGUE=gv.PLAIN, HAS_BIAS=True, BN=4, BK=2048), 4, rope),
-        ("skinny gemm fp8 + silu*mul, x per token", gv._gemv_kernel,
+        ("skinny gemm fp8 + silu*mul", gv._gemv_kernel,
          gemv | fp8 | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, e4m3),
-        ("skinny gemm fp8 128-groups + rotary, static x", gv._gemv_kernel,
-         gemv | fp8 | dict(GROUP=128, XQ=gv.X_STATIC), 4, e4m3),
-        ("row gemv fp8 + silu*mul, x per token", gv._gemv1_kernel,
+        ("skinny gemm fp8 128-groups + rotary", gv._gemv_kernel,
+         gemv | fp8 | dict(GROUP=128), 4, e4m3),
+        ("row gemv fp8 + silu*mul", gv._gemv1_kernel,
          row | fp8 | dict(N=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False, BN=2, BK=1024), 2,
          e4m3),
-        ("row gemv fp8 128-groups + rotary, x per group", gv._gemv1_kernel,
+        ("row gemv fp8 128-groups + rotary", gv._gemv1_kernel,
          row | fp8 | dict(GROUP=128, EPILOGUE=gv.ROTARY, HAS_BIAS=False, BN=4, BK=2048), 4,
          e4m3),
         ("lora shrink", lr._shrink_kernel, dict(R=16, K=2048, P0=0, P1=2, P2=2, BM=lr.BM,

@@ -10,15 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from raygraph.model.context import AttentionMetadata, get_forward_context
-from raygraph.model.quant import FP8, Fp8Weight, activations_as_quantized, quantize, quantize_with
+from raygraph.model.quant import (
+    DECODE_ROWS,
+    FP8,
+    Fp8Weight,
+    activations_as_quantized,
+    quantize,
+    quantize_with,
+)
 
 # rotary tables (cos, sin) [max_pos, D/2] that attention still has to apply to q and k
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 # a linear layer's weight: [out, in] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
-# FP8 GEMMs of more rows than this go to torch._scaled_mm on a GPU; fewer (decode) stream the
-# FP8 weight through the skinny kernels
-SCALED_MM_MIN_ROWS = 9
+# FP8 GEMMs of more than DECODE_ROWS rows go to torch._scaled_mm on a GPU; fewer (decode)
+# stream the FP8 weight through the skinny kernels
+SCALED_MM_MIN_ROWS = DECODE_ROWS + 1
 
 
 def kernels(x: torch.Tensor) -> bool:
@@ -47,18 +54,27 @@ def _scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
             and w.scale.shape[1] == 1 and n % 16 == 0 and k % 16 == 0)
 
 
+def quantize_activations(x: torch.Tensor, static: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, float32 scales [T, 1]): per token, or by the static scale [1]. One Triton
+    launch on a GPU instead of torch's several."""
+    if kernels(x):
+        from raygraph.model.triton_ops import quantize_rows
+
+        return quantize_rows(x, static)
+    if static is None:
+        return quantize(x, x.shape[1])
+    return quantize_with(x, static, 1), static.expand(x.shape[0], 1).contiguous()
+
+
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
              ) -> torch.Tensor | None:
     """x @ W^T (+ bias) of an FP8 weight through torch._scaled_mm (x quantized per token, or
     by the static input scale), or None where it does not apply."""
     if not _scaled_mm_applies(x, w):
         return None
-    if w.activations == "static":
-        assert w.input_scale is not None
-        xq, x_scale = quantize_with(x, w.input_scale, 1), w.input_scale.expand(x.shape[0], 1)
-    else:
-        xq, x_scale = quantize(x, x.shape[1])
-    y = torch._scaled_mm(xq, w.data.t(), scale_a=x_scale.contiguous(),
+    xq, x_scale = quantize_activations(x, w.input_scale if w.activations == "static" else None)
+    y = torch._scaled_mm(xq, w.data.t(), scale_a=x_scale,
                          scale_b=w.scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)
 

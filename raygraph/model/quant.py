@@ -23,6 +23,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # the smallest scale: an all-zero row or token quantizes to zeros, not to NaN
 MIN_SCALE = 1e-12
+# GEMMs of this many rows or fewer (decode) multiply x as it is, whatever the weight's
+# activation scheme: such a GEMM streams its weight, so rounding x to e4m3 first saves no
+# time (it costs a pass over x) and loses accuracy. Larger ones run on FP8 tensor cores.
+DECODE_ROWS = 8
 Activations = Literal["none", "dynamic", "static"]
 
 
@@ -30,7 +34,8 @@ Activations = Literal["none", "dynamic", "static"]
 class Fp8Weight:
     """W[o, i] = data[o, i] * scale[o, i // group]. activations: "none" multiplies x as it
     is (weight-only); "dynamic" quantizes x per token (per token and group of columns when
-    group < in); "static" with one scale for every token (`input_scale`)."""
+    group < in); "static" with one scale for every token (`input_scale`). Either only past
+    DECODE_ROWS rows."""
 
     data: torch.Tensor  # [out, in] float8_e4m3fn
     scale: torch.Tensor  # [out, ceil(in / group)] float32
@@ -79,11 +84,17 @@ def quantize_with(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Ten
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def rounds_activations(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether the GEMM of x [T, in] and w rounds x to e4m3 (see DECODE_ROWS)."""
+    return w.activations != "none" and x.shape[0] > DECODE_ROWS
+
+
 def activations_as_quantized(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """x [T, in] as the FP8 GEMM sees it, in x's dtype: quantized to FP8 and back by w's
-    activation scheme (unchanged when weight-only). The reference path multiplies these by
-    the dequantized weight: exactly the products an FP8 GEMM forms, summed in x's dtype."""
-    if w.activations == "none":
+    activation scheme (unchanged when weight-only or at decode rows). The reference path
+    multiplies these by the dequantized weight: exactly the products an FP8 GEMM forms,
+    summed in x's dtype."""
+    if not rounds_activations(x, w):
         return x
     if w.activations == "static":
         assert w.input_scale is not None

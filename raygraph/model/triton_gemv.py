@@ -20,10 +20,8 @@ faster (bench/RESULTS.md, third decode pass).
 
 FP8 weights (`Fp8Weight`) stream as their e4m3 bytes: the kernels widen each tile in
 registers and apply the float32 scales, one a row (at the end) or one a row and GROUP input
-columns (per tile), so a step reads half a bf16 weight's bytes plus the scales. Activations
-are rounded to e4m3 and back as the FP8 GEMM sees them (`quant.activations_as_quantized`):
-by the static input scale, or per token (per token and group) from its amax, which a
-program finds in a pass over x before streaming the weight (x is at most 8 x K).
+columns (per tile), so a step reads half a bf16 weight's bytes plus the scales. x is
+multiplied as it is (`quant.DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -34,21 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.quant import FP8, FP8_MAX, MIN_SCALE, Fp8Weight
+from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
 
-MAX_M = 8  # tokens; above this cuBLAS is the better tool
+MAX_M = DECODE_ROWS  # tokens; above this cuBLAS (or _scaled_mm) is the better tool
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
-# activations of an FP8 weight: as they are, rounded to e4m3 per token (and group), or by the
-# static input scale
-X_AS_IS, X_DYNAMIC, X_STATIC = 0, 1, 2
-X_MODES = {"none": X_AS_IS, "dynamic": X_DYNAMIC, "static": X_STATIC}
-E4M3_MAX = tl.constexpr(FP8_MAX)
-SCALE_MIN = tl.constexpr(MIN_SCALE)
 
 
 class GemvConfig(NamedTuple):
@@ -67,36 +59,6 @@ def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _act_scale(amax):
-    """A token's (group's) e4m3 scale from its largest magnitude, as quant.quantize takes it."""
-    return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32)),
-                      SCALE_MIN)
-
-
-@triton.jit
-def _as_quantized(x, scale):
-    """x rounded to e4m3 at `scale` (broadcast against x) and back, in x's dtype: the values
-    the FP8 GEMM multiplies (quant.activations_as_quantized). x times 1 / scale: one division
-    a scale, not an element (x / scale may differ in its last bit, a different e4m3 value
-    only for an x within that bit of a rounding boundary)."""
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    q = tl.clamp(x.to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX)
-    return (q.to(tl.float8e4nv).to(tl.float32) * scale).to(x.dtype)
-
-
-@triton.jit
-def _row_amax(x_ptr, rm, mmask, stride_xm, K: tl.constexpr, BK: tl.constexpr):
-    """[BM] each token's largest magnitude over its K columns (padding rows: 0)."""
-    rk = tl.arange(0, BK)
-    amax = tl.zeros([rm.shape[0]], tl.float32)
-    for k0 in range(0, K, BK):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + k0 + rk[None, :], mask=mmask[:, None],
-                    other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    return amax
-
-
-@triton.jit
 def _silu_mul(gate, up):
     """SwiGLU rounded as the unfused ops round: gate and up already in the output dtype."""
     g = gate.to(tl.float32)
@@ -105,16 +67,15 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_ws, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-    XQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
     weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
-    added. XQ: how x is rounded to e4m3 first (X_AS_IS, X_DYNAMIC, X_STATIC)."""
+    added."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
@@ -132,18 +93,10 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     s_rows = ws_ptr + rows.to(tl.int64) * stride_ws
-    if XQ == 1 and GROUP == K:  # one scale a token
-        x_scale = _act_scale(_row_amax(x_ptr, rm, mmask, stride_xm, K, BK))[:, None]
-    elif XQ == 2:
-        x_scale = tl.load(xs_ptr)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
-        if XQ == 1 and GROUP < K:  # this tile is the token's group
-            x_scale = _act_scale(tl.max(tl.abs(x.to(tl.float32)), axis=1))[:, None]
-        if XQ != 0:
-            x = _as_quantized(x, x_scale)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
         if FP8 and GROUP < K:
             s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
@@ -200,10 +153,10 @@ def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
 
 @triton.jit
 def _gemv1_kernel(
-    x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, XQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
@@ -224,22 +177,10 @@ def _gemv1_kernel(
     # FP8 scale rows (a masked-off row reads row 0's)
     s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
     s_b = ws_ptr + partner.to(tl.int64) * stride_ws
-    if XQ == 1 and GROUP == K:
-        x_scale = _act_scale(tl.max(_row_amax(x_ptr, tl.arange(0, 1), tl.arange(0, 1) < 1, 0,
-                                              K, BK)))
-    elif XQ == 2:
-        x_scale = tl.load(xs_ptr)
     acc = tl.zeros([rows.shape[0], BK], tl.float32)
     acc_b = tl.zeros([rows.shape[0], BK], tl.float32)
     for k0 in range(0, K, BK):
-        x = tl.load(x_ptr + k0 + rk)
-        if XQ == 1 and GROUP < K:  # per group of the tile's BK / GROUP
-            xg = tl.reshape(x, (BK // GROUP, GROUP))
-            xg = _as_quantized(xg, _act_scale(tl.max(tl.abs(xg.to(tl.float32)), axis=1))[:, None])
-            x = tl.reshape(xg, (BK,))
-        elif XQ != 0:
-            x = _as_quantized(x, x_scale)
-        x = x.to(tl.float32)[None, :]
+        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
         w = tl.load(w_a + k0, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
         acc += _row_products(x, w, s_a, k0, FP8, GROUP, K, BK)
         if EPILOGUE != 0:
@@ -316,35 +257,29 @@ def supports(x: torch.Tensor, w: Weight) -> bool:
 
 def _supports_fp8(x: torch.Tensor, w: Fp8Weight) -> bool:
     """An FP8 weight's: e4m3 rows, float32 scales one a row or one a row and a power-of-two
-    group of 16+ columns (a tile is one group, or whole groups), a static scale if asked."""
+    group of 16+ columns (a tile is one group, or whole groups)."""
     k, groups = w.shape[1], w.scale.shape[1]
     group_ok = groups == 1 or (w.group >= 16 and w.group & (w.group - 1) == 0
                                and k % w.group == 0 and w.scale.stride(1) == 1)
     return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and w.data.dtype == FP8 and w.data.stride(1) == 1
-            and k % 128 == 0 and w.scale.dtype == torch.float32 and group_ok
-            and (w.activations != "static" or w.input_scale is not None))
+            and k % 128 == 0 and w.scale.dtype == torch.float32 and group_ok)
 
 
 class _Operands(NamedTuple):
-    """A weight as the kernels take it: its rows, scales, columns per scale, x's rounding."""
+    """A weight as the kernels take it: its rows, scales, columns per scale."""
 
     data: torch.Tensor  # [N, K] in x's dtype, or e4m3
     scales: torch.Tensor  # [N, K / group] float32 (FP8), else any tensor (not read)
-    x_scale: torch.Tensor  # [1] float32 (X_STATIC), else any tensor (not read)
     fp8: bool
     group: int  # K: one scale a row
-    x_mode: int
 
 
 def _operands(w: Weight) -> _Operands:
     if not isinstance(w, Fp8Weight):
-        return _Operands(w, w, w, False, w.shape[1], X_AS_IS)
-    k = w.shape[1]
-    group = k if w.scale.shape[1] == 1 else w.group
-    x_mode = X_MODES[w.activations]
-    x_scale = w.input_scale if x_mode == X_STATIC else w.scale
-    return _Operands(w.data, w.scale, x_scale, True, group, x_mode)
+        return _Operands(w, w, False, w.shape[1])
+    group = w.shape[1] if w.scale.shape[1] == 1 else w.group
+    return _Operands(w.data, w.scale, True, group)
 
 
 def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
@@ -362,17 +297,17 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     o = _operands(w)
     k = o.data.shape[1]
     fixed = dict(N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
-                 ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, XQ=o.x_mode, BN=cfg.block_n,
+                 ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, BN=cfg.block_n,
                  BK=_block_k(cfg.block_k, o, x.shape[0]), num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:
         _gemv1_kernel[(programs,)](
-            x, o.data, o.scales, o.x_scale, b, out, pos, cos, sin, o.data.stride(0),
+            x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
             o.scales.stride(0), cos.stride(0), **fixed)
         return out
     _gemv_kernel[(programs,)](
-        x, o.data, o.scales, o.x_scale, b, out, pos, cos, sin,
+        x, o.data, o.scales, b, out, pos, cos, sin,
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
         cos.stride(0), BM=BM,
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32

@@ -58,6 +58,23 @@ def test_scaled_mm_matches_the_reference_path(activations, rows, n, k) -> None:
                                atol=2 * BF16_EPS * want.abs().max().item())
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_equals_torchs(static) -> None:
+    """The one-launch activation quantization: the e4m3 bytes and scales torch's ops give."""
+    from raygraph.model.quant import quantize_with
+    from raygraph.model.triton_ops import quantize_rows
+
+    torch.manual_seed(3)
+    x = torch.randn(300, 14336, device="cuda", dtype=torch.bfloat16)
+    x[7] = 0
+    scale = torch.tensor([2.0 / 448], device="cuda") if static else None
+    q, s = quantize_rows(x, scale)
+    want_q, want_s = ((quantize_with(x, scale, 1), scale.expand(300, 1)) if static
+                      else quantize(x, x.shape[1]))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+
+
 @pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
@@ -86,7 +103,7 @@ def test_decode_rows_read_the_fp8_weight(monkeypatch, activations, rows, group) 
     both = ops.linear_silu_and_mul(x, w)
     q, k, v, rope = ops.linear_rotary(x, w, None, pos, cos, sin, 64, 6, 1)
     assert rope is None
-    # x rounded to bf16 after e4m3 (the reference keeps it in float32), the output to bf16
+    # float32 sums in another order, the output rounded to bf16
     torch.testing.assert_close(got.float(), want, rtol=0,
                                atol=8 * BF16_EPS * want.abs().max().item())
     gate, up = want.chunk(2, dim=-1)
