@@ -67,17 +67,21 @@ def weight_read_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def decode_plan(batch: int, context: int, block_size: int, step: int) -> StepPlan:
-    blocks = -(-(context + 1) // block_size)
-    seqs = [SeqChunk(i, [7], context, list(range(i * blocks, (i + 1) * blocks)), True)
-            for i in range(batch)]
+def decode_plan(batch: int, context: int, block_size: int, step: int, verify: int = 0
+                ) -> StepPlan:
+    """`batch` sequences of `context` cached tokens, each computing one token or, with
+    `verify` > 0, that token and `verify` drafts (a speculative verify step)."""
+    blocks = -(-(context + 1 + verify) // block_size)
+    seqs = [SeqChunk(i, [7] * (1 + verify), context, list(range(i * blocks, (i + 1) * blocks)),
+                     True, verify=verify) for i in range(batch)]
     return StepPlan(step, seqs)
 
 
-def time_worker(worker: Worker, batch: int, context: int, bs: int, iters: int) -> float:
+def time_worker(worker: Worker, batch: int, context: int, bs: int, iters: int,
+                verify: int = 0) -> float:
     """Median seconds of `Worker.execute` from the plan's arrival to the sampled tokens on
     the host (plans are built beforehand: in serving, the coordinator builds them)."""
-    plans = [decode_plan(batch, context, bs, i) for i in range(iters + 5)]
+    plans = [decode_plan(batch, context, bs, i, verify) for i in range(iters + 5)]
     for plan in plans[:5]:
         worker.execute(plan)
     times = []

@@ -195,3 +195,29 @@ def test_speculation_through_coordinators_at_tp2(ray_session):
     assert plain[-1][2] == "length" and len(plain[-1][1]) == 7
     engine = stats if "spec_decode_num_draft_tokens" in stats else stats["replicas"][0]
     assert engine["spec_decode_num_draft_tokens"] > 0
+
+
+def test_oracle_drafts_hold_and_keep_greedy_tokens():
+    """bench.speculative's oracle drafts the plain run's next tokens: every draft is kept
+    (up to k a step, the full-accept path) and the tokens equal the plain run's, in fewer
+    steps."""
+    from bench.speculative import OracleProposer, oracles, run, speculating
+    from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
+    from tests.conftest import loaded_worker
+
+    oracle = OracleProposer(3, [7, 8, 9, 10])
+    oracle.extend([1, 2, 3])
+    assert oracle.propose(2) == [7, 8]
+    oracle.extend((7,))
+    assert oracle.propose(5) == [8, 9, 10] and oracle.propose(0) == []
+
+    blocks = 64
+    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=blocks),
+                      scheduler=SchedulerConfig(max_num_seqs=20, max_num_batched_tokens=64))
+    worker = loaded_worker(cfg, blocks, capture=True)
+    rng = random.Random(0)
+    ids = [[rng.randrange(3, 4096) for _ in range(n)] for n in (5, 12, 30, 17)]
+    plain = run(cfg, worker, ids, 24, blocks)
+    spec = run(speculating(cfg, 4), worker, ids, 24, blocks, oracles(plain["tokens"]))
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["kept"] == spec["drafts"] > 0 and spec["steps"] < plain["steps"]
