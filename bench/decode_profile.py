@@ -213,7 +213,7 @@ def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8
 
 def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], heads: int = 32,
                   kv_heads: int = 8, head_dim: int = 64, bs: int = 16, sets: int = 4,
-                  shared: int = 0) -> dict:
+                  shared: int = 0, fp8: bool = False) -> dict:
     """The decode attention kernels alone (as a served decode layer runs them: q and the
     new key rotated inside, the splits, the merge if any), replayed in a graph: microseconds
     a call and the KV read rate (GB/s, counting every sequence's keys), per config (keys per
@@ -228,8 +228,9 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     if shared // bs * bs > context - 1:
         raise SystemExit(f"a shared prefix of {shared} keys leaves no own key at {context}")
     total = sets * batch * nb
-    kc = torch.randn(total + 1, bs, kv_heads, head_dim, device="cuda", dtype=dt)
-    vc = torch.randn_like(kc)
+    cache_dt = torch.float8_e4m3fn if fp8 else dt
+    kc, vc = (torch.randn(total + 1, bs, kv_heads, head_dim, device="cuda", dtype=dt).to(cache_dt)
+              for _ in range(2))
     tables = (torch.randperm(total, device="cuda", dtype=torch.int32) + 1).view(sets, batch, nb)
     tables[:, :, : shared // bs] = tables[:, :1, : shared // bs].clone()
     shared_len = torch.tensor([shared // bs * bs], dtype=torch.int32, device="cuda")
@@ -273,6 +274,7 @@ def main() -> None:
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")
+    p.add_argument("--kv-fp8", action="store_true", help="--attention: an FP8 (e4m3) cache")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",
                    help="--attention: every sequence starts with the same cached KEYS keys; "
                         "time each config without and with the cascade")
@@ -281,8 +283,9 @@ def main() -> None:
     if a.attention is not None:
         configs = [tuple(int(v) for v in c.split(",")) for c in a.attention]
         for b, c in cases:
-            row = attention_row(b, c, configs, head_dim=a.head_dim, shared=a.shared_prefix)
-            print(json.dumps(row | {"head_dim": a.head_dim}), flush=True)
+            row = attention_row(b, c, configs, head_dim=a.head_dim, shared=a.shared_prefix,
+                                fp8=a.kv_fp8)
+            print(json.dumps(row | {"head_dim": a.head_dim, "kv_fp8": a.kv_fp8}), flush=True)
             torch.cuda.empty_cache()
         return
     if not a.skip_gemm:

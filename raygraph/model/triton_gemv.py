@@ -213,36 +213,48 @@ def _gemv1_kernel(
         tl.store(out_ptr + partner, tl.where(rot, b * cos + a * sin, b).to(dtype))
 
 
-def row_config(n: int, k: int) -> GemvConfig:
+def _longest(k: int, runs: tuple[int, ...]) -> int:
+    return next(b for b in runs if k % b == 0)
+
+
+def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen from bench/decode_profile.py
     on an H100 (llama-1b shapes): up to 4096 columns, 4 a program over K runs of 2048;
-    above, 2 a program over runs of 1024."""
+    above, 2 a program over runs of 1024. FP8 rows are half the bytes: above 4096 columns,
+    runs of 4096 at 4 warps (H200, Llama-3-8B's gate|up)."""
     if n <= 4096:
-        return GemvConfig(4, next(b for b in (2048, 1024, 512, 256, 128) if k % b == 0), 4, 1)
-    return GemvConfig(2, next(b for b in (1024, 512, 256, 128) if k % b == 0), 2, 1)
+        return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1)
+    if fp8:
+        return GemvConfig(2, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1)
+    return GemvConfig(2, _longest(k, (1024, 512, 256, 128)), 2, 1)
 
 
-def default_config(rows: int, k: int) -> GemvConfig:
+def default_config(rows: int, k: int, fp8: bool = False) -> GemvConfig:
     """Enough programs to cover the SMs, each streaming a long run of K. Chosen from
-    bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8)."""
+    bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8). FP8 weights: 32
+    columns over runs of 512 (H200, Llama-3-8B's shapes at M = 8)."""
+    if fp8 and k % 512 == 0:
+        return GemvConfig(32, 512, 4, 3)
     block_n = 16 if rows <= 8192 else 32
     return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
 
 
-def silu_mul_config(n: int, k: int) -> GemvConfig:
+def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """gate|up streams two weight rows per output column: wider, shorter tiles. The tile
     must divide n (ops only sends n % 16 == 0 here)."""
+    if fp8 and n % 32 == 0 and n >= 4096 and k % 256 == 0:
+        return GemvConfig(32, 256, 4, 4)
     if n % 64 == 0 and n >= 4096:
         return GemvConfig(64, 128, 4, 4)
     cfg = default_config(2 * n, k)
     return cfg if n % cfg.block_n == 0 else cfg._replace(block_n=16)
 
 
-def rotary_config(n: int, k: int, head_dim: int) -> GemvConfig:
+def rotary_config(n: int, k: int, head_dim: int, fp8: bool = False) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
     else 16 (ops only sends head_dim % 16 == 0 here)."""
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
-        return GemvConfig(32, 128, 4, 6)
+        return GemvConfig(32, 512, 4, 3) if fp8 and k % 512 == 0 else GemvConfig(32, 128, 4, 6)
     return GemvConfig(16, 256 if k % 256 == 0 else 128, 4, 4)
 
 
@@ -318,17 +330,16 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
 def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M."""
-    n = w.shape[0]
-    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1 else default_config(n, w.shape[1]))
+    n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else default_config(n, k, fp8))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
 
 def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
-    n = w.shape[0] // 2
-    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
-                  else silu_mul_config(n, w.shape[1]))
+    n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else silu_mul_config(n, k, fp8))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -340,9 +351,9 @@ def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                 head_dim: int, rot_heads: int, cfg: GemvConfig | None = None) -> torch.Tensor:
     """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
-    n = w.shape[0]
-    cfg = cfg or (row_config(n, w.shape[1]) if x.shape[0] == 1
-                  else rotary_config(n, w.shape[1], head_dim))
+    n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
+                  else rotary_config(n, k, head_dim, fp8))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
