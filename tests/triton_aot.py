@@ -117,7 +117,7 @@ def other_cases() -> list[Case]:
         ("store_kv", op._store_kv_kernel, dict(N=512, BLOCK=512), 1, {"slots_ptr": "*i64"}),
         ("quantize rows to e4m3", op._quantize_rows_kernel, dict(STATIC=False, BLOCK=8192), 8,
          {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "fp8_max": "fp32",
-          "min_scale": "fp32"}),
+          "inv_max": "fp32", "min_scale": "fp32"}),
         ("skinny gemm + rotary", gv._gemv_kernel, gemv, 4, rope),
         ("skinny gemm + silu*mul", gv._gemv_kernel,
          gemv | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, rope),

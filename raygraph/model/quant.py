@@ -21,6 +21,7 @@ from raygraph.quantization import QuantConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+INV_FP8_MAX = 1.0 / FP8_MAX
 # the smallest scale: an all-zero row or token quantizes to zeros, not to NaN
 MIN_SCALE = 1e-12
 # GEMMs of this many rows or fewer (decode) multiply x as it is, whatever the weight's
@@ -74,7 +75,8 @@ def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     if groups * group != cols:
         padded = torch.nn.functional.pad(padded, (0, groups * group - cols))
     amax = padded.view(rows, groups, group).abs().amax(dim=-1)
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    # times the float32 reciprocal, not divided: the same float32 on every device and kernel
+    scale = (amax * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return quantize_with(x, scale, group), scale
 
 

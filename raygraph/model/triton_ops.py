@@ -182,8 +182,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, fp8_max, min_scale,
-                          STATIC: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, fp8_max, inv_max,
+                          min_scale, STATIC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -191,7 +191,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, fp8_max,
     if STATIC:
         scale = tl.load(static_ptr)
     else:
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), min_scale)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_max, min_scale)
     # x / scale rounded as torch divides (not x times 1 / scale)
     q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -fp8_max, fp8_max)
     tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -203,13 +203,14 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None
     """(e4m3 x [T, K], float32 scales [T, 1]) in one launch: each token scaled so its
     largest magnitude is e4m3's 448, or by the static scale [1]; as quant.quantize and
     quant.quantize_with compute them."""
-    from raygraph.model.quant import FP8, FP8_MAX, MIN_SCALE
+    from raygraph.model.quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
     t, n = x.shape
     q = torch.empty(t, n, dtype=FP8, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n)
     _quantize_rows_kernel[(t,)](x, q, scales, scales if static is None else static,
-                                x.stride(0), n, FP8_MAX, MIN_SCALE, STATIC=static is not None,
+                                x.stride(0), n, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
+                                STATIC=static is not None,
                                 BLOCK=block, num_warps=8 if block >= 8192 else 4)
     return q, scales
