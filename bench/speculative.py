@@ -14,20 +14,27 @@ continues it as in the prompt).
 
 Oracle mode: what verifying costs and gains when every draft holds. A plain run records
 each request's greedy tokens; the speculative run's proposer drafts the next k of them
-(OracleProposer), so acceptance is ~100% and the speedup is the most k drafts can give.
+(OracleProposer) while the request's tokens equal the recorded ones, so acceptance is ~100%
+and the speedup is the most k drafts can give.
 
     python -m bench.speculative --oracle [--preset llama3-8b --load-format dummy]
-        [--batches 1 64 256] [--k 4] [--prompt-tokens 128] [--max-tokens 256]
-        [--disable-by-batch-size N]
+        [--dtype auto|bfloat16|float32] [--batches 1 64 256] [--step-batches 1 64]
+        [--k 4] [--prompt-tokens 128] [--max-tokens 256] [--disable-by-batch-size N]
 
-Per batch (that many concurrent requests, random prompt tokens seeded by the batch size):
-output tok/s plain, speculating, and, at batches >= N, speculating with
-disable_by_batch_size = N ("adaptive": no drafts from N running sequences). tok_s is over
-the whole run, decode_tok_s from the step at which every request has its first token. Then
-per batch the direct step timing: Worker.execute of a hand-built step (decode_step's plans:
-every sequence at prompt + max_tokens / 2 cached tokens) computing 1 token against 1 + k
-(a verify step), median seconds from the plan to the tokens on the host. Prints one JSON
-line per run and per timing, then a table; exits 1 if any request's tokens differ from plain.
+First the direct step timing per --step-batches (default --batches): Worker.execute of a
+hand-built step (decode_step's plans: every sequence at prompt + max_tokens / 2 cached
+tokens) computing 1 token against 1 + k (a verify step), median seconds from the plan to
+the tokens on the host. Then per batch (that many concurrent requests, random prompt tokens
+seeded by the batch size): output tok/s plain, speculating, and, at batches >= N,
+speculating with disable_by_batch_size = N ("adaptive": no drafts from N running
+sequences). tok_s is over the whole run, decode_tok_s from the step at which every request
+has its first token. Prints one JSON line per timing and per run, then tables.
+
+A verify step runs the multi-token kernels, a decode step the decode kernels: in bfloat16
+they may pick different greedy tokens where logits nearly tie (random dummy weights: often),
+after which a request's tokens follow another path. So each run reports its agreement with
+plain (the share of requests with equal tokens, the mean equal prefix), and a difference
+fails the run (exit 1) only in float32, where the two paths agree.
 """
 
 from __future__ import annotations
@@ -68,20 +75,29 @@ Proposer = Callable[[int, list[int]], Any]
 
 class OracleProposer:
     """Drafts the target's own greedy continuation, recorded by a plain run: the next k
-    recorded tokens after the sequence's current length. Every draft holds as long as the
-    speculative run's tokens equal the plain run's."""
+    recorded tokens after the sequence's current length, while its outputs so far equal the
+    recorded ones. Once they differ (a verify step's kernels may pick another greedy token
+    than a decode step's) the recording says nothing about what follows: it proposes
+    nothing from then on."""
 
     def __init__(self, prompt_len: int, recorded: list[int]) -> None:
         self.prompt_len = prompt_len
         self.recorded = recorded
         self.num_tokens = 0  # prompt and outputs so far, as extend() gave them
+        self.diverged = False
 
     def extend(self, tokens: Iterable[int]) -> None:
-        self.num_tokens += sum(1 for _ in tokens)
+        for token in tokens:
+            at = self.num_tokens - self.prompt_len  # the output index of `token`
+            if at >= 0 and self.recorded[at : at + 1] != [token]:
+                self.diverged = True
+            self.num_tokens += 1
 
     def propose(self, k: int) -> list[int]:
         at = self.num_tokens - self.prompt_len  # outputs so far
-        return self.recorded[at: at + k] if k > 0 and at >= 0 else []
+        if k <= 0 or at < 0 or self.diverged:
+            return []
+        return self.recorded[at : at + k]
 
 
 def oracles(recorded: list[list[int]]) -> Proposer:
@@ -159,7 +175,7 @@ def ngram_main(a: argparse.Namespace, device: str) -> None:
     ids = [i for i in map(tok.encode, prompts(a.load)) if len(i) <= room][: a.requests]
     longest = max(len(i) for i in ids) + a.max_tokens + 16
     blocks = len(ids) * -(-longest // BLOCK) + 8
-    cfg = ServeConfig(model=a.model, device=device,
+    cfg = ServeConfig(model=a.model, device=device, dtype=a.dtype,
                       cache=CacheConfig(block_size=BLOCK, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=max(8, len(ids) * (a.k + 1)),
                                                 max_num_batched_tokens=2048,
@@ -188,6 +204,17 @@ def timed(cfg: ServeConfig, worker: Worker, ids: list[list[int]], a: argparse.Na
     return run(cfg, worker, ids, a.max_tokens, blocks, proposer)
 
 
+def agreement(tokens: list[list[int]], plain: list[list[int]]) -> dict:
+    """How far a run's greedy tokens follow the plain run's: the share of requests whose
+    tokens are all equal, and the mean length of the equal prefix."""
+    pairs = list(zip(tokens, plain, strict=True))
+    prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                for x, y in pairs]
+    equal = sum(x == y for x, y in pairs)
+    return {"mismatched_seqs": len(pairs) - equal, "agreement": round(equal / len(pairs), 4),
+            "matching_prefix_mean": round(sum(prefixes) / len(pairs), 2)}
+
+
 def summary(batch: int, mode: str, r: dict, plain: dict) -> dict:
     """One run's JSON row; ratios against the plain run of the same batch."""
     out = sum(map(len, r["tokens"]))
@@ -201,31 +228,48 @@ def summary(batch: int, mode: str, r: dict, plain: dict) -> dict:
                                                     / plain["decode_seconds"]), 3),
             "drafts": r["drafts"], "kept": r["kept"],
             "acceptance": round(r["kept"] / r["drafts"], 4) if r["drafts"] else None,
-            "mismatched_seqs": sum(x != y for x, y in zip(r["tokens"], plain["tokens"]))}
+            **agreement(r["tokens"], plain["tokens"])}
+
+
+def step_timing(worker: Worker, batch: int, context: int, k: int, iters: int) -> dict:
+    """A decode step (1 token a sequence) against a verify step (1 + k) at `batch`."""
+    step = {f"{name}_ms": round(1e3 * time_worker(worker, batch, context, BLOCK, iters, v), 3)
+            for name, v in (("decode", 0), ("verify", k))}
+    return {"batch": batch, "timing": "direct: Worker.execute, plan to host tokens",
+            "context": context, "verify_tokens": 1 + k, **step,
+            "verify_over_decode": round(step["verify_ms"] / step["decode_ms"], 3)}
 
 
 def oracle_main(a: argparse.Namespace, device: str) -> int:
-    """Every batch's plain, speculating and adaptive runs on one worker, then the direct
-    step timings; returns the requests whose tokens differed from plain."""
+    """The direct step timings, then every batch's plain, speculating and adaptive runs, on
+    one worker; returns the requests whose tokens differed from plain where that is a fault
+    (float32: the verify and decode kernels agree), else 0."""
     model = bench_model(a.preset, a.load_format) if a.preset else a.model
-    top = max(a.batches)
+    step_batches = a.batches if a.step_batches is None else a.step_batches
+    top = max(a.batches + step_batches)
     longest = a.prompt_tokens + a.max_tokens + a.k + BLOCK
     blocks = top * -(-longest // BLOCK) + 8
     # a logits row per sequence and draft: max_num_seqs and the token budget let every
     # request verify k drafts in the same step
     rows = top * (a.k + 1)
-    cfg = ServeConfig(model=model, device=device, load_format=a.load_format,
+    cfg = ServeConfig(model=model, device=device, dtype=a.dtype, load_format=a.load_format,
                       cache=CacheConfig(block_size=BLOCK, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=rows,
                                                 max_num_batched_tokens=max(2048, rows),
                                                 max_model_len=longest))
+    dtype = cfg.weights_dtype(device)
     t0 = time.perf_counter()
     worker = make_worker(cfg, blocks)
-    print(json.dumps({"model": model, "device": device, "torch": torch.__version__,
+    print(json.dumps({"model": model, "device": device, "dtype": dtype,
+                      "torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                       "k": a.k, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                       "disable_by_batch_size": a.disable_by_batch_size,
                       "load_and_capture_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    steps = {}
+    for b in step_batches:
+        steps[b] = step_timing(worker, b, a.prompt_tokens + a.max_tokens // 2, a.k, a.iters)
+        print(json.dumps(steps[b]), flush=True)
     table, mismatched = [], 0
     for b in a.batches:
         ids = make_prompts(b, a.prompt_tokens, worker.model_cfg.vocab_size)
@@ -242,31 +286,35 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
             mismatched += row[mode]["mismatched_seqs"]
             print(json.dumps(row[mode]), flush=True)
         table.append(row)
-    context = a.prompt_tokens + a.max_tokens // 2
-    for b, row in zip(a.batches, table):
-        step = {f"{name}_ms": round(1e3 * time_worker(worker, b, context, BLOCK, a.iters, v), 3)
-                for name, v in (("decode", 0), ("verify", a.k))}
-        row["step"] = {"batch": b, "timing": "direct: Worker.execute, plan to host tokens",
-                       "context": context, "verify_tokens": 1 + a.k, **step,
-                       "verify_over_decode": round(step["verify_ms"] / step["decode_ms"], 3)}
-        print(json.dumps(row["step"]), flush=True)
-    print_table(table, a.k)
-    return mismatched
+    print_steps(list(steps.values()), a.k)
+    print_table(table)
+    return mismatched if dtype == "float32" else 0
 
 
-def print_table(table: list[dict], k: int) -> None:
-    print(f"\n| batch | plain tok/s | spec tok/s | spec/plain (decode) | adaptive tok/s | "
-          f"adaptive/plain | adaptive/spec | acceptance | tokens differ | decode ms | "
-          f"verify 1+{k} ms | verify/decode |")
-    print("|---" * 12 + "|")
+def print_steps(steps: list[dict], k: int) -> None:
+    if not steps:
+        return
+    print(f"\n| batch | decode ms | verify 1+{k} ms | verify/decode |")
+    print("|---" * 4 + "|")
+    for st in steps:
+        print(f"| {st['batch']} | {st['decode_ms']} | {st['verify_ms']} | "
+              f"{st['verify_over_decode']}x |")
+
+
+def print_table(table: list[dict]) -> None:
+    print("\n| batch | plain tok/s | spec tok/s | spec/plain (decode) | adaptive tok/s | "
+          "adaptive/plain | adaptive/spec | acceptance | equal to plain | matching prefix |")
+    print("|---" * 10 + "|")
     for row in table:
-        p, s, ad, st = row["plain"], row["spec"], row.get("adaptive"), row["step"]
+        p, s, ad = row["plain"], row["spec"], row.get("adaptive")
         adaptive = (f"{ad['tok_s']} | {ad['speedup']}x | "
                     f"{round(ad['tok_s'] / s['tok_s'], 3)}x" if ad else "- | - | -")
-        differ = s["mismatched_seqs"] + (ad["mismatched_seqs"] if ad else 0)
+        agree = f"{s['agreement']}" + (f" / {ad['agreement']}" if ad else "")
+        prefix = f"{s['matching_prefix_mean']}" + (f" / {ad['matching_prefix_mean']}"
+                                                   if ad else "")
         print(f"| {p['batch']} | {p['tok_s']} | {s['tok_s']} | {s['speedup']}x "
-              f"({s['decode_speedup']}x) | {adaptive} | {s['acceptance']} | {differ} | "
-              f"{st['decode_ms']} | {st['verify_ms']} | {st['verify_over_decode']}x |")
+              f"({s['decode_speedup']}x) | {adaptive} | {s['acceptance']} | {agree} | "
+              f"{prefix} |")
 
 
 def main() -> None:
@@ -277,6 +325,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--load", choices=["code", "pydoc"], default="code")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="the weights' and activations' (auto: as serving picks it); only in "
+                        "float32 do tokens that differ from plain fail the run")
     p.add_argument("--oracle", action="store_true",
                    help="draft the target's own greedy tokens, recorded by a plain run")
     p.add_argument("--preset", default="", help="oracle: a bench.checkpoints preset (not --model)")
@@ -286,6 +337,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--disable-by-batch-size", type=int, default=0,
                    help="oracle: also run batches >= N with drafts off from N sequences")
+    p.add_argument("--step-batches", type=int, nargs="*", default=None,
+                   help="oracle: batches of the direct step timings (default: --batches; "
+                        "none: no timings)")
     p.add_argument("--iters", type=int, default=50, help="oracle: timed steps per figure")
     a = p.parse_args()
     device = a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -294,7 +348,7 @@ def main() -> None:
         return
     mismatched = oracle_main(a, device)
     if mismatched:
-        sys.exit(f"{mismatched} requests' greedy tokens differ from the plain run's")
+        sys.exit(f"{mismatched} requests' greedy tokens differ from the plain run's in float32")
 
 
 if __name__ == "__main__":

@@ -99,35 +99,49 @@ class FakeGroup:
         assert plan.num_tokens <= s.max_num_batched_tokens
         assert len(plan.seqs) <= s.max_num_seqs
         assert len({c.seq_id for c in plan.seqs}) == len(plan.seqs)
-        tokens, writes = [], []
+        tokens, counts, rows, writes, kept = [], [], [], [], []
         for c in plan.seqs:
             q = self.seqs[c.seq_id]
             assert c.block_table == q.block_table  # the workers' table is the scheduler's
             ids = c.token_ids
             if c.feed >= 0:  # the token this seq sampled last step, still on the device
                 assert ids == [0] and c.sample
+                assert self.prev[c.feed] is not None, "a feed after a verify step"
                 ids = [self.prev[c.feed]]
+            known = c.start_pos + len(ids) - c.verify  # positions before the drafts
+            held = 0  # leading drafts that equal the model's tokens: kept
+            while (held < c.verify
+                   and ids[known - c.start_pos + held] == self.expected(c.seq_id, known + held)):
+                held += 1
             own = {}
             for pos, t in enumerate(ids, c.start_pos):
-                assert t == self.expected(c.seq_id, pos), (c, pos)
+                assert pos >= known or t == self.expected(c.seq_id, pos), (c, pos)
                 block = c.block_table[pos // bs]
                 assert writable(s, block, q, pos), "a write into a shared block"
-                own[block * bs + pos % bs] = self.prefix(c.seq_id, pos)
+                # a draft not kept leaves stale K/V: the chunk after the verify computes it anew
+                stale = pos >= known + held
+                own[block * bs + pos % bs] = -1 if stale else self.prefix(c.seq_id, pos)
             writes.append(own)
+            kept.append(held)
         step_view = kv_step(self.cache, writes, plan.num_tokens == len(plan.seqs))
-        for c, own in zip(plan.seqs, writes, strict=True):
+        for c, own, held in zip(plan.seqs, writes, kept, strict=True):
             q, view = self.seqs[c.seq_id], step_view(own)
-            end = c.start_pos + len(c.token_ids)
+            end = c.start_pos + len(c.token_ids) - c.verify + held  # to the last draft kept
             for pos in range(end):  # attention reads every earlier position through the table
                 slot = c.block_table[pos // bs] * bs + pos % bs
                 assert view(slot) == self.prefix(c.seq_id, pos), (c.seq_id, pos)
             if c.sample:
-                # the sampled position follows the last one computed
-                assert c.num_generated == end - len(q.prompt_token_ids)
-                self.sampled[c.seq_id].append(c.num_generated)
-                tokens.append(self.model(c.seq_id, c.num_generated))
-        self.prev = tokens
-        return StepOutput(d.step_id, tokens)
+                # the sampled position follows the last one computed (and drafts kept)
+                first = end - held - len(q.prompt_token_ids)
+                # num_generated counts sampling steps: a verify that kept drafts is one
+                assert c.num_generated == first or q.spec_drafts
+                self.sampled[c.seq_id] += range(first, first + held + 1)
+                tokens += [self.model(c.seq_id, i) for i in range(first, first + held + 1)]
+                counts.append(held + 1)
+                rows.append(None if c.verify else tokens[-1])
+        self.prev = rows  # a verifying row's tokens vary in number: nothing to feed from
+        verified = any(c.verify for c in plan.seqs)
+        return StepOutput(d.step_id, tokens, counts=counts if verified else [])
 
 
 class Groups:
@@ -172,6 +186,7 @@ def drive(core: EngineCore, groups: list[FakeGroup],
             for q, t in per_group:
                 assert q.finish_reason in (None, "stop", "length")
                 emitted[q.seq_id].append(t)
+            for q, _ in per_group:  # a verifying seq emits several tokens at once
                 assert emitted[q.seq_id] == q.output_token_ids
         for g in groups:
             check_pool(g.sched)
@@ -424,3 +439,42 @@ def test_seq_table_feed_rows_count_sampling_rows_only() -> None:
     t.apply(StepDelta(5, chunks=[SeqStep(0, [9], False)]))
     with pytest.raises(StateError):  # 0 sampled nothing in step 5
         t.apply(StepDelta(6, feed=[0]))
+
+
+class Drafter:
+    """A proposer (NgramIndex's interface) that drafts the fake model's next tokens, each
+    wrong (token 1, which the model never gives) with probability `miss`."""
+
+    def __init__(self, g: FakeGroup, q: Sequence, rng: random.Random, miss: float) -> None:
+        self.g, self.q, self.rng, self.miss = g, q, rng, miss
+        self.num_tokens = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.num_tokens += len(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        at = self.num_tokens - len(self.q.prompt_token_ids)
+        return [1 if self.rng.random() < self.miss else self.g.model(self.q.seq_id, at + j)
+                for j in range(k)]
+
+
+@pytest.mark.parametrize(("max_batch", "seed"), [(0, 0), (3, 1), (3, 2), (5, 3)])
+def test_speculation_overlapped(max_batch: int, seed: int) -> None:
+    """Drafts, some wrong, verified in the overlapped order: every sequence emits the model's
+    tokens, reads no stale K/V and never writes past its blocks. With speculative_max_batch,
+    arrivals and finishes move the batch across it, so drafting turns off while verify steps
+    are in flight: such a sequence is not fed (its step returns 1 to k + 1 tokens)."""
+    rng = random.Random(seed)
+    s = Scheduler(PagePool(96, 4), 8, 32, 64, eos_token_ids=(EOS,), prefix_caching=False,
+                  num_speculative_tokens=3, speculative_max_batch=max_batch)
+    g = FakeGroup(s)
+    arrivals: dict[int, list[tuple[int, Sequence]]] = defaultdict(list)
+    for i in range(12):
+        q = seq(i, rng.randint(1, 9), max_tokens=rng.randint(4, 30))
+        q.ngram = Drafter(g, q, rng, miss=0.2)
+        q.ngram.extend(q.prompt_token_ids)
+        arrivals[rng.randrange(24)].append((0, q))
+    emitted = drive(engine(s), [g], arrivals)
+    check_tokens(g, emitted)
+    assert s.num_draft_tokens > s.num_accepted_tokens > 0
+    assert any(d.feed for d in g.deltas) == bool(max_batch)  # drafts off: fed

@@ -198,9 +198,9 @@ def test_speculation_through_coordinators_at_tp2(ray_session):
 
 
 def test_oracle_drafts_hold_and_keep_greedy_tokens():
-    """bench.speculative's oracle drafts the plain run's next tokens: every draft is kept
-    (up to k a step, the full-accept path) and the tokens equal the plain run's, in fewer
-    steps."""
+    """bench.speculative's oracle drafts the plain run's next tokens while the sequence's
+    tokens equal them: every draft is kept (up to k a step, the full-accept path) and the
+    tokens equal the plain run's, in fewer steps."""
     from bench.speculative import OracleProposer, oracles, run, speculating
     from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
     from tests.conftest import loaded_worker
@@ -210,6 +210,8 @@ def test_oracle_drafts_hold_and_keep_greedy_tokens():
     assert oracle.propose(2) == [7, 8]
     oracle.extend((7,))
     assert oracle.propose(5) == [8, 9, 10] and oracle.propose(0) == []
+    oracle.extend((8, 5))  # 5, not the recorded 9: what follows is not recorded
+    assert oracle.propose(2) == [] and oracle.diverged
 
     blocks = 64
     cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=blocks),

@@ -23,7 +23,9 @@ grammar is complete.
 A sequence with an n-gram index (speculative decoding, engine/ngram.py) is sent, once its
 last token is known, with the drafts the index proposes after it: the workers return the
 drafts their greedy tokens agree with and the token after them (one to k + 1 tokens). Its
-drafts need its last token, so it sits out the step in which that token is in flight.
+drafts need its last token, so it sits out the step in which that token is in flight. A
+verify step in flight returns one to k + 1 tokens, so no feed can follow it: the sequence
+sits out the next step even when drafts are off for it (speculative_max_batch reached).
 
 Each step is described as a change to what the workers hold (new sequences, appended
 blocks, dropped ids), so its message and cost grow with what changed, not with the batch.
@@ -134,16 +136,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if seq.ngram is not None and speculate:
-                if seq.num_pending:
-                    continue  # its drafts follow the token in flight: next step
-                drafts = self._drafts(seq, budget, out)
-                if drafts:
-                    if not self._reserve(seq, 1 + len(drafts), out):
-                        break
-                    budget -= 1 + len(drafts)
-                    self._take_drafts(seq, drafts, out)
-                    continue
+            if seq.ngram is not None:
+                if seq.drafts:
+                    continue  # verifying: 1 to k + 1 tokens come back, no feed can follow
+                if speculate:
+                    if seq.num_pending:
+                        continue  # its drafts follow the token in flight: next step
+                    drafts = self._drafts(seq, budget, out)
+                    if drafts:
+                        if not self._reserve(seq, 1 + len(drafts), out):
+                            break
+                        budget -= 1 + len(drafts)
+                        self._take_drafts(seq, drafts, out)
+                        continue
             if seq.num_pending:  # decode the token in flight: the common case, kept lean
                 outputs = len(seq.output_token_ids) + seq.num_pending
                 if (outputs >= seq.params.max_tokens
