@@ -75,6 +75,8 @@ def attention_cases() -> list[Case]:
         ("decode split", ta._decode_split_kernel, decode, 2, {}),
         ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
         ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
+        ("decode split, FP8 cache", ta._decode_split_kernel, decode, 2,
+         {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
         ("decode one split, rotary", ta._decode_split_kernel,
          decode | dict(SPLITS=1, TOTAL=1, ROPE=True), 2, rope),
         ("decode one split, cascade, rotary", ta._decode_split_kernel,

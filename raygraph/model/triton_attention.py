@@ -132,15 +132,19 @@ def _split_range(first, end, split, SPLITS: tl.constexpr, TILE: tl.constexpr):
 def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
             stride_kb, stride_ks, stride_ch, BS: tl.constexpr, TILE: tl.constexpr,
             PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """Keys [start, end) of one block table into the online softmax of the rows of q."""
+    """Keys [start, end) of one block table into the online softmax of the rows of q. An
+    FP8 cache is read back as float16 (one conversion an element pair; to bfloat16 it takes
+    three) and q meets it in float16, clamped to its range."""
     t = tl.arange(0, TILE)
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
         pos = pos0 + t
         kmask = pos < end
         blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
         off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
             + d[None, :]
-        # [TILE, D], in the queries' dtype (an FP8 cache is read back)
+        # [TILE, D], in the queries' dtype
         k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
