@@ -70,8 +70,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         # Bound by the worker once the paged cache exists: [num_blocks + 1, block_size, Hkv, D].
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        # zeros, not empty: real where the loader builds parameters on meta (it moves empty)
+        self.k_cache = torch.zeros(0)
+        self.v_cache = torch.zeros(0)
         # (k_scale, v_scale): an FP8 cache holds k / k_scale and v / v_scale (the worker sets
         # a checkpoint's scales when the cache is FP8)
         self.kv_scale = (1.0, 1.0)

@@ -32,10 +32,12 @@ from raygraph.model.quant import (
     scale_rows,
     stored_scale_shape,
 )
-from raygraph.quantization import ONLINE
+from raygraph.quantization import ONLINE, QuantConfig
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DUMMY_STD = 0.02  # HF's initializer_range: activations stay O(1) through every layer
+# dummy weights under --quantization fp8: drawn in the layout of an FP8-dynamic checkpoint
+DUMMY_FP8 = QuantConfig("compressed-tensors", "channel", "dynamic")
 
 
 def build_model(
@@ -49,9 +51,11 @@ def build_model(
     `comm` is the TP group (attention, dense MLPs, shared experts; experts too without EP);
     `ep_comm`, for MoE models, the expert-parallel group that owns the experts between it.
     """
-    if load_format == "dummy" and cfg.quant is not None:  # random weights, quantized
-        cfg = msgspec.structs.replace(cfg, quant=ONLINE)
-    with torch.device(device):
+    if load_format == "dummy" and cfg.quant is not None:  # random FP8 weights and scales
+        cfg = msgspec.structs.replace(cfg, quant=DUMMY_FP8)
+    # parameters on meta first: FP8 layers then take their FP8 bytes only, never a
+    # model-dtype copy (a 70B FP8 checkpoint fits one 141 GB GPU; in bf16 it would not)
+    with torch.device(device), _ParametersOnMeta():
         model = _new_model(cfg, comm, ep_comm)
     model.to(dtype=dtype)
     for module in model.modules():  # rotary tables stay fp32
@@ -59,7 +63,8 @@ def build_model(
             module.float()
     online = cfg.quant == ONLINE
     if not online:
-        _make_fp8(model, comm.world_size)
+        _make_fp8(model, comm.world_size, torch.device(device))
+    _materialize(model, torch.device(device))
     if load_format == "dummy":
         init_dummy_weights(model, comm, progress)
     else:
@@ -87,7 +92,7 @@ def check_checkpoint(cfg: ModelConfig,
     with _ParametersOnMeta():
         model = _new_model(msgspec.structs.replace(cfg, max_position_embeddings=1), Comm())
         if cfg.quant != ONLINE:
-            _make_fp8(model, 1)
+            _make_fp8(model, 1, torch.device("meta"))
     params = dict(model.named_parameters())
     loaded: set[tuple[str, Part]] = set()
     for file, tensors in headers:
@@ -134,17 +139,31 @@ def _fp8_layers(model: nn.Module) -> list[LoRARows]:
     return out
 
 
-def _make_fp8(model: nn.Module, world: int) -> None:
-    """FP8 weights and scales, for the checkpoint to fill, in the layers `_fp8_layers` names;
-    attention k/v scales where the checkpoint has them."""
+def _make_fp8(model: nn.Module, world: int, device: torch.device) -> None:
+    """FP8 weights and scales on `device`, for the checkpoint to fill, in the layers
+    `_fp8_layers` names; attention k/v scales where the checkpoint has them."""
     quant = model.config.quant
     for layer in _fp8_layers(model):
         in_local = layer.weight.shape[1]
         in_full = in_local * world if isinstance(layer, RowParallelLinear) else in_local
-        make_fp8(layer, local_group(quant, in_full, in_local), quant.activations)
+        make_fp8(layer, local_group(quant, in_full, in_local), quant.activations, device)
     if quant is not None and quant.kv_scales:
         for attention in model.attention_layers():
-            add_kv_scales(attention)
+            add_kv_scales(attention, device)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Every parameter still on meta made (uninitialised: the checkpoint fills it) on
+    `device`, in its dtype; a tied parameter stays one."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                           requires_grad=False)
+            setattr(module, name, made[id(p)])
 
 
 # HF projections that raygraph stacks into one GEMM: name -> (merged name, part)
@@ -336,13 +355,19 @@ def init_dummy_weights(model: nn.Module, comm: Comm,
 
 
 def _dummy_tensor(ckpt_name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """The full tensor `ckpt_name` of a dummy checkpoint, in `like`'s dtype on its device."""
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    """The full tensor `ckpt_name` of a dummy checkpoint, in `like`'s dtype on its device. An
+    FP8 weight is drawn with unit spread and its scales are DUMMY_STD: the same spread."""
+    if ckpt_name.endswith("weight_scale"):
+        return torch.full(shape, DUMMY_STD, dtype=like.dtype, device=like.device)
+    fp8 = like.dtype == FP8
+    out = torch.empty(shape, dtype=torch.bfloat16 if fp8 else like.dtype, device=like.device)
     if ckpt_name.endswith("norm.weight"):
         return out.fill_(1.0)
     if ckpt_name.endswith(".bias"):
         return out.zero_()
     gen = torch.Generator(device=like.device).manual_seed(crc32(ckpt_name.encode()))
+    if fp8:
+        return out.normal_(0.0, 1.0, generator=gen).to(FP8)
     return out.normal_(0.0, DUMMY_STD, generator=gen)
 
 

@@ -133,19 +133,21 @@ def local_group(quant: QuantConfig, in_full: int, in_local: int) -> int:
     return cols
 
 
-def make_fp8(layer: nn.Module, group: int, activations: Activations) -> None:
-    """Replace the layer's weight by an FP8 one of its shape, with its scales (and a static
-    input scale), for a checkpoint to fill. The input scale starts at 0: fused parts each
-    raise it to their own (the GEMM quantizes x once, by the largest, clipping none)."""
+def make_fp8(layer: nn.Module, group: int, activations: Activations,
+             device: torch.device) -> None:
+    """Replace the layer's weight (on `device`, or meta: shapes only) by an FP8 one of its
+    shape on `device`, with its scales (and a static input scale), for a checkpoint to fill.
+    The input scale starts at 0: fused parts each raise it to their own (the GEMM quantizes
+    x once, by the largest, clipping none)."""
     w = layer.weight
-    layer.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device),
+    layer.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=device),
                                 requires_grad=False)
     groups = -(-w.shape[1] // group)
     layer.weight_scale = nn.Parameter(
-        torch.empty(w.shape[0], groups, dtype=torch.float32, device=w.device),
+        torch.empty(w.shape[0], groups, dtype=torch.float32, device=device),
         requires_grad=False)
     if activations == "static":
-        layer.input_scale = nn.Parameter(torch.zeros(1, device=w.device), requires_grad=False)
+        layer.input_scale = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
     layer.fp8 = Fp8Layout(group, activations)
 
 
@@ -158,10 +160,9 @@ def quantize_layer(layer: nn.Module) -> None:
     layer.fp8 = Fp8Layout(data.shape[1], "dynamic")
 
 
-def add_kv_scales(attention: nn.Module) -> None:
+def add_kv_scales(attention: nn.Module, device: torch.device) -> None:
     """The checkpoint's attention k_scale and v_scale (its FP8 KV cache's per-tensor
     scales), loaded into these parameters."""
-    device = attention.qkv_proj.weight.device
     for name in ("k_scale", "v_scale"):
         setattr(attention, name, nn.Parameter(torch.ones(1, device=device), requires_grad=False))
 
