@@ -20,6 +20,11 @@ and the speedup is the most k drafts can give.
     python -m bench.speculative --oracle [--preset llama3-8b --load-format dummy]
         [--dtype auto|bfloat16|float32] [--batches 1 64 256] [--step-batches 1 64]
         [--k 4] [--prompt-tokens 128] [--max-tokens 256] [--disable-by-batch-size N]
+        [--keep-drafts]
+
+--keep-drafts: the workers keep every draft whatever their greedy tokens (and the proposer
+drafts by position): the loop timed at 100% acceptance where the verify and decode kernels
+pick different greedy tokens (bf16 on random weights); tokens are then not compared.
 
 First the direct step timing per --step-batches (default --batches): Worker.execute of a
 hand-built step (decode_step's plans: every sequence at prompt + max_tokens / 2 cached
@@ -80,16 +85,17 @@ class OracleProposer:
     than a decode step's) the recording says nothing about what follows: it proposes
     nothing from then on."""
 
-    def __init__(self, prompt_len: int, recorded: list[int]) -> None:
+    def __init__(self, prompt_len: int, recorded: list[int], follow: bool = True) -> None:
         self.prompt_len = prompt_len
         self.recorded = recorded
+        self.follow = follow  # False: propose by position even once the outputs differ
         self.num_tokens = 0  # prompt and outputs so far, as extend() gave them
         self.diverged = False
 
     def extend(self, tokens: Iterable[int]) -> None:
         for token in tokens:
             at = self.num_tokens - self.prompt_len  # the output index of `token`
-            if at >= 0 and self.recorded[at : at + 1] != [token]:
+            if self.follow and at >= 0 and self.recorded[at : at + 1] != [token]:
                 self.diverged = True
             self.num_tokens += 1
 
@@ -100,9 +106,23 @@ class OracleProposer:
         return self.recorded[at : at + k]
 
 
-def oracles(recorded: list[list[int]]) -> Proposer:
+def oracles(recorded: list[list[int]], follow: bool = True) -> Proposer:
     """Request i's proposer: an OracleProposer over recorded[i]."""
-    return lambda i, prompt: OracleProposer(len(prompt), recorded[i])
+    return lambda i, prompt: OracleProposer(len(prompt), recorded[i], follow)
+
+
+def keep_every_draft(tokens: list[int], targets: list[int],
+                     verify: list[tuple[int, int, list[int]]]) -> tuple[list[int], list[int]]:
+    """worker.speculative.emitted as if every draft held: a verifying chunk emits its drafts
+    and the target's token after them. A timing bound (--keep-drafts): a step costs the
+    same whatever it keeps, so this times the loop at 100% acceptance where the kernels of
+    a verify and a decode step pick different greedy tokens (bf16, random weights)."""
+    counts = [1] * len(tokens)
+    per_chunk = [[t] for t in tokens]
+    for i, row, drafts in verify:
+        per_chunk[i] = [*drafts, targets[row + len(drafts)]]
+        counts[i] = len(drafts) + 1
+    return [t for toks in per_chunk for t in toks], counts
 
 
 def prompts(load: str) -> list[str]:
@@ -271,10 +291,14 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
         steps[b] = step_timing(worker, b, a.prompt_tokens + a.max_tokens // 2, a.k, a.iters)
         print(json.dumps(steps[b]), flush=True)
     table, mismatched = [], 0
+    if a.keep_drafts:
+        import raygraph.worker.worker as worker_module
+
+        worker_module.emitted = keep_every_draft
     for b in a.batches:
         ids = make_prompts(b, a.prompt_tokens, worker.model_cfg.vocab_size)
         plain = timed(cfg, worker, ids, a, blocks)
-        oracle = oracles(plain["tokens"])
+        oracle = oracles(plain["tokens"], follow=not a.keep_drafts)
         runs = {"plain": plain, "spec": timed(speculating(cfg, a.k), worker, ids, a, blocks,
                                               oracle)}
         if a.disable_by_batch_size and b >= a.disable_by_batch_size:
@@ -288,7 +312,7 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
         table.append(row)
     print_steps(list(steps.values()), a.k)
     print_table(table)
-    return mismatched if dtype == "float32" else 0
+    return mismatched if dtype == "float32" and not a.keep_drafts else 0
 
 
 def print_steps(steps: list[dict], k: int) -> None:
@@ -341,6 +365,9 @@ def main() -> None:
                    help="oracle: batches of the direct step timings (default: --batches; "
                         "none: no timings)")
     p.add_argument("--iters", type=int, default=50, help="oracle: timed steps per figure")
+    p.add_argument("--keep-drafts", action="store_true",
+                   help="oracle: the workers keep every draft (timing at 100%% acceptance; "
+                        "tokens not checked)")
     a = p.parse_args()
     device = a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if not a.oracle:

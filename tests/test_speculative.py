@@ -223,3 +223,12 @@ def test_oracle_drafts_hold_and_keep_greedy_tokens():
     spec = run(speculating(cfg, 4), worker, ids, 24, blocks, oracles(plain["tokens"]))
     assert spec["tokens"] == plain["tokens"]
     assert spec["kept"] == spec["drafts"] > 0 and spec["steps"] < plain["steps"]
+
+
+def test_keep_every_draft_emits_the_drafts_then_the_target_after_them() -> None:
+    """bench.speculative --keep-drafts: a verifying chunk emits its drafts, kept whatever the
+    targets say, then the target's token after the last draft; other chunks their token."""
+    from bench.speculative import keep_every_draft
+
+    tokens, counts = keep_every_draft([70, 80], [1, 2, 3, 4, 90], [(0, 0, [5, 6, 7])])
+    assert tokens == [5, 6, 7, 4, 80] and counts == [4, 1]
