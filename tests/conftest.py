@@ -24,7 +24,8 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # modules that replace the session's Ray with a cluster of their own run last, so the
-    # coordinators the session shares (shared_coordinator) start once, not again after them
+    # coordinators the session shares (shared_coordinator) start once, and the session's Ray
+    # is not needed again after them
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
     gpus = torch.cuda.device_count()
     for item in items:
@@ -64,8 +65,8 @@ def interpreted():
 
 
 def init_test_ray() -> None:
-    """The suite's one-node Ray (tests that need another cluster shut it down, then call
-    this again)."""
+    """The suite's one-node Ray (own_ray modules, last, shut it down for a cluster of their
+    own)."""
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, namespace="raygraph-tests",
