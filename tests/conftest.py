@@ -138,6 +138,16 @@ def default_model_config() -> Any:
                        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024))
 
 
+def default_model_tp2_config() -> Any:
+    """The built-in model at TP=2 on CPU, 8 sequences a step: the shared coordinator of the
+    modules that serve it over two ranks."""
+    from raygraph.config import ParallelConfig, SchedulerConfig, ServeConfig
+
+    return ServeConfig(device="cpu", parallel=ParallelConfig(tp=2),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                       coordinator_name="shared-default-model-tp2")
+
+
 @pytest.fixture(scope="session")
 def shared_stopper() -> Any:
     """`stop_shared_coordinators` of the conftest pytest loaded: a module importing
@@ -149,6 +159,12 @@ def shared_stopper() -> Any:
 def default_model_coord(ray_session) -> Any:
     """The shared coordinator of `default_model_config()`."""
     return shared_coordinator(default_model_config())
+
+
+@pytest.fixture(scope="module")
+def default_model_tp2_coord(ray_session) -> Any:
+    """The shared coordinator of `default_model_tp2_config()`."""
+    return shared_coordinator(default_model_tp2_config())
 
 
 def free_port() -> int:
