@@ -324,3 +324,9 @@ class WorkerCall(msgspec.Struct, frozen=True):
     method: str
     args: tuple = ()
     rank: int = -1  # >= 0: only this rank runs it (the others answer None)
+
+
+# the worker methods a WorkerCall may name
+WORKER_CALLS = frozenset({"prepare_capture", "capture", "memory_stats", "offload_stats",
+                          "sleep", "wake_up", "kv_blocks_ready", "inject_fault", "logits",
+                          "load_lora", "unload_lora"})

@@ -24,7 +24,8 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # modules that replace the session's Ray with a cluster of their own run last, so the
-    # coordinators the session shares (shared_coordinator) start once, not again after them
+    # coordinators the session shares (shared_coordinator) start once, and the session's Ray
+    # is not needed again after them
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
     gpus = torch.cuda.device_count()
     for item in items:
@@ -64,8 +65,8 @@ def interpreted():
 
 
 def init_test_ray() -> None:
-    """The suite's one-node Ray (tests that need another cluster shut it down, then call
-    this again)."""
+    """The suite's one-node Ray (own_ray modules, last, shut it down for a cluster of their
+    own)."""
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, namespace="raygraph-tests",
@@ -137,6 +138,16 @@ def default_model_config() -> Any:
                        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024))
 
 
+def default_model_tp2_config() -> Any:
+    """The built-in model at TP=2 on CPU, 8 sequences a step: the shared coordinator of the
+    modules that serve it over two ranks."""
+    from raygraph.config import ParallelConfig, SchedulerConfig, ServeConfig
+
+    return ServeConfig(device="cpu", parallel=ParallelConfig(tp=2),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                       coordinator_name="shared-default-model-tp2")
+
+
 @pytest.fixture(scope="session")
 def shared_stopper() -> Any:
     """`stop_shared_coordinators` of the conftest pytest loaded: a module importing
@@ -148,6 +159,12 @@ def shared_stopper() -> Any:
 def default_model_coord(ray_session) -> Any:
     """The shared coordinator of `default_model_config()`."""
     return shared_coordinator(default_model_config())
+
+
+@pytest.fixture(scope="module")
+def default_model_tp2_coord(ray_session) -> Any:
+    """The shared coordinator of `default_model_tp2_config()`."""
+    return shared_coordinator(default_model_tp2_config())
 
 
 def free_port() -> int:

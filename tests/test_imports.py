@@ -7,6 +7,8 @@ circle hidden from the interpreter is still a circle."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,3 +139,14 @@ def test_layer_check_catches_bad_imports() -> None:
     assert violations(graph) == [
         "raygraph.api.metrics -> raygraph.engine.kv_cache (front into device-side code)",
         "raygraph.engine.core -> raygraph.coordinator.router (a higher layer)"]
+
+
+def test_the_engine_and_coordinator_start_workers_without_torch() -> None:
+    """The engine creates its workers from WorkerActor: torch and the model code load in the
+    workers' processes, not in the engine's or the coordinator's while they start."""
+    code = ("import sys, raygraph.coordinator.coordinator, raygraph.engine.engine, "
+            "raygraph.worker.actor; "
+            "print(sorted(m for m in ('torch', 'raygraph.worker.worker') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"

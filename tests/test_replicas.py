@@ -14,7 +14,6 @@ from raygraph.client.connect import start_coordinator
 from raygraph.config import DEFAULT_MODEL, CacheConfig, ReplicaConfig, ServeConfig
 from raygraph.protocol import SamplingParams
 from raygraph.tokenizer import load_tokenizer
-from tests.conftest import init_test_ray
 from tests.hf_ref import hf_greedy
 
 pytestmark = pytest.mark.own_ray
@@ -23,16 +22,23 @@ PROMPTS = ["The import statement", "A class definition", "Exceptions can be rais
 MAX_TOKENS = 8
 
 
+# the GCS declares a node dead after 3 failed health checks 1 s apart (Ray's defaults: 5, 3 s
+# apart), so the lost node's replica is noticed in seconds
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
 @pytest.fixture(scope="module")
 def cluster(shared_stopper):
+    """A cluster of three one-CPU nodes in place of the suite's Ray, which does not come back:
+    own_ray modules run last (conftest)."""
     import ray
     from ray.cluster_utils import Cluster
 
-    session = ray.is_initialized()
-    if session:  # the suite's one-node Ray: this module needs a cluster of its own
+    if ray.is_initialized():
         shared_stopper()
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c = Cluster(initialize_head=True,
+                head_node_args={"num_cpus": 1, "_system_config": HEALTH_CHECKS})
     for _ in range(2):
         c.add_node(num_cpus=1)
     c.wait_for_nodes()
@@ -42,8 +48,6 @@ def cluster(shared_stopper):
     finally:
         ray.shutdown()
         c.shutdown()
-        if session:
-            init_test_ray()
 
 
 def serving(coord) -> list:

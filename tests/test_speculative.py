@@ -167,29 +167,29 @@ def test_ngram_speculation_keeps_greedy_tokens(mode, blocks, ignore_eos):
         assert sum(s.num_preemptions for s in spec) > 0
 
 
-def test_speculation_through_coordinators_at_tp2(ray_session):
+def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord):
     """Requests served with n-gram speculation at TP=2 (both ranks verify alike): the same
-    texts, token ids and finish reasons as without (stop strings and max_tokens included);
-    the drafts counted in the engine's stats. TP=1 is the in-process test above."""
-    from raygraph.config import ParallelConfig, SchedulerConfig, ServeConfig, SpeculativeConfig
+    texts, token ids and finish reasons as without (the session's TP=2 coordinator; stop
+    strings and max_tokens included); the drafts counted in the engine's stats. TP=1 is the
+    in-process test above."""
+    import msgspec
+
+    from raygraph.config import SpeculativeConfig
     from raygraph.protocol import SamplingParams
-    from tests.conftest import start_coordinators, stop_coordinators
+    from tests.conftest import default_model_tp2_config, start_coordinators, stop_coordinators
 
-    def cfg(spec: bool) -> ServeConfig:
-        return ServeConfig(device="cpu", parallel=ParallelConfig(tp=2),
-                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                           speculative=SpeculativeConfig(method="ngram" if spec else ""),
-                           coordinator_name=f"speculative-tp2-{spec}")
-
+    cfg = msgspec.structs.replace(default_model_tp2_config(), coordinator_name="speculative-tp2",
+                                  speculative=SpeculativeConfig(method="ngram"))
     jobs = [(text, SamplingParams(max_tokens=32, temperature=0.0)) for text in TEXTS]
     jobs += [(TEXTS[1], SamplingParams(max_tokens=32, temperature=0.0, stop=[" blue"])),
              (TEXTS[0], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))]
-    coords = start_coordinators([cfg(True), cfg(False)])
+    (spec,) = start_coordinators([cfg])
+    coords = [spec, default_model_tp2_coord]
     try:
         out = [ray_session.get([c.generate.remote(p, sp) for p, sp in jobs]) for c in coords]
-        stats = ray_session.get(coords[0].stats.remote())
+        stats = ray_session.get(spec.stats.remote())
     finally:
-        stop_coordinators(coords)
+        stop_coordinators([spec])
     spec, plain = [[(r[0].text, r[0].token_ids, r[0].finish_reason) for r in o] for o in out]
     assert spec == plain
     assert plain[-1][2] == "length" and len(plain[-1][1]) == 7

@@ -24,7 +24,6 @@ from raygraph.protocol import NewSeq, SamplingParams, SeqChunk, StepDelta, Struc
 from raygraph.tokenizer import load_tokenizer
 from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import sample_tokens
-from tests.conftest import start_coordinators, stop_coordinators
 
 
 @pytest.fixture(scope="module")
@@ -87,26 +86,17 @@ def test_constrained_and_free_requests_share_steps(ray_session, coord):
     assert all(json.loads(r.text)["n"] in range(-5, 100) for r in out[1:])
 
 
-def test_constrained_rows_at_tp2(ray_session):
+def test_constrained_rows_at_tp2(ray_session, default_model_tp2_coord):
     """Both ranks of a TP=2 group keep matchers and fill masks (each samples the tokens it
     feeds itself): constrained outputs match, free requests share their steps, nothing
     hangs."""
-    from raygraph.config import ParallelConfig
-
-    cfg = ServeConfig(device="cpu", parallel=ParallelConfig(tp=2),
-                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                      coordinator_name="structured-tp2")
-    (tp2,) = start_coordinators([cfg])
-    try:
-        schema = obj({"name": NAME, "age": INT})
-        jobs = [(f"Person {i} as JSON:", constrained("json", json.dumps(schema),
-                                                     temperature=0.0)) for i in range(3)]
-        jobs += [("A list of three colors: ", constrained("regex", r"(red|green|blue), "
-                                                          r"(red|green|blue), (red|green|blue)"))]
-        jobs += [(f"Free text {i}", SamplingParams(max_tokens=24)) for i in range(2)]
-        results = run_all(ray_session, tp2, jobs)
-    finally:
-        stop_coordinators([tp2])
+    schema = obj({"name": NAME, "age": INT})
+    jobs = [(f"Person {i} as JSON:", constrained("json", json.dumps(schema), temperature=0.0))
+            for i in range(3)]
+    jobs += [("A list of three colors: ", constrained("regex", r"(red|green|blue), "
+                                                      r"(red|green|blue), (red|green|blue)"))]
+    jobs += [(f"Free text {i}", SamplingParams(max_tokens=24)) for i in range(2)]
+    results = run_all(ray_session, default_model_tp2_coord, jobs)
     for r in results[:3]:
         jsonschema.validate(json.loads(r.text), schema)
     assert re.fullmatch(r"(red|green|blue), (red|green|blue), (red|green|blue)", results[3].text)

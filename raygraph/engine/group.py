@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raygraph.config import ParallelConfig, ServeConfig
 from raygraph.engine.doorbell import DoorbellType
 from raygraph.protocol import StepOutput, WorkerCall, WorkerInfo
+from raygraph.worker.actor import WorkerActor
 
 log = logging.getLogger("raygraph.coordinator")
 
@@ -73,11 +74,8 @@ class WorkerGroup:
         `reporter`."""
         world = cfg.parallel.world_size
         gpu = cfg.device == "cuda"
-        # torch and the model load here, in the engine, not wherever this module is read
-        from raygraph.worker.worker import Worker
-
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        actor = ray.remote(Worker)
+        actor = ray.remote(WorkerActor)
         workers = [
             actor.options(
                 num_cpus=1, num_gpus=1 if gpu else 0, runtime_env={"env_vars": env},

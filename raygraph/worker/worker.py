@@ -1,7 +1,7 @@
 """One worker per GPU (or per CPU slot): owns its device, its model shard, its KV cache and
-its executor, and runs the StepPlans its engine sends. A plain class; the engine wraps it
-with ray.remote. Over 500 lines because it is one actor's whole surface (load, step,
-capture, sleep, LoRA, offload, fault drills); the logic behind each lives in state.py,
+its executor, and runs the StepPlans its engine sends. A plain class; the engine starts it
+as a WorkerActor (actor.py). Over 500 lines because it is one actor's whole surface (load,
+step, capture, sleep, LoRA, offload, fault drills); the logic behind each lives in state.py,
 sizing.py, sleep.py, warmup.py and graph/."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from raygraph.model.ops import FP8_KV
 from raygraph.model.parallel import Comm
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
+    WORKER_CALLS,
     BucketKey,
     CaptureRecord,
     LoRALoad,
@@ -120,10 +121,6 @@ class _Pending:
     targets: torch.Tensor | None = None  # pinned host copy: the greedy token of each row
 
 
-# what the coordinator may call over the compiled graph
-CALLS = frozenset({"prepare_capture", "capture", "memory_stats", "offload_stats", "sleep",
-                   "wake_up", "kv_blocks_ready", "inject_fault", "logits", "load_lora",
-                   "unload_lora"})
 DELTA = msgspec.msgpack.Decoder(StepDelta)
 OUTPUT = msgspec.msgpack.Encoder()
 
@@ -492,7 +489,7 @@ class Worker:
                                  "flight (flush first)")
             if cmd.rank >= 0 and cmd.rank != self.rank:
                 return None
-            if cmd.method not in CALLS:
+            if cmd.method not in WORKER_CALLS:
                 raise StateError(f"rank {self.rank}: {cmd.method!r} cannot be called remotely")
             try:
                 return getattr(self, cmd.method)(*cmd.args)

@@ -5,6 +5,7 @@ the dispatch size."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,7 +23,7 @@ from raygraph.config import (
 from raygraph.graph.buckets import BucketPlan
 from raygraph.protocol import BucketKey, SamplingParams, SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, stop_coordinators
 from tests.hf_ref import hf_greedy
 
 ARCHS = {
@@ -45,19 +46,47 @@ def ckpts(tmp_path_factory):
             for name, (arch, kw) in ARCHS.items()}
 
 
-def config(model, name: str, tp: int, dp: int, ep: int) -> ServeConfig:
+def config(model, name: str, tp: int, dp: int, ep: int, blocks: int = 64) -> ServeConfig:
+    """`blocks`: each DP group's pool of 4-token blocks."""
     return ServeConfig(
         model=str(model), device="cpu", parallel=ParallelConfig(tp=tp, dp=dp, ep=ep),
-        graph=GRAPH, cache=CacheConfig(block_size=4, num_blocks=64),
+        graph=GRAPH, cache=CacheConfig(block_size=4, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64),
         coordinator_name=name, step_timeout_s=60,
     )
 
 
-@pytest.mark.parametrize("arch,tp,dp,ep", [("mixtral", 1, 2, 2), ("qwen2_moe", 1, 2, 2),
-                                           ("mixtral", 2, 1, 1), ("qwen2_moe", 2, 1, 2)])
-def test_moe_layouts_generate_hf_greedy_tokens(ray_session, ckpts, arch, tp, dp, ep):
-    coord = start_coordinator(config(ckpts[arch], f"moe-{arch}-{tp}{dp}{ep}", tp, dp, ep))
+# Mixtral's layouts that both the layout test and the prefix-caching test serve, with pools
+# small enough for the prefix test's waves to preempt: one coordinator each serves both
+SHARED_LAYOUTS = [(2, 1, 1), (1, 2, 2)]
+SHARED_BLOCKS = 8
+
+
+@pytest.fixture(scope="module")
+def mixtral(ray_session) -> dict[tuple[int, int, int], Any]:
+    """Layout -> Mixtral's coordinator (mixtral_coordinator): the prefix test stops each one
+    it is done with, the module's end any left."""
+    coords: dict[tuple[int, int, int], Any] = {}
+    yield coords
+    stop_coordinators(list(coords.values()))
+
+
+def mixtral_coordinator(coords: dict, ckpts: dict, layout: tuple[int, int, int]) -> Any:
+    """The shared coordinator of a layout in SHARED_LAYOUTS, started on first use."""
+    if layout not in coords:
+        name = "moe-mixtral-" + "".join(map(str, layout))
+        coords[layout] = start_coordinator(config(ckpts["mixtral"], name, *layout,
+                                                  blocks=SHARED_BLOCKS))
+    return coords[layout]
+
+
+# the shared layouts last, so that no more than two coordinators run at once
+@pytest.mark.parametrize("arch,tp,dp,ep", [("qwen2_moe", 1, 2, 2), ("qwen2_moe", 2, 1, 2),
+                                           ("mixtral", 1, 2, 2), ("mixtral", 2, 1, 1)])
+def test_moe_layouts_generate_hf_greedy_tokens(ray_session, ckpts, mixtral, arch, tp, dp, ep):
+    shared = arch == "mixtral"
+    coord = (mixtral_coordinator(mixtral, ckpts, (tp, dp, ep)) if shared else
+             start_coordinator(config(ckpts[arch], f"moe-{arch}-{tp}{dp}{ep}", tp, dp, ep)))
     try:
         refs = [coord.generate.remote(p, SamplingParams(max_tokens=n, ignore_eos=True))
                 for p, n in zip(PROMPTS, MAX_TOKENS)]
@@ -72,8 +101,8 @@ def test_moe_layouts_generate_hf_greedy_tokens(ray_session, ckpts, arch, tp, dp,
             assert any(r.key.num_comm_tokens > r.key.num_tokens for r in reports)
             assert ray_session.get(coord.describe.remote())["dp"] == 2
     finally:
-        ray_session.get(coord.shutdown.remote())
-        ray_session.kill(coord)
+        if not shared:
+            stop_coordinators([coord])
 
 
 # prefix caching: a shared 10-token head (two full 4-token blocks and two more), prompts that
@@ -83,28 +112,28 @@ SHARED = [HEAD + [5, 9], HEAD + [30, 31, 32], HEAD, HEAD[:8] + [1, 2], HEAD + [5
           HEAD + [5, 9, 11, 13, 40], HEAD[:4] + [100], HEAD + [30, 31]]
 
 
-@pytest.mark.parametrize("tp,dp,ep", [(2, 1, 1), (1, 2, 2)])
-def test_prefix_caching_with_preemption_generates_hf_greedy_tokens(ray_session, ckpts, tp, dp,
-                                                                   ep):
+@pytest.mark.parametrize("tp,dp,ep", SHARED_LAYOUTS)
+def test_prefix_caching_with_preemption_generates_hf_greedy_tokens(ray_session, ckpts, mixtral,
+                                                                   tp, dp, ep):
     """TP=2 and DP2 x EP2, each group's pool of 8 blocks: sequences hit the blocks of those
     running and of those finished (the second wave), are preempted and recompute from what
-    is still cached; the greedy tokens are HF's."""
-    cfg = config(ckpts["mixtral"], f"prefix-{tp}{dp}{ep}", tp, dp, ep)
-    cfg = msgspec.structs.replace(cfg, cache=CacheConfig(block_size=4, num_blocks=8))
-    coord = start_coordinator(cfg)
+    is still cached; the greedy tokens are HF's. The coordinator may have served the layout
+    test: the counts are this test's own."""
+    coord = mixtral_coordinator(mixtral, ckpts, (tp, dp, ep))
     try:
+        before = ray_session.get(coord.stats.remote())
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         got = []
         for wave in (SHARED[:5], SHARED[5:]):
             got += [r.token_ids for r in ray_session.get(coord.generate.remote(wave, params))]
         stats = ray_session.get(coord.stats.remote())
     finally:
-        ray_session.get(coord.shutdown.remote())
-        ray_session.kill(coord)
+        stop_coordinators([mixtral.pop((tp, dp, ep))])
     assert got == hf_greedy(ckpts["mixtral"], SHARED, 6)
-    kv = stats["kv_cache"]
-    assert stats["preemptions"] > 0 and kv["prefix_cache_hits"] >= 8 * 3
-    assert kv["num_pages"] == 8 * dp and kv["pages"]["pinned"] == 0
+    kv, hits_before = stats["kv_cache"], before["kv_cache"]["prefix_cache_hits"]
+    assert stats["preemptions"] > before["preemptions"]
+    assert kv["prefix_cache_hits"] - hits_before >= 8 * 3
+    assert kv["num_pages"] == SHARED_BLOCKS * dp and kv["pages"]["pinned"] == 0
     text = Metrics("m").render(stats).decode()  # the coordinator's figures, as /metrics
     assert (f'raygraph:prefix_cache_hits_total{{model_name="m",replica="0"}} '
             f'{kv["prefix_cache_hits"]}.0') in text.splitlines()
