@@ -71,6 +71,7 @@ from raygraph.engine.ngram import NgramIndex
 from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams
 from raygraph.tokenizer import load_tokenizer
+from raygraph.worker.speculative import emitted
 from raygraph.worker.worker import Worker
 
 BLOCK = 16  # KV block size (tokens)
@@ -117,12 +118,10 @@ def keep_every_draft(tokens: list[int], targets: list[int],
     and the target's token after them. A timing bound (--keep-drafts): a step costs the
     same whatever it keeps, so this times the loop at 100% acceptance where the kernels of
     a verify and a decode step pick different greedy tokens (bf16, random weights)."""
-    counts = [1] * len(tokens)
-    per_chunk = [[t] for t in tokens]
-    for i, row, drafts in verify:
-        per_chunk[i] = [*drafts, targets[row + len(drafts)]]
-        counts[i] = len(drafts) + 1
-    return [t for toks in per_chunk for t in toks], counts
+    agreeing = list(targets)
+    for _, row, drafts in verify:
+        agreeing[row: row + len(drafts)] = drafts
+    return emitted(tokens, agreeing, verify)
 
 
 def prompts(load: str) -> list[str]:

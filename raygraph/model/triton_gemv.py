@@ -221,7 +221,7 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen from bench/decode_profile.py
     on an H100 (llama-1b shapes): up to 4096 columns, 4 a program over K runs of 2048;
     above, 2 a program over runs of 1024. FP8 rows are half the bytes: above 4096 columns,
-    runs of 4096 at 4 warps (H200, Llama-3-8B's gate|up)."""
+    runs of 4096 at 4 warps (bench/RESULTS.md, FP8 weights)."""
     if n <= 4096:
         return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1)
     if fp8:
@@ -232,7 +232,7 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
 def default_config(rows: int, k: int, fp8: bool = False) -> GemvConfig:
     """Enough programs to cover the SMs, each streaming a long run of K. Chosen from
     bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8). FP8 weights: 32
-    columns over runs of 512 (H200, Llama-3-8B's shapes at M = 8)."""
+    columns over runs of 512 (bench/RESULTS.md, FP8 weights)."""
     if fp8 and k % 512 == 0:
         return GemvConfig(32, 512, 4, 3)
     block_n = 16 if rows <= 8192 else 32

@@ -76,16 +76,20 @@ def verify_rows(chunks: list[SeqChunk]) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def last_rows(chunks: list[SeqChunk], logits: torch.Tensor, greedy: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def last_rows(chunks: list[SeqChunk], logits: torch.Tensor, greedy: torch.Tensor | None,
+              staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(logits, greedy) of each chunk's last row, which samples as usual, and the greedy
-    token of every row (the target's token at each draft and after the last)."""
+    token of every row (the target's token at each draft and after the last). `staging`:
+    int64 host room for a row a chunk, pinned on a GPU (a copy from pageable memory would
+    wait for the step's forward)."""
     ends, row = [], -1
     for c in chunks:
         row += 1 + c.verify
         ends.append(row)
     targets = greedy if greedy is not None else ops.argmax(logits)
-    idx = torch.tensor(ends, device=logits.device)
+    host = staging[: len(ends)]
+    host.copy_(torch.tensor(ends))
+    idx = host.to(logits.device, non_blocking=True)
     return logits[idx], (greedy[idx] if greedy is not None else None), targets
 
 

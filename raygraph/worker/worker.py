@@ -165,6 +165,8 @@ class Worker:
         # scheduler keeps them to max_num_seqs)
         self._host_targets = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                               for _ in range(2)]
+        self._host_rows = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
+                           for _ in range(2)]  # its last row per chunk (speculative.last_rows)
         self.guides = Guides(cfg.tokenizer or cfg.model, n, self.device)
         self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
         self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
@@ -447,7 +449,8 @@ class Worker:
             return None, None, [], None
         targets = None
         if any(c.verify for c in chunks):
-            logits, greedy, targets = last_rows(chunks, logits, greedy)
+            logits, greedy, targets = last_rows(chunks, logits, greedy,
+                                                self._host_rows[plan.step_id % 2])
         guided, masks = self.guides.rows(chunks), None
         if guided:
             if before_masks is not None:
