@@ -310,3 +310,46 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("qwen2"), "Qwen2ForCausalLM",
                            tie_word_embeddings=True)
+
+
+def verify_rows_case(dtype: torch.dtype, device: torch.device, rope: bool, bs: int = 16,
+                     kv_heads: int = 2, group: int = 4, d: int = 64) -> dict:
+    """A decode batch where sequences verify drafts (a row per token: graph/inputs.py) beside
+    plain decode rows and two padding rows, chunks straddling 64-key tiles; random caches,
+    queries and K/V (unrotated when `rope`, with the rotary tables). Also the reference:
+    the caches with every row's K/V stored, and the torch attention over them. The keyword
+    arguments of paged_decode_attention (but the scale), `rows` and the reference's."""
+    from raygraph.graph.inputs import prepare_batch
+    from raygraph.model.ops import paged_attention_ref, rotary, store_kv
+    from raygraph.protocol import SeqChunk, StepPlan
+
+    # (keys cached before the step, tokens in the step: the last one and its drafts)
+    shape = [(61, 5), (20, 1), (127, 3), (1, 2), (64, 1)]
+    gen = torch.Generator().manual_seed(7)
+    perm, used, seqs = torch.randperm(40, generator=gen).tolist(), 0, []
+    for i, (cached, n) in enumerate(shape):
+        blocks = -(-(cached + n) // bs)
+        seqs.append(SeqChunk(i, [1] * n, cached, perm[used: used + blocks], True,
+                             verify=n - 1))
+        used += blocks
+    md = prepare_batch(StepPlan(0, seqs), bs, device).ctx.attn
+    rows, pad = md.num_tokens, 2
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # padding rows: zeros (kv length 0)
+        return torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
+    kc, vc = rand(41, bs, kv_heads, d), rand(41, bs, kv_heads, d)
+    q, k_new, v_new = (rand(rows + pad, n, d) for n in (kv_heads * group, kv_heads, kv_heads))
+    tables = tuple(torch.randn(2, 512, d // 2, generator=gen).to(device)) if rope else None
+    rq, rk = rotary(q[:rows], k_new[:rows], *tables, md.positions) if rope else (q, k_new)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(rk[:rows], v_new[:rows], ref_k, ref_v, md.slot_mapping)
+    ref = paged_attention_ref(rq[:rows], ref_k, ref_v, md, d**-0.5)
+    args = dict(q=q, k_cache=kc, v_cache=vc, block_tables=padded(md.block_tables),
+                seq_lens=padded(md.seq_lens), k_new=k_new, v_new=v_new, rope=tables,
+                verify_row=padded(md.verify_row))
+    return dict(args=args, rows=rows, verify_row=md.verify_row.tolist(), ref_k=ref_k,
+                ref_v=ref_v, ref=ref)

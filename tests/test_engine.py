@@ -181,7 +181,9 @@ def drive(core: EngineCore, groups: list[FakeGroup],
             for g, out in zip(groups, core.in_flight, strict=True):
                 if out is not None:
                     assert g.shapes[-1] == (out.num_tokens, out.num_seqs)
-                    assert out.decode == (out.num_tokens == out.num_seqs)
+                    # decode rows: one token each, or a token and its drafts
+                    assert out.decode == all(len(c.token_ids) == 1 + c.verify
+                                             for _, c in out.chunks)
         for per_group in res:
             for q, t in per_group:
                 assert q.finish_reason in (None, "stop", "length")

@@ -232,3 +232,53 @@ def test_keep_every_draft_emits_the_drafts_then_the_target_after_them() -> None:
 
     tokens, counts = keep_every_draft([70, 80], [1, 2, 3, 4, 90], [(0, 0, [5, 6, 7])])
     assert tokens == [5, 6, 7, 4, 80] and counts == [4, 1]
+
+
+def test_verify_chunks_run_as_decode_rows_in_decode_buckets():
+    """A step of plain decode rows and verify chunks (a token and its drafts) runs under a
+    decode key with a row per token, each row a query at its own position: its logits equal
+    those of the same chunks run prefill-shaped (a two-token prompt chunk in the batch makes
+    it so), within float32 rounding; the keys say which path ran."""
+    from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
+    from raygraph.protocol import SeqChunk, StepPlan
+    from tests.conftest import loaded_worker
+
+    blocks, bs = 32, 16
+    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=bs, num_blocks=blocks),
+                      scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
+    worker = loaded_worker(cfg, blocks, capture=True)
+    rng = random.Random(1)
+    ids = [rng.randrange(3, 4096) for _ in range(60)]
+    # sequences with their prompts cached: 30, 17 and 40 tokens, on blocks of their own
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
+    prompts = [ids[:30], ids[10:27], ids[20:60]]
+    worker.execute(StepPlan(1, [SeqChunk(i, p, 0, t, False)
+                                for i, (p, t) in enumerate(zip(prompts, tables))]))
+    chunks = [SeqChunk(0, [5, 6, 7, 8, 9], 30, tables[0], True, verify=4),
+              SeqChunk(1, [11], 17, tables[1], True),
+              SeqChunk(2, [12, 13, 14], 40, tables[2], True, verify=2)]
+    rows = worker.logits(StepPlan(2, chunks))
+    assert worker.executor.last_key.phase == "decode"
+    assert worker.executor.last_key.num_tokens >= len(rows) == 9
+    prompt_chunk = SeqChunk(3, [1, 2], 0, [8], False)  # two tokens: the step is prefill-shaped
+    again = worker.logits(StepPlan(3, [*chunks, prompt_chunk]))
+    assert worker.executor.last_key.phase == "prefill"
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(rows, again, atol=1e3 * eps, rtol=1e3 * eps)
+
+
+def test_verify_chunks_past_the_decode_buckets_run_prefill_shaped():
+    """Drafts whose rows would pass the largest decode bucket run as a prefill-shaped step,
+    keyed so by the coordinator's BucketPlan and the worker's inputs alike; within it, as
+    decode rows."""
+    from raygraph.graph.buckets import BucketPlan
+    from raygraph.graph.inputs import host_inputs
+    from raygraph.protocol import SeqChunk, StepPlan
+
+    buckets = BucketPlan((1, 2, 4, 8), (16, 64), 8)
+    chunks = [SeqChunk(i, [1, 2, 3], 10, [0], True, verify=2) for i in range(3)]  # 9 rows
+    h = host_inputs(StepPlan(0, chunks), 16, max_rows=buckets.decode_sizes[-1])
+    assert not h.decode and buckets.key(9, 3, True).phase == "prefill"
+    h = host_inputs(StepPlan(0, chunks[:2]), 16, max_rows=buckets.decode_sizes[-1])
+    assert h.decode and h.num_seqs == 6 and buckets.key(6, 2, True).num_tokens == 8
+    assert buckets.key(9, 9, True).phase == "eager"  # plain decode past them: as before

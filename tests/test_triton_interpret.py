@@ -13,6 +13,7 @@ import torch
 from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref, store_kv
 from raygraph.protocol import SeqChunk, StepPlan
+from tests.conftest import verify_rows_case
 
 BS, HKV, GROUP, D = 16, 2, 4, 64
 
@@ -192,6 +193,28 @@ def test_prefill_kernel_matches_reference(interpreted, dtype):
                                        D**-0.5, out=out)
     torch.testing.assert_close(got[: md.num_tokens], ref, **tolerance(dtype))
     assert (got[md.num_tokens:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype,splits,rope", [
+    (torch.float32, 1, False), (torch.float16, 2, True),
+    pytest.param(torch.float16, 4, False, marks=SLOW)])
+def test_decode_kernel_verifies_drafts_as_rows(interpreted, dtype, splits, rope):
+    """A sequence verifying drafts runs a decode row per token, consecutive, each a query at
+    its own position: a row takes its chunk's earlier keys from those rows' K/V (their
+    programs store them in the same launch, so the cache cannot be read for them), its own
+    as before. Equal to the reference over the cache with every key stored; plain decode
+    rows and padding rows beside them; chunks that straddle tiles and splits. (The
+    interpreter runs programs one by one, so a read of the cache there would find the key
+    already stored: the race itself is the GPU test's, tests/gpu/test_graphs_gpu.py.)"""
+    attn = interpreted("triton_attention")
+    case = verify_rows_case(dtype, torch.device("cpu"), rope)
+    assert case["verify_row"] == [0, 1, 2, 3, 4, 0, 0, 1, 2, 0, 1, 0]
+    a, rows = case["args"], case["rows"]
+    got = attn.paged_decode_attention(**a, scale=D**-0.5, splits=splits)
+    torch.testing.assert_close(a["k_cache"], case["ref_k"], **tolerance(dtype))
+    torch.testing.assert_close(a["v_cache"], case["ref_v"], **tolerance(dtype))
+    torch.testing.assert_close(got[:rows], case["ref"], **tolerance(dtype))
+    assert (got[rows:] == 0).all()
 
 
 def test_decode_cascade_from_the_batch_metadata(interpreted):

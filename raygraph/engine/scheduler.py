@@ -66,8 +66,9 @@ class SchedulerOutput:
 
     @property
     def decode(self) -> bool:
-        """Every sequence computes one token (the graph executor's decode phase)."""
-        return self.num_tokens == self.num_seqs
+        """Every sequence computes one token, or one and the drafts it verifies (the graph
+        executor's decode phase: graph/inputs.decode_shaped)."""
+        return self.num_tokens == self.num_seqs + self.num_drafts
 
     @property
     def sampled(self) -> list[Sequence]:

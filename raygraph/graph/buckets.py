@@ -76,8 +76,10 @@ class BucketPlan:
         `comm` > 0 is the EP dispatch size every rank pads to (see `comm_tokens`); it is part
         of the key, and above the largest capture size every rank runs eagerly.
         """
-        if decode:
-            n = bucket(num_seqs, self.decode_sizes)
+        if decode and num_tokens > num_seqs and num_tokens > self.decode_sizes[-1]:
+            decode = False  # drafts to verify past the decode buckets: inputs.decode_shaped
+        if decode:  # a row per token: a verifying sequence's drafts are rows too
+            n = bucket(num_tokens, self.decode_sizes)
             local = BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)
         else:
             n = bucket(num_tokens, self.prefill_sizes)

@@ -57,6 +57,7 @@ class Executor(ABC):
         # the previous step's sampled tokens, which fed tokens read (the worker writes it);
         # graphs capture its address, so it is allocated once
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self.max_decode_rows: int | None = None  # inputs.decode_shaped: any, eagerly
 
     @abstractmethod
     def step(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,7 +107,7 @@ class Executor(ABC):
         """The plan's host inputs; an idle DP rank (no sequences) runs one padding token."""
         if not plan.seqs:
             return padding_inputs(IDLE_TOKENS, self.scratch_block())
-        return host_inputs(plan, self.block_size, self.lora)
+        return host_inputs(plan, self.block_size, self.lora, self.max_decode_rows)
 
 
 class EagerExecutor(Executor):
@@ -137,6 +138,7 @@ class GraphExecutor(Executor):
         self.rank = rank  # the worker's global rank, for capture records
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
         self.buckets = buckets
+        self.max_decode_rows = buckets.decode_sizes[-1]
         max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
         # with LoRA every graph reads each token's slot: one graph serves any mix of adapters

@@ -29,6 +29,7 @@ class HostInputs:
     feed: list[int] | None = None
     block_size: int = 0  # the tables' block size, when slots is None
     lora: list[int] | None = None  # per token: its adapter slot (-1: base); None: all base
+    verify_row: list[int] | None = None  # decode: AttentionMetadata.verify_row; None: all 0
 
     @property
     def num_tokens(self) -> int:
@@ -95,11 +96,25 @@ def token_layout(q_lens: list[int], starts: list[int]) -> tuple[np.ndarray, ...]
     return token_seq, token_row, positions
 
 
-def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInputs:
+def decode_shaped(plan: StepPlan, max_rows: int | None = None) -> bool:
+    """Whether every chunk is one token, or a token and the drafts it verifies, in at most
+    `max_rows` tokens (the largest decode bucket; None: any): the step then runs as decode
+    rows, a verify chunk's tokens as consecutive rows (one query each, at its own position),
+    so verifying runs in the decode buckets and kernel. BucketPlan.key keys it the same."""
+    verifies = any(s.verify for s in plan.seqs)
+    if verifies and max_rows is not None and sum(len(s.token_ids) for s in plan.seqs) > max_rows:
+        return False
+    return all(len(s.token_ids) == 1 + s.verify for s in plan.seqs)
+
+
+def host_inputs(plan: StepPlan, block_size: int, lora: bool = False,
+                max_rows: int | None = None) -> HostInputs:
     """`lora`: the model has adapter slots, so the tokens' slots are read (a pass over the
-    sequences a step that a model without LoRA does not pay)."""
+    sequences a step that a model without LoRA does not pay). `max_rows`: decode_shaped's."""
     ids: list[int] = []
     q_lens, starts, seq_lens, tables, sample_idx = [], [], [], [], []
+    decode = decode_shaped(plan, max_rows)
+    verify_row = [] if decode and any(s.verify for s in plan.seqs) else None
     for s in plan.seqs:
         n = len(s.token_ids)
         end = s.start_pos + n
@@ -107,16 +122,23 @@ def host_inputs(plan: StepPlan, block_size: int, lora: bool = False) -> HostInpu
             raise ValueError(
                 f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
         ids += s.token_ids
-        q_lens.append(n)
-        starts.append(s.start_pos)
-        seq_lens.append(end)
-        tables.append(s.block_table)
+        if verify_row is not None:  # a row per token, each its own query of one
+            q_lens += [1] * n
+            starts += range(s.start_pos, end)
+            seq_lens += range(s.start_pos + 1, end + 1)
+            tables += [s.block_table] * n
+            verify_row += range(n)
+        else:
+            q_lens.append(n)
+            starts.append(s.start_pos)
+            seq_lens.append(end)
+            tables.append(s.block_table)
         if s.sample:  # its last token, and each draft it verifies
             sample_idx += range(len(ids) - 1 - s.verify, len(ids))
     token_seq, token_row, positions = token_layout(q_lens, starts)
     h = HostInputs(ids, positions, None, token_seq, token_row, seq_lens, tables, sample_idx,
-                   max(q_lens, default=0), q_lens.count(1) == len(q_lens),
-                   block_size=block_size)
+                   max(q_lens, default=0), decode, block_size=block_size,
+                   verify_row=verify_row)
     if any(s.feed >= 0 for s in plan.seqs):
         h.feed = [f for s in plan.seqs for f in ([s.feed] if len(s.token_ids) == 1
                                                  else [-1] * len(s.token_ids))]
@@ -189,6 +211,7 @@ def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Ba
         positions=positions, token_seq=t(h.token_seq), token_row=t(h.token_row),
         num_tokens=h.num_tokens, max_q_len=h.max_q_len, max_kv_len=max(h.seq_lens),
         decode=h.decode, shared_len=shared,
+        verify_row=t(h.verify_row) if h.verify_row is not None else None,
     )
     lora = None
     if h.lora is not None:
@@ -225,9 +248,9 @@ class InputBuffers:
     """
 
     # sample_idx: the rows whose logits are sampled (a prefill step's last prompt tokens)
-    # feed: HostInputs.feed (-1: none)
+    # feed: HostInputs.feed (-1: none); verify_row: HostInputs.verify_row (0: none)
     ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx",
-            "feed")
+            "feed", "verify_row")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
                  lora: bool = False, cascade: bool = False):
@@ -329,6 +352,7 @@ class InputBuffers:
         tok[5, : len(h.sample_idx)] = h.sample_idx
         tok[5, len(h.sample_idx): n] = 0  # a full prefill graph gathers these rows too
         tok[6, :n] = -1 if h.feed is None else h.feed
+        tok[7, :n] = 0 if h.verify_row is None else h.verify_row
         if self._lora is not None:
             self._write_lora(h.lora, n, num_tokens)
         if n < num_tokens:
@@ -395,8 +419,9 @@ class InputBuffers:
             views = (self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
                      self.seq_lens[:num_seqs], self.query_start[: num_seqs + 1],
                      self.positions[:num_tokens], self.token_seq[:num_tokens],
-                     self.token_row[:num_tokens])
+                     self.token_row[:num_tokens], self.verify_row[:num_tokens])
             self._views[(num_tokens, num_seqs)] = views
         shared = self.shared_len if cascade and self.cascade and decode else None
-        return AttentionMetadata(*views, num_tokens=num_real, max_q_len=max_q_len,
-                                 max_kv_len=max_kv_len, decode=decode, shared_len=shared)
+        return AttentionMetadata(*views[:7], num_tokens=num_real, max_q_len=max_q_len,
+                                 max_kv_len=max_kv_len, decode=decode, shared_len=shared,
+                                 verify_row=views[7] if decode else None)

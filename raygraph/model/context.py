@@ -32,6 +32,10 @@ class AttentionMetadata:
     # decode: [1] int32, keys at the start of every sequence held in the same blocks (the
     # kernel's cascade reads them once for the batch); None: the cascade is not compiled in
     shared_len: torch.Tensor | None = None
+    # decode: [T] int64, each row's place in its sequence's verify chunk (a sequence that
+    # verifies drafts runs one decode row per token, each at its own position; 0: a plain
+    # decode row). None: no row verifies
+    verify_row: torch.Tensor | None = None
 
 
 @dataclass

@@ -354,7 +354,8 @@ def paged_attention(
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      k, v, window, shared_len=md.shared_len, rope=rope)
+                                      k, v, window, shared_len=md.shared_len, rope=rope,
+                                      verify_row=md.verify_row)
     if rope is not None:
         q, k = rotary(q, k, *rope, md.positions)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)

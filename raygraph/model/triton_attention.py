@@ -51,21 +51,25 @@ PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (56 B of stack), not 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, ml_ptr, acc_ptr,
+    q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verify_ptr, shared_ptr, ml_ptr,
+    acc_ptr,
     out_ptr, cos_ptr, sin_ptr, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
     stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, stride_ot, stride_oh, stride_c,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
     CASCADE: tl.constexpr, TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    ROPE: tl.constexpr,
+    ROPE: tl.constexpr, VERIFY: tl.constexpr,
 ):
     shared = 0
     if CASCADE:
         shared = tl.load(shared_ptr)
+    ahead = 0
+    if VERIFY:
+        ahead = tl.load(verify_ptr + tl.program_id(0)).to(tl.int32)
     _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
                out_ptr, cos_ptr, sin_ptr, scale, tl.program_id(0), tl.program_id(1),
-               tl.program_id(2), shared, tl.arange(0, D), stride_qt, stride_qh, stride_kt,
+               tl.program_id(2), shared, ahead, tl.arange(0, D), stride_qt, stride_qh, stride_kt,
                stride_kh, stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt,
                stride_ot, stride_oh, stride_c, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
                NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL, PREFIX_SPLITS,
@@ -167,8 +171,29 @@ def _store_partials(ml_ptr, acc_ptr, row, m, l_sum, acc, mask, d, D: tl.constexp
 
 
 @triton.jit
+def _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, row, kvh, pos, cos_ptr, sin_ptr, stride_kt,
+             stride_kh, stride_vt, stride_vh, stride_c, d, D: tl.constexpr, ROPE: tl.constexpr):
+    """Row `row`'s new K (rotated at `pos`) and V of KV head kvh, as the cache stores them:
+    a key attends as the cache will hold it."""
+    k = _load_rotated(kn_ptr, row * stride_kt + kvh * stride_kh, d < D, pos, cos_ptr, sin_ptr,
+                      stride_c, d, D, ROPE)
+    v = tl.load(vn_ptr + row * stride_vt + kvh * stride_vh + d)
+    return to_cache(k, k_ptr), to_cache(v, v_ptr)
+
+
+@triton.jit
+def _fold_key(q, k, v, m, l_sum, acc, scale):
+    """One key and value into the online softmax of the rows of q: a rank-1 update."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale
+    m_new = tl.maximum(m, s)
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m - m_new)
+    return m_new, l_sum * alpha + p, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
-               out_ptr, cos_ptr, sin_ptr, scale, b, kvh, split, shared, d, stride_qt,
+               out_ptr, cos_ptr, sin_ptr, scale, b, kvh, split, shared, ahead, d, stride_qt,
                stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_ks,
                stride_ch, stride_bt, stride_ot, stride_oh, stride_c,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
@@ -178,19 +203,19 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr, ROPE: tl.constexpr):
     """One split of one sequence's own keys (after any shared prefix); split 0 stores the
     step's K/V. At one split the program writes the output: its own keys merged with the
-    cascade's partials, which the prefix kernel stored before this launch."""
+    cascade's partials, which the prefix kernel stored before this launch. `ahead` > 0: the
+    row verifies a draft, and the `ahead` rows before it hold the same sequence's earlier
+    tokens of this step, whose keys (positions last - ahead .. last - 1) their own programs
+    are storing now: they are folded in from those rows' K/V, never read from the cache."""
     seq_len = tl.load(lens_ptr + b)
     last = seq_len - 1
     pos = tl.maximum(last, 0)  # the query's position (a padding row's output is zeros)
     k_last = tl.zeros([D], tl.float32)
     v_last = k_last
     if STORE:
-        k_last = _load_rotated(kn_ptr, b * stride_kt + kvh * stride_kh, d < D, pos, cos_ptr,
-                               sin_ptr, stride_c, d, D, ROPE)
-        v_last = tl.load(vn_ptr + b * stride_vt + kvh * stride_vh + d)
-        # as stored: the newest key and value attend as the cache will hold them
-        k_last = to_cache(k_last, k_ptr)
-        v_last = to_cache(v_last, v_ptr)
+        k_last, v_last = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b, kvh, pos, cos_ptr, sin_ptr,
+                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_c, d, D,
+                                  ROPE)
         if (split == 0) & (seq_len > 0):  # NOTE: padding rows (seq_len 0) write nothing
             blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
             off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
@@ -208,22 +233,22 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
         q = _load_rotated(q_ptr, b * stride_qt + heads[:, None] * stride_qh, gmask[:, None],
                           pos, cos_ptr, sin_ptr, stride_c, d[None, :], D, ROPE)  # [G, D]
         cached_end = end
-        if STORE:  # the newest key is folded in after the loop, from registers
-            cached_end = tl.minimum(end, last)
+        if STORE:  # this step's keys are folded in after the loop, from registers
+            cached_end = tl.minimum(end, last - ahead)
         m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
                                 scale, start, cached_end, kvh, d, stride_kb, stride_ks,
                                 stride_ch, BS, TILE, PRECISION, STAGES)
         if STORE:
+            for j in tl.range(0, ahead):  # the verify chunk's earlier tokens
+                at = last - ahead + j
+                if (at >= start) & (at < end):
+                    k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh, at,
+                                        cos_ptr, sin_ptr, stride_kt, stride_kh, stride_vt,
+                                        stride_vh, stride_c, d, D, ROPE)
+                    m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale)
             if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop
                 # cost ~50% of the kernel (a layout conversion every tile); one rank-1 update
-                s_last = tl.sum(q.to(tl.float32) * k_last.to(tl.float32)[None, :], axis=1) \
-                    * scale
-                m_new = tl.maximum(m, s_last)
-                p_last = tl.exp(s_last - m_new)
-                alpha = tl.exp(m - m_new)
-                l_sum = l_sum * alpha + p_last
-                acc = acc * alpha[:, None] + p_last[:, None] * v_last.to(tl.float32)[None, :]
-                m = m_new
+                m, l_sum, acc = _fold_key(q, k_last, v_last, m, l_sum, acc, scale)
         if SPLITS > 1:
             _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m,
                             l_sum, acc, gmask, d, D)
@@ -370,8 +395,11 @@ def paged_decode_attention(
     splits: int | None = None, shared_len: torch.Tensor | None = None,
     prefix_splits: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    verify_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
+    verify_row [B] (with k_new): a row's place in its sequence's verify chunk, whose tokens
+    are consecutive rows here, each at its own position (0: a plain decode row).
     window > 0: the query sees only its sequence's last `window` keys. shared_len [1] int32:
     keys at the start of every real row's table that are the same blocks in every row, all
     before each row's newest key (0: none); cascade programs attend over them once for the
@@ -427,15 +455,17 @@ def paged_decode_attention(
                 NUM_HEADS=num_heads, ROWS=PREFIX_ROWS, PRECISION=precision, STAGES=stages,
                 ROPE=rope is not None, num_warps=PREFIX_WARPS,
             )
+    verify = store and verify_row is not None
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kn, vn, k_cache, v_cache, block_tables, seq_lens, shared, ml, acc, out, cos, sin,
+        q, kn, vn, k_cache, v_cache, block_tables, seq_lens,
+        verify_row if verify else seq_lens, shared, ml, acc, out, cos, sin,
         scale, q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0),
         vn.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), cos.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
         PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total,
-        PREFIX_SPLITS=p_splits, ROPE=rope is not None, num_warps=warps,
+        PREFIX_SPLITS=p_splits, ROPE=rope is not None, VERIFY=verify, num_warps=warps,
     )
     if side is not None:
         main.wait_stream(side)

@@ -240,32 +240,58 @@ def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise",
     return loaded_worker(cfg, 256, capture=True)
 
 
-def random_plan(rng: random.Random, decode: bool) -> StepPlan:
+def random_plan(rng: random.Random, shape: str) -> StepPlan:
+    """Random sequences on disjoint blocks: one token each ("decode"), 2-9 ("prefill"), or a
+    token and 0-4 drafts to verify ("verify": decode rows, a row per token)."""
     seqs, block = [], 0
     for i in range(rng.randrange(1, 12)):
-        ctx = rng.randrange(0, 200)
-        n = 1 if decode else rng.randrange(2, 10)
+        ctx = rng.randrange(int(shape == "verify"), 200)
+        n = {"decode": 1, "prefill": rng.randrange(2, 10), "verify": rng.randrange(1, 6)}[shape]
         nb = -(-(ctx + n) // 16)
         seqs.append(SeqChunk(i, [rng.randrange(3, 512) for _ in range(n)], ctx,
-                             list(range(block, block + nb)), True))
+                             list(range(block, block + nb)), True,
+                             verify=n - 1 if shape == "verify" else 0))
         block += nb
     return StepPlan(0, seqs)
 
 
-@pytest.mark.parametrize("ckpt,decode,prefill_graph", [
-    ("llama", True, "piecewise"), ("llama", False, "piecewise"), ("llama", False, "full"),
-    ("qwen3", True, "piecewise"), ("qwen3", False, "full")], indirect=["ckpt"])
-def test_graph_replay_equals_eager(ckpt, decode, prefill_graph):
+@pytest.mark.parametrize("ckpt,shape,prefill_graph", [
+    ("llama", "decode", "piecewise"), ("llama", "prefill", "piecewise"),
+    ("llama", "prefill", "full"), ("llama", "verify", "full"), ("qwen3", "decode", "piecewise"),
+    ("qwen3", "prefill", "full")], indirect=["ckpt"])
+def test_graph_replay_equals_eager(ckpt, shape, prefill_graph):
     g = worker(ckpt, "graph", "bfloat16", prefill_graph)
     e = worker(ckpt, "eager", "bfloat16")
-    rng = random.Random(int(decode))
+    rng = random.Random(len(shape))
     for trial in range(6):
-        plan = random_plan(rng, decode)
+        plan = random_plan(rng, shape)
         randomise_caches((g, e), trial)
         got, ref = g.executor.logits(plan), e.executor.logits(plan)
         assert g.executor.last_key is not None and g.executor.last_key.phase == (
-            "decode" if decode else "prefill")
+            "prefill" if shape == "prefill" else "decode")
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_triton_decode_verifies_drafts_as_rows_in_a_graph():
+    """Verify chunks as decode rows (tests/conftest.verify_rows_case), the kernel captured
+    and replayed: a row's chunk-mates store their keys in the same launch, so it must take
+    them from their K/V, not the cache; output and cache equal the reference."""
+    from raygraph.model.triton_attention import paged_decode_attention
+    from tests.conftest import verify_rows_case
+
+    for rope in (False, True):
+        case = verify_rows_case(torch.bfloat16, torch.device("cuda"), rope)
+        a, rows = case["args"], case["rows"]
+        paged_decode_attention(**a, scale=64**-0.5)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = paged_decode_attention(**a, scale=64**-0.5)
+        graph.replay()
+        torch.testing.assert_close(a["k_cache"].float(), case["ref_k"].float(), atol=2e-2,
+                                   rtol=2e-2)
+        torch.testing.assert_close(out[:rows].float(), case["ref"].float(), atol=2e-2,
+                                   rtol=2e-2)
+        assert (out[rows:] == 0).all()
 
 
 @pytest.mark.parametrize("ckpt,prefill_graph,longest", [
@@ -410,7 +436,7 @@ def test_no_kernel_compiles_after_capture(gpu_llama, prefill_graph):
     before = compiled_variants()
     rng = random.Random(21)
     for _ in range(12):
-        w.executor.logits(random_plan(rng, decode=False))
+        w.executor.logits(random_plan(rng, "prefill"))
     torch.cuda.synchronize()
     assert compiled_variants() == before
     w.shutdown()
