@@ -61,6 +61,7 @@ from bench.serving import make_prompts
 from raygraph.config import (
     DEFAULT_MODEL,
     CacheConfig,
+    GraphConfig,
     ModelConfig,
     SchedulerConfig,
     ServeConfig,
@@ -251,12 +252,24 @@ def summary(batch: int, mode: str, r: dict, plain: dict) -> dict:
 
 
 def step_timing(worker: Worker, batch: int, context: int, k: int, iters: int) -> dict:
-    """A decode step (1 token a sequence) against a verify step (1 + k) at `batch`."""
-    step = {f"{name}_ms": round(1e3 * time_worker(worker, batch, context, BLOCK, iters, v), 3)
-            for name, v in (("decode", 0), ("verify", k))}
+    """A decode step (1 token a sequence) against a verify step (1 + k) at `batch`: as
+    decode rows (the decode buckets and kernel), and prefill-shaped (the prefill buckets and
+    kernel, as a verify step past the largest decode bucket runs)."""
+    def ms(verify: int) -> float:
+        return round(1e3 * time_worker(worker, batch, context, BLOCK, iters, verify), 3)
+
+    ex = worker.executor
+    step = {"decode_ms": ms(0), "verify_ms": ms(k)}
+    rows, ex.max_decode_rows = ex.max_decode_rows, 0  # every verify step prefill-shaped
+    try:
+        step["verify_prefill_shaped_ms"] = ms(k)
+    finally:
+        ex.max_decode_rows = rows
     return {"batch": batch, "timing": "direct: Worker.execute, plan to host tokens",
             "context": context, "verify_tokens": 1 + k, **step,
-            "verify_over_decode": round(step["verify_ms"] / step["decode_ms"], 3)}
+            "verify_over_decode": round(step["verify_ms"] / step["decode_ms"], 3),
+            "prefill_shaped_over_decode": round(step["verify_prefill_shaped_ms"]
+                                                / step["decode_ms"], 3)}
 
 
 def oracle_main(a: argparse.Namespace, device: str) -> int:
@@ -275,7 +288,8 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
                       cache=CacheConfig(block_size=BLOCK, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=rows,
                                                 max_num_batched_tokens=max(2048, rows),
-                                                max_model_len=longest))
+                                                max_model_len=longest),
+                      graph=GraphConfig(max_decode=rows))  # verify rows in decode buckets
     dtype = cfg.weights_dtype(device)
     t0 = time.perf_counter()
     worker = make_worker(cfg, blocks)
@@ -317,11 +331,13 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
 def print_steps(steps: list[dict], k: int) -> None:
     if not steps:
         return
-    print(f"\n| batch | decode ms | verify 1+{k} ms | verify/decode |")
-    print("|---" * 4 + "|")
+    print(f"\n| batch | decode ms | verify 1+{k} ms | verify/decode | prefill-shaped ms | "
+          "prefill-shaped/decode |")
+    print("|---" * 6 + "|")
     for st in steps:
         print(f"| {st['batch']} | {st['decode_ms']} | {st['verify_ms']} | "
-              f"{st['verify_over_decode']}x |")
+              f"{st['verify_over_decode']}x | {st['verify_prefill_shaped_ms']} | "
+              f"{st['prefill_shaped_over_decode']}x |")
 
 
 def print_table(table: list[dict]) -> None:

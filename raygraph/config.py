@@ -395,7 +395,7 @@ class GraphConfig(msgspec.Struct, frozen=True):
     backend: Literal["auto", "eager"] = "auto"  # eager: the graph logic without capture
     decode_sizes: list[int] | None = None  # None: the default schedule up to max_decode
     prefill_sizes: list[int] | None = None  # None: the default schedule up to max_prefill
-    max_decode: int = 256  # the largest decode bucket (sequences)
+    max_decode: int = 256  # the largest decode bucket (rows: a sequence's, and its drafts')
     max_prefill: int = 2048  # the largest prefill bucket (tokens)
     prefill_graph: Literal["piecewise", "full"] = "full"  # measured faster: bench/RESULTS.md
     # decode batches of 8+ sequences that all start with the same cached blocks (a shared

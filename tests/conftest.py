@@ -344,7 +344,9 @@ def verify_rows_case(dtype: torch.dtype, device: torch.device, rope: bool, bs: i
     kc, vc = rand(41, bs, kv_heads, d), rand(41, bs, kv_heads, d)
     q, k_new, v_new = (rand(rows + pad, n, d) for n in (kv_heads * group, kv_heads, kv_heads))
     tables = tuple(torch.randn(2, 512, d // 2, generator=gen).to(device)) if rope else None
-    rq, rk = rotary(q[:rows], k_new[:rows], *tables, md.positions) if rope else (q, k_new)
+    # (the GPU's rotary op rotates in place)
+    rq, rk = (rotary(q[:rows].clone(), k_new[:rows].clone(), *tables, md.positions) if rope
+              else (q, k_new))
     ref_k, ref_v = kc.clone(), vc.clone()
     store_kv(rk[:rows], v_new[:rows], ref_k, ref_v, md.slot_mapping)
     ref = paged_attention_ref(rq[:rows], ref_k, ref_v, md, d**-0.5)

@@ -244,7 +244,7 @@ def random_plan(rng: random.Random, shape: str) -> StepPlan:
     """Random sequences on disjoint blocks: one token each ("decode"), 2-9 ("prefill"), or a
     token and 0-4 drafts to verify ("verify": decode rows, a row per token)."""
     seqs, block = [], 0
-    for i in range(rng.randrange(1, 12)):
+    for i in range(rng.randrange(1, 7 if shape == "verify" else 12)):  # rows <= max_num_seqs
         ctx = rng.randrange(int(shape == "verify"), 200)
         n = {"decode": 1, "prefill": rng.randrange(2, 10), "verify": rng.randrange(1, 6)}[shape]
         nb = -(-(ctx + n) // 16)
