@@ -4,6 +4,8 @@
 
     python -m bench.decode_profile [--preset llama-1b] [--cases 1x128 8x1024]
     python -m bench.decode_profile --gemm-only --preset llama3-8b [--gemm-fp8]
+    python -m bench.decode_profile --skip-gemm --preset llama3-8b --load-format dummy
+        [--quantization fp8] --cases 1x128 256x256
 
 Prints JSON lines. GEMM timings replay a CUDA graph of 20 calls cycling over weight copies
 larger than L2, so each call streams its weight from HBM as in a real forward.
@@ -20,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.checkpoints import PRESETS, make_random_checkpoint
+from bench.checkpoints import PRESETS, bench_model
 from bench.decode_step import decode_plan, make_worker
 from raygraph.graph.inputs import host_inputs
 from raygraph.model.quant import Fp8Weight
@@ -278,6 +280,10 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",
                    help="--attention: every sequence starts with the same cached KEYS keys; "
                         "time each config without and with the cascade")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of the preset's shape, no checkpoint written")
+    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                   help="the step's profile with FP8 weights (quantized at load)")
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases]
     if a.attention is not None:
@@ -296,8 +302,9 @@ def main() -> None:
         gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8)
     if a.gemm_only:
         return
-    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
-    w = make_worker(model, "graph", max(b for b, _ in cases), max(c for _, c in cases), 16)
+    model = bench_model(a.preset, a.load_format)
+    w = make_worker(model, "graph", max(b for b, _ in cases), max(c for _, c in cases), 16,
+                    load_format=a.load_format, quantization=a.quantization)
     w.capture_all()
     for b, c in cases:
         for i in range(5):
