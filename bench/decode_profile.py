@@ -184,6 +184,11 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
         t = time_graph(_gemm_call(name, x, ws))
         row = {"gemm": name, "n": n, "k": k, "m": m, "fp8": fp8, "cublas_us": round(1e6 * t, 2),
                "cublas_GBps": round(n * k * 2 / t / 1e9)}
+        if fp8 and m > 8:  # what serves these rows: x quantized per token, then _scaled_mm
+            from raygraph.model.ops import fp8_gemm
+
+            t = time_graph(lambda i, x=x: fp8_gemm(x, own_ws[i % len(own_ws)]))
+            row["scaled_mm_us"] = [round(1e6 * t, 2), round(size / t / 1e9)]
         for cfg in configs:
             try:
                 own = cfg if cfg == "auto" else GemvConfig(*cfg)

@@ -649,7 +649,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
     load_format: Literal["auto", "dummy"] = "auto"
     # auto: as the checkpoint is stored (an FP8 checkpoint runs its linear layers in FP8);
     # fp8: a bf16/fp16/fp32 checkpoint's linear layers quantized to FP8 e4m3 at load (one
-    # scale per output channel, activations quantized per token past 8 rows), halving their memory
+    # scale per output channel, activations quantized per token past 16 rows), halving their memory
     quantization: Literal["auto", "fp8"] = "auto"
     seed: int = 0  # the workers' sampling generator (a request's own seed overrides it)
     parallel: ParallelConfig = ParallelConfig()

@@ -148,7 +148,8 @@ def test_w8a8_logits_within_e4m3_precision(checkpoints, name: str) -> None:
     the logits' RMS error stays within E4M3_U of their RMS, the largest within 2 E4M3_U of
     the largest logit (measured: about half of each)."""
     quant, ref = checkpoints(name)
-    got, want = prefill_logits(model(quant), 1), prefill_logits(model(ref), 1)
+    prompt = PROMPT * 2  # past DECODE_ROWS tokens: the activations are quantized
+    got, want = prefill_logits(model(quant), 1, prompt), prefill_logits(model(ref), 1, prompt)
     err = got - want
     assert err.abs().max() > 0  # the activations were quantized
     assert err.pow(2).mean().sqrt() <= E4M3_U * want.pow(2).mean().sqrt()
@@ -300,7 +301,7 @@ def test_the_scaled_mm_path_on_torchs_cpu_kernel(monkeypatch, activations: str) 
     expanded) through torch's CPU _scaled_mm, where this torch has one: the GPU path's math,
     against the reference path in float32 (the GPU kernel itself: tests/gpu/test_fp8_gpu.py)."""
     torch.manual_seed(2)
-    x, w = torch.randn(16, 64).to(torch.bfloat16), torch.randn(32, 64)
+    x, w = torch.randn(DECODE_ROWS + 8, 64).to(torch.bfloat16), torch.randn(32, 64)
     scale = w.abs().amax(dim=1, keepdim=True) / 448
     weight = Fp8Weight((w / scale).to(FP8), scale, 64, activations,
                        torch.tensor([0.01]) if activations == "static" else None)

@@ -36,8 +36,8 @@ def kernels(x: torch.Tensor) -> bool:
 
 
 def _skinny(x: torch.Tensor, weight: Weight) -> bool:
-    """Decode-sized GEMMs on a GPU go to the Triton skinny kernels (M <= 8 rows); an FP8
-    weight's read as its e4m3 bytes and scales."""
+    """Decode-sized GEMMs on a GPU go to the Triton skinny kernels (M <= 8 rows, an FP8
+    weight's up to quant.DECODE_ROWS), read as its e4m3 bytes and scales."""
     if not kernels(x) or x.dim() != 2:
         return False
     from raygraph.model.triton_gemv import supports
@@ -83,7 +83,7 @@ def dense_operands(x: torch.Tensor, weight: Weight) -> tuple[torch.Tensor, torch
     """(x, W) for the GEMMs of plain weights: an FP8 weight dequantized to x's dtype, and x
     quantized and dequantized as the FP8 GEMM would see it. The reference path (CPU) and
     the GPU's for what neither _scaled_mm nor the skinny kernels take (blocks or
-    weight-only past 8 rows)."""
+    weight-only past DECODE_ROWS rows)."""
     if not isinstance(weight, Fp8Weight):
         return x, weight
     assert weight.data.dtype == FP8

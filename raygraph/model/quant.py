@@ -27,7 +27,9 @@ MIN_SCALE = 1e-12
 # GEMMs of this many rows or fewer (decode) multiply x as it is, whatever the weight's
 # activation scheme: such a GEMM streams its weight, so rounding x to e4m3 first saves no
 # time (it costs a pass over x) and loses accuracy. Larger ones run on FP8 tensor cores.
-DECODE_ROWS = 8
+# At 16 rows the skinny kernels still beat quantizing x and torch._scaled_mm on the 8B
+# shapes; at 32 they do not (bench/RESULTS.md, FP8 weights)
+DECODE_ROWS = 16
 Activations = Literal["none", "dynamic", "static"]
 
 

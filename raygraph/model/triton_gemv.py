@@ -1,4 +1,5 @@
-"""Skinny GEMMs for decode (M <= 8 tokens), GPU only; imported lazily by model/ops.py.
+"""Skinny GEMMs for decode (M <= 8 tokens; FP8 weights: M <= quant.DECODE_ROWS), GPU only;
+imported lazily by model/ops.py.
 
 At decode a linear layer reads its whole weight to produce a few rows: the step is a weight
 stream, so what matters is keeping HBM busy and launching few kernels. Each program owns a
@@ -37,7 +38,8 @@ from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
 
-MAX_M = DECODE_ROWS  # tokens; above this cuBLAS (or _scaled_mm) is the better tool
+MAX_M = 8  # tokens of a plain weight; above this cuBLAS is the better tool
+MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scaled_mm
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
@@ -273,7 +275,8 @@ def _supports_fp8(x: torch.Tensor, w: Fp8Weight) -> bool:
     k, groups = w.shape[1], w.scale.shape[1]
     group_ok = groups == 1 or (w.group >= 16 and w.group & (w.group - 1) == 0
                                and k % w.group == 0 and w.scale.stride(1) == 1)
-    return (x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+    return (x.dim() == 2 and x.shape[0] <= MAX_M_FP8
+            and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and w.data.dtype == FP8 and w.data.stride(1) == 1
             and k % 128 == 0 and w.scale.dtype == torch.float32 and group_ok)
 
@@ -321,7 +324,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
-        cos.stride(0), BM=BM,
+        cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
     return out
@@ -329,7 +332,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
 
 def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M."""
+    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8)."""
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else default_config(n, k, fp8))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
