@@ -17,7 +17,7 @@ from raygraph.model import ops
 from raygraph.model.context import forward_context
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
-from raygraph.model.quant import Fp8Weight, activations_as_quantized, quantize
+from raygraph.model.quant import DECODE_ROWS, Fp8Weight, activations_as_quantized, quantize
 from raygraph.protocol import SeqChunk, StepPlan
 from tests.fp8_checkpoints import FORMATS, write_fp8
 
@@ -44,7 +44,7 @@ def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -
 
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
-@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("rows", [DECODE_ROWS + 1, 64, 300])
 @pytest.mark.parametrize("n, k", [(256, 512), (768, 256)])
 def test_scaled_mm_matches_the_reference_path(activations, rows, n, k) -> None:
     torch.manual_seed(rows + n)
@@ -76,10 +76,10 @@ def test_quantize_rows_equals_torchs(static) -> None:
 
 
 @pytest.mark.parametrize("group", [0, 128])
-@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("rows", [1, 4, DECODE_ROWS])
 @pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
 def test_decode_rows_read_the_fp8_weight(monkeypatch, activations, rows, group) -> None:
-    """8 rows or fewer: the skinny kernels stream the e4m3 weight and its scales (no bf16
+    """DECODE_ROWS rows or fewer: the skinny kernels stream the e4m3 weight and its scales (no bf16
     copy is made), for plain, gate|up and q|k|v (rotary) layers."""
     from raygraph.model import triton_gemv
 
