@@ -5,7 +5,7 @@
     python -m bench.decode_profile [--preset llama-1b] [--cases 1x128 8x1024]
     python -m bench.decode_profile --gemm-only --preset llama3-8b [--gemm-fp8]
     python -m bench.decode_profile --skip-gemm --preset llama3-8b --load-format dummy
-        [--quantization fp8] --cases 1x128 256x256
+        [--quantization fp8] [--verify K] --cases 1x128 256x256
 
 Prints JSON lines. GEMM timings replay a CUDA graph of 20 calls cycling over weight copies
 larger than L2, so each call streams its weight from HBM as in a real forward.
@@ -289,6 +289,8 @@ def main() -> None:
                    help="dummy: random weights of the preset's shape, no checkpoint written")
     p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
                    help="the step's profile with FP8 weights (quantized at load)")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="profile verify steps: each sequence's token and K drafts as rows")
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases]
     if a.attention is not None:
@@ -308,13 +310,18 @@ def main() -> None:
     if a.gemm_only:
         return
     model = bench_model(a.preset, a.load_format)
-    w = make_worker(model, "graph", max(b for b, _ in cases), max(c for _, c in cases), 16,
-                    load_format=a.load_format, quantization=a.quantization)
+    rows = 1 + a.verify  # a sequence's decode rows
+    w = make_worker(model, "graph", rows * max(b for b, _ in cases),
+                    max(c for _, c in cases) + a.verify, 16, load_format=a.load_format,
+                    quantization=a.quantization)
     w.capture_all()
     for b, c in cases:
         for i in range(5):
-            w.execute(decode_plan(b, c, 16, i))
-        print(json.dumps({"batch": b, "context": c, **kernel_table(w, b)}), flush=True)
+            w.execute(decode_plan(b, c, 16, i, a.verify))
+        print(json.dumps({"batch": b, "context": c, "verify": a.verify,
+                          **kernel_table(w, rows * b)}), flush=True)
+        if a.verify:
+            continue  # the host phases below time plain decode steps
         print(json.dumps({"batch": b, "context": c, "host_us": host_phases(w, b, c)}),
               flush=True)
         print(json.dumps({"batch": b, "context": c, **host_timeline(w, b, c)}), flush=True)
