@@ -124,7 +124,7 @@ def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
         cache=CacheConfig(block_size=bs, num_blocks=blocks, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max_ctx + 64),
-        graph=GraphConfig(mode=mode, prefill_sizes=[512], pool=pool),
+        graph=GraphConfig(mode=mode, prefill_sizes=[512], pool=pool, max_decode=max_batch),
     )
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))
