@@ -531,8 +531,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Speculative decoding (vLLM's --speculative-config). method "ngram": prompt lookup
     proposes up to `num_speculative_tokens` drafts a step from the sequence's own tokens
     (engine/ngram.py); the target verifies them in one step and keeps the ones its greedy
-    argmax agrees with. Greedy requests only (sampled, constrained and logprob requests
-    decode as usual); a speculating sequence runs in every other step of the overlapped
+    argmax agrees with (a sampled request: rejection sampling, so its tokens follow the
+    target's distribution). Constrained and logprob requests decode as usual; a
+    speculating sequence runs in every other step of the overlapped
     loop (its drafts need its last token), so one whose proposals rarely hold (or that
     finds none) stops speculating and decodes as usual."""
 

@@ -115,7 +115,43 @@ TEXTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
          "x = 1\ny = 2\nx = 1\ny =", "Hello world. Hello world. Hello"]
 
 
-def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True):
+def test_sampled_verify_rows_emit_the_targets_distribution():
+    """sampled_targets, then emitted, as a worker runs them: 3,000 sampled chunks verify two
+    drafts over 5 tokens at temperature 1. The first token emitted follows the target's p_0
+    and, where the first draft was kept, the second follows p_1; a seeded chunk draws the
+    same again; a greedy chunk beside them keeps its argmax rows."""
+    from raygraph.protocol import SeqChunk
+    from raygraph.worker.speculative import emitted, sampled_targets, verify_rows
+
+    n = 3000
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.2, 0.25, 0.4], [0.2] * 5])
+    chunks = [SeqChunk(i, [0, 1, 4], 10, [0], True, temperature=1.0, verify=2)
+              for i in range(n)]
+    chunks.append(SeqChunk(n, [0, 3, 3], 10, [0], True, verify=2))  # greedy
+    logits = p.log().repeat(n + 1, 1)
+    greedy = logits.argmax(-1)
+    staging = torch.zeros(2 * n + 2, dtype=torch.long)
+    targets = sampled_targets(chunks, logits, greedy, staging,
+                              torch.Generator().manual_seed(0))
+    assert torch.equal(targets[-3:], greedy[-3:]) and torch.equal(greedy, logits.argmax(-1))
+    flat, counts = emitted([0] * (n + 1), targets.tolist(), verify_rows(chunks))
+    per_chunk, at = [], 0
+    for c in counts:
+        per_chunk.append(flat[at: at + c])
+        at += c
+    assert per_chunk[-1] == [0]  # greedy: its first draft (3) is not the argmax
+    first = torch.tensor([t[0] for t in per_chunk[:n]])
+    assert chi_square(first, p[0]) < CRITICAL_DF4
+    second = torch.tensor([t[1] for t in per_chunk[:n] if len(t) > 1])
+    assert second.numel() > 300 and chi_square(second, p[1]) < CRITICAL_DF4
+    seeded = [SeqChunk(0, [0, 1, 4], 10, [0], True, temperature=1.0, seed=7, verify=2)]
+    draws = [sampled_targets(seeded, logits[:3], greedy[:3], staging, torch.Generator())
+             for _ in range(2)]
+    assert torch.equal(*draws)
+
+
+def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
+           temperature: float = 0.0):
     """The built-in model through the served loop's logic (EngineCore over an in-process
     worker: tokens fed on the device, replies a step late), n-gram speculation on or off."""
     from raygraph.config import (
@@ -142,7 +178,8 @@ def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool 
     seqs = []
     for i, text in enumerate(TEXTS):
         prompt = tok.encode(text)
-        sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=ignore_eos).resolved()
+        sp = SamplingParams(max_tokens=40, temperature=temperature, seed=i if temperature else None,
+                            ignore_eos=ignore_eos).resolved()
         seq = Sequence(i, prompt, sp)
         if spec:
             seq.ngram = NgramIndex(1, 4)
@@ -165,6 +202,16 @@ def test_ngram_speculation_keeps_greedy_tokens(mode, blocks, ignore_eos):
     assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
     if blocks == 12:
         assert sum(s.num_preemptions for s in spec) > 0
+
+
+def test_sampled_requests_speculate_reproducibly():
+    """Seeded sampled requests with n-gram drafts (rejection sampling on the workers): drafts
+    proposed and verified, max_tokens exact, and the same seeds give the same tokens again."""
+    runs = [served(True, temperature=0.8) for _ in range(2)]
+    (first, sched), (again, _) = runs
+    assert sched.num_draft_tokens > 0
+    assert all(len(s.output_token_ids) == 40 for s in first)
+    assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
 
 
 def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord):

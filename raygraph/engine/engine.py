@@ -541,10 +541,11 @@ class Engine:
 
     def speculation(self, sp: SamplingParams, prompt: list[int]) -> NgramIndex | None:
         """A new sequence's n-gram index when it speculates: n-gram speculation on, and a
-        greedy request without a grammar or logprobs (their tokens come one a step)."""
+        request without a grammar or logprobs (their tokens come one a step). Greedy ones
+        keep the drafts the target's argmax agrees with, sampled ones go through rejection
+        sampling (worker/speculative.py): either way their tokens are the target's own."""
         spec = self.cfg.speculative
-        if (spec.method != "ngram" or sp.temperature != 0.0 or sp.structured is not None
-                or sp.logprobs is not None):
+        if spec.method != "ngram" or sp.structured is not None or sp.logprobs is not None:
             return None
         index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         index.extend(prompt)

@@ -73,6 +73,26 @@ def constrain(logits: torch.Tensor, greedy: torch.Tensor, sel: torch.Tensor,
     return logits, greedy
 
 
+def chunk_generator(chunk: SeqChunk, generator: torch.Generator, device: torch.device
+                    ) -> torch.Generator:
+    """The generator a chunk's draws come from: its own, keyed by (seed, output index), for
+    a seeded request; else the worker's (every TP rank's advances alike)."""
+    if chunk.seed is None:
+        return generator
+    gen = torch.Generator(device=device)
+    gen.manual_seed(hash((chunk.seed, chunk.num_generated)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+def chunk_probs(logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
+    """The distribution [R, vocab] a chunk's request samples from at each of its logits rows
+    [R, vocab]: temperature, then top-k and top-p. Built on the device (no host copy)."""
+    n, dev = logits.shape[0], logits.device
+    top_k = torch.full((n,), chunk.top_k, dtype=torch.long, device=dev)
+    top_p = torch.full((n,), chunk.top_p, dtype=torch.float32, device=dev)
+    return _filter_top_k_top_p(logits / chunk.temperature, top_k, top_p).softmax(-1)
+
+
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
            greedy: torch.Tensor | None = None) -> list[int]:
     return sample_tokens(logits, chunks, generator, greedy).tolist()
@@ -106,12 +126,7 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
-            seed = chunks[i].seed
-            gen = generator
-            if seed is not None:
-                gen = torch.Generator(device=dev)
-                gen.manual_seed(hash((seed, chunks[i].num_generated)) & 0x7FFF_FFFF_FFFF_FFFF)
-            noise[j].exponential_(generator=gen)
+            noise[j].exponential_(generator=chunk_generator(chunks[i], generator, dev))
         out[sel] = (probs / noise).argmax(dim=-1)  # exponential race == multinomial draw
     return out
 

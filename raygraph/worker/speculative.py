@@ -1,5 +1,6 @@
 """Speculative decoding's acceptance: which of a sequence's draft tokens the target model
-keeps, and the token after them, computed on the device without a host sync.
+keeps, and the token after them, computed on the device without a host sync (the host
+then reads them: `emitted`).
 
 Greedy rows keep drafts up to the first one that differs from the target's argmax and
 take the target's own token there. Sampled rows use rejection sampling (Leviathan et al.
@@ -19,6 +20,7 @@ import torch
 
 from raygraph.model import ops
 from raygraph.protocol import SeqChunk
+from raygraph.worker.sampler import chunk_generator, chunk_probs
 
 
 def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
@@ -91,6 +93,37 @@ def last_rows(chunks: list[SeqChunk], logits: torch.Tensor, greedy: torch.Tensor
     host.copy_(torch.tensor(ends))
     idx = host.to(logits.device, non_blocking=True)
     return logits[idx], (greedy[idx] if greedy is not None else None), targets
+
+
+def sampled_targets(chunks: list[SeqChunk], logits: torch.Tensor, targets: torch.Tensor,
+                    staging: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """`targets` [rows] (the greedy token at every logits row) with the rows of each sampled
+    verifying chunk replaced by its rejection sampling (`accept_sampled`, the drafts
+    proposed with certainty): its kept drafts, then the token drawn where the first one was
+    refused or after the last. `emitted` then reads them as it reads a greedy chunk's.
+    logits: [rows, vocab] float32. `staging`: int64 host room for the drafts, pinned on a
+    GPU (a copy from pageable memory would wait for the step's forward)."""
+    picked, row = [], 0
+    for c in chunks:
+        if c.verify and c.temperature > 0:
+            picked.append((c, row))
+        row += 1 + c.verify
+    if not picked:
+        return targets
+    targets = targets.clone()  # a graph's output: read, never written
+    drafts = [t for c, _ in picked for t in c.token_ids[-c.verify:]]
+    host = staging[: len(drafts)]
+    host.copy_(torch.tensor(drafts))
+    on_device, at = host.to(logits.device, non_blocking=True), 0
+    for c, row in picked:
+        n = 1 + c.verify
+        count = torch.full((1,), c.verify, dtype=torch.long, device=logits.device)
+        _, tokens = accept_sampled(chunk_probs(logits[row: row + n], c).unsqueeze(0),
+                                   on_device[at: at + c.verify].unsqueeze(0), count, None,
+                                   chunk_generator(c, generator, logits.device))
+        targets[row: row + n] = tokens[0]
+        at += c.verify
+    return targets
 
 
 def emitted(tokens: list[int], targets: list[int], verify: list[tuple[int, int, list[int]]]

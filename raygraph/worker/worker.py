@@ -62,7 +62,7 @@ from raygraph.worker.sampler import (
 )
 from raygraph.worker.sizing import kv_bytes_per_block, kv_cache_budget
 from raygraph.worker.sleep import SleepMemory
-from raygraph.worker.speculative import emitted, last_rows, verify_rows
+from raygraph.worker.speculative import emitted, last_rows, sampled_targets, verify_rows
 from raygraph.worker.state import SeqTable, StateError
 from raygraph.worker.warmup import start_triton_warmup
 
@@ -167,6 +167,8 @@ class Worker:
                               for _ in range(2)]
         self._host_rows = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
                            for _ in range(2)]  # its last row per chunk (speculative.last_rows)
+        self._host_drafts = [torch.zeros(n, dtype=torch.long, pin_memory=pinned)
+                             for _ in range(2)]  # sampled chunks' drafts (sampled_targets)
         self.guides = Guides(cfg.tokenizer or cfg.model, n, self.device)
         self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
         self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
@@ -449,8 +451,11 @@ class Worker:
             return None, None, [], None
         targets = None
         if any(c.verify for c in chunks):
+            every_row = logits
             logits, greedy, targets = last_rows(chunks, logits, greedy,
                                                 self._host_rows[plan.step_id % 2])
+            targets = sampled_targets(chunks, every_row, targets,
+                                      self._host_drafts[plan.step_id % 2], self.generator)
         guided, masks = self.guides.rows(chunks), None
         if guided:
             if before_masks is not None:
