@@ -151,7 +151,7 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
 
 
 def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
-           temperature: float = 0.0):
+           temperature: float = 0.0, device: str = "cpu"):
     """The built-in model through the served loop's logic (EngineCore over an in-process
     worker: tokens fed on the device, replies a step late), n-gram speculation on or off."""
     from raygraph.config import (
@@ -169,7 +169,8 @@ def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool 
     from tests.conftest import loaded_worker
 
     tok = load_tokenizer(DEFAULT_MODEL)
-    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=blocks),
+    cfg = ServeConfig(device=device, dtype="float32",
+                      cache=CacheConfig(block_size=16, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                       graph=GraphConfig(mode=mode),
                       speculative=SpeculativeConfig(method="ngram" if spec else ""))
