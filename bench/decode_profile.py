@@ -313,7 +313,7 @@ def main() -> None:
     rows = 1 + a.verify  # a sequence's decode rows
     w = make_worker(model, "graph", rows * max(b for b, _ in cases),
                     max(c for _, c in cases) + a.verify, 16, load_format=a.load_format,
-                    quantization=a.quantization)
+                    quantization=a.quantization, speculative=a.verify > 0)
     w.capture_all()
     for b, c in cases:
         for i in range(5):

@@ -28,7 +28,13 @@ import time
 import torch
 
 from bench.checkpoints import bench_model
-from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.config import (
+    CacheConfig,
+    GraphConfig,
+    SchedulerConfig,
+    ServeConfig,
+    SpeculativeConfig,
+)
 from raygraph.protocol import SeqChunk, StepPlan
 from raygraph.worker.worker import Worker
 
@@ -116,7 +122,10 @@ def median_replay_s(graph: torch.cuda.CUDAGraph, iters: int) -> float:
 
 def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
                 pool: str = "vmm", load_format: str = "auto",
-                quantization: str = "auto", kv_cache_dtype: str = "auto") -> Worker:
+                quantization: str = "auto", kv_cache_dtype: str = "auto",
+                speculative: bool = False) -> Worker:
+    """A graph or eager worker of `max_batch` decode rows; `speculative`: its decode graphs
+    verify drafts as rows (n-gram speculation configured)."""
     blocks = max_batch * -(-(max_ctx + 1) // bs)
     cfg = ServeConfig(
         model=model, device="cuda", dtype="bfloat16", load_format=load_format,
@@ -125,6 +134,7 @@ def make_worker(model: str, mode: str, max_batch: int, max_ctx: int, bs: int,
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max_ctx + 64),
         graph=GraphConfig(mode=mode, prefill_sizes=[512], pool=pool, max_decode=max_batch),
+        speculative=SpeculativeConfig(method="ngram" if speculative else ""),
     )
     w = Worker(cfg, 0)
     w.load(("127.0.0.1", 0))

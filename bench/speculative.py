@@ -200,8 +200,8 @@ def ngram_main(a: argparse.Namespace, device: str) -> None:
                       scheduler=SchedulerConfig(max_num_seqs=max(8, len(ids) * (a.k + 1)),
                                                 max_num_batched_tokens=2048,
                                                 max_model_len=longest))
-    worker = make_worker(cfg, blocks)
     spec_cfg = speculating(cfg, a.k)
+    worker = make_worker(spec_cfg, blocks)  # its decode graphs verify drafts as rows
     s = spec_cfg.speculative
     plain = run(cfg, worker, ids, a.max_tokens, blocks)
     spec = run(spec_cfg, worker, ids, a.max_tokens, blocks,
@@ -292,7 +292,7 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
                       graph=GraphConfig(max_decode=rows))  # verify rows in decode buckets
     dtype = cfg.weights_dtype(device)
     t0 = time.perf_counter()
-    worker = make_worker(cfg, blocks)
+    worker = make_worker(speculating(cfg, a.k), blocks)  # decode graphs verify drafts as rows
     print(json.dumps({"model": model, "device": device, "dtype": dtype,
                       "torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name() if device == "cuda" else None,

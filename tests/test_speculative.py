@@ -264,7 +264,7 @@ def test_oracle_drafts_hold_and_keep_greedy_tokens():
     blocks = 64
     cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=20, max_num_batched_tokens=64))
-    worker = loaded_worker(cfg, blocks, capture=True)
+    worker = loaded_worker(speculating(cfg, 4), blocks, capture=True)
     rng = random.Random(0)
     ids = [[rng.randrange(3, 4096) for _ in range(n)] for n in (5, 12, 30, 17)]
     plain = run(cfg, worker, ids, 24, blocks)
@@ -287,13 +287,14 @@ def test_verify_chunks_run_as_decode_rows_in_decode_buckets():
     decode key with a row per token, each row a query at its own position: its logits equal
     those of the same chunks run prefill-shaped (a two-token prompt chunk in the batch makes
     it so), within float32 rounding; the keys say which path ran."""
-    from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
+    from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig, SpeculativeConfig
     from raygraph.protocol import SeqChunk, StepPlan
     from tests.conftest import loaded_worker
 
     blocks, bs = 32, 16
     cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=bs, num_blocks=blocks),
-                      scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
+                      scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+                      speculative=SpeculativeConfig(method="ngram"))
     worker = loaded_worker(cfg, blocks, capture=True)
     rng = random.Random(1)
     ids = [rng.randrange(3, 4096) for _ in range(60)]
@@ -323,10 +324,14 @@ def test_verify_chunks_past_the_decode_buckets_run_prefill_shaped():
     from raygraph.graph.inputs import host_inputs
     from raygraph.protocol import SeqChunk, StepPlan
 
-    buckets = BucketPlan((1, 2, 4, 8), (16, 64), 8)
+    buckets = BucketPlan((1, 2, 4, 8), (16, 64), 8, verify=True)
     chunks = [SeqChunk(i, [1, 2, 3], 10, [0], True, verify=2) for i in range(3)]  # 9 rows
-    h = host_inputs(StepPlan(0, chunks), 16, max_rows=buckets.decode_sizes[-1])
+    h = host_inputs(StepPlan(0, chunks), 16, max_rows=buckets.max_verify_rows)
     assert not h.decode and buckets.key(9, 3, True).phase == "prefill"
-    h = host_inputs(StepPlan(0, chunks[:2]), 16, max_rows=buckets.decode_sizes[-1])
+    h = host_inputs(StepPlan(0, chunks[:2]), 16, max_rows=buckets.max_verify_rows)
     assert h.decode and h.num_seqs == 6 and buckets.key(6, 2, True).num_tokens == 8
     assert buckets.key(9, 9, True).phase == "eager"  # plain decode past them: as before
+    # without speculation configured the decode graphs read no verify rows: prefill-shaped
+    plain = BucketPlan((1, 2, 4, 8), (16, 64), 8)
+    assert not host_inputs(StepPlan(0, chunks[:2]), 16, max_rows=plain.max_verify_rows).decode
+    assert plain.key(6, 2, True).phase == "prefill"

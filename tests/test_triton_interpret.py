@@ -195,19 +195,21 @@ def test_prefill_kernel_matches_reference(interpreted, dtype):
     assert (got[md.num_tokens:] == 0).all()
 
 
-@pytest.mark.parametrize("dtype,splits,rope", [
-    (torch.float32, 1, False), (torch.float16, 2, True),
-    pytest.param(torch.float16, 4, False, marks=SLOW)])
-def test_decode_kernel_verifies_drafts_as_rows(interpreted, dtype, splits, rope):
+@pytest.mark.parametrize("dtype,splits,rope,group", [
+    (torch.float32, 1, False, 4), (torch.float16, 2, True, 4), (torch.float16, 1, True, 8),
+    pytest.param(torch.float16, 4, False, 4, marks=SLOW)])
+def test_decode_kernel_verifies_drafts_as_rows(interpreted, dtype, splits, rope, group):
     """A sequence verifying drafts runs a decode row per token, consecutive, each a query at
     its own position: a row takes its chunk's earlier keys from those rows' K/V (their
     programs store them in the same launch, so the cache cannot be read for them), its own
     as before. Equal to the reference over the cache with every key stored; plain decode
-    rows and padding rows beside them; chunks that straddle tiles and splits. (The
+    rows and padding rows beside them; chunks that straddle tiles and splits. At one split
+    a chunk's rows attend in one program (up to 32 query rows: with 8 query heads a KV head,
+    4 rows, so the 5-row chunk takes two). (The
     interpreter runs programs one by one, so a read of the cache there would find the key
     already stored: the race itself is the GPU test's, tests/gpu/test_graphs_gpu.py.)"""
     attn = interpreted("triton_attention")
-    case = verify_rows_case(dtype, torch.device("cpu"), rope)
+    case = verify_rows_case(dtype, torch.device("cpu"), rope, group=group)
     assert case["verify_row"] == [0, 1, 2, 3, 4, 0, 0, 1, 2, 0, 1, 0]
     a, rows = case["args"], case["rows"]
     got = attn.paged_decode_attention(**a, scale=D**-0.5, splits=splits)

@@ -60,7 +60,7 @@ def attention_cases() -> list[Case]:
 
     decode = dict(GROUP=4, GROUP_PAD=16, D=64, BS=16, TILE=64, SPLITS=16, NUM_HEADS=32,
                   STORE=True, WINDOW=0, PRECISION="tf32", STAGES=3, CASCADE=False, TOTAL=16,
-                  PREFIX_SPLITS=0, ROPE=False, VERIFY=True)  # graphs read each row's verify_row
+                  PREFIX_SPLITS=0, ROPE=False, VERIFY=False, CHUNKS=False, CH=8, CR=32)
     cascade = decode | dict(CASCADE=True, TOTAL=32, PREFIX_SPLITS=8)
     prefix = {k: cascade[k] for k in ("GROUP", "D", "BS", "TILE", "SPLITS", "TOTAL",
                                       "NUM_HEADS", "PRECISION", "STAGES", "PREFIX_SPLITS",
@@ -71,21 +71,24 @@ def attention_cases() -> list[Case]:
                                     "TOTAL")} | dict(PREFIX_SPLITS=8)
     prefill = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, D=64, D_PAD=64, BS=16, BLOCK_N=64,
                    WINDOW=0, ZERO_BLOCKS=ta.ZERO_BLOCKS, PRECISION="tf32")
-    verify = {"verify_ptr": "*i64"}
+    verify = {"verify_ptr": "*i64"}  # speculative decoding: each row's place in its chunk
     return [
-        ("decode split", ta._decode_split_kernel, decode, 2, verify),
-        ("decode split, no verify rows (eager)", ta._decode_split_kernel,
-         decode | dict(VERIFY=False), 2, {}),
-        ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, verify),
-        ("decode split, cascade", ta._decode_split_kernel, cascade, 2, verify),
+        ("decode split", ta._decode_split_kernel, decode, 2, {}),
+        ("decode split, verify rows", ta._decode_split_kernel, decode | dict(VERIFY=True), 2,
+         verify),
+        ("decode one split, verify chunks, rotary", ta._decode_split_kernel,
+         decode | dict(SPLITS=1, TOTAL=1, ROPE=True, VERIFY=True, CHUNKS=True),
+         ta.CHUNK_WARPS, verify | rope),
+        ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
+        ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
         ("decode split, FP8 cache", ta._decode_split_kernel, decode, 2,
-         verify | {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
+         {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
         ("decode one split, rotary", ta._decode_split_kernel,
-         decode | dict(SPLITS=1, TOTAL=1, ROPE=True), 2, verify | rope),
+         decode | dict(SPLITS=1, TOTAL=1, ROPE=True), 2, rope),
         ("decode one split, cascade, rotary", ta._decode_split_kernel,
-         cascade | dict(SPLITS=1, TOTAL=16, ROPE=True), 2, verify | rope),
+         cascade | dict(SPLITS=1, TOTAL=16, ROPE=True), 2, rope),
         ("decode split, head 256", ta._decode_split_kernel,
-         decode | dict(D=256, TILE=ta.decode_tiles(256)[0]), ta.decode_tiles(256)[1], verify),
+         decode | dict(D=256, TILE=ta.decode_tiles(256)[0]), ta.decode_tiles(256)[1], {}),
         ("decode prefix (cascade)", ta._decode_prefix_kernel, prefix, ta.PREFIX_WARPS, {}),
         ("decode prefix (cascade), rotary", ta._decode_prefix_kernel, prefix | dict(ROPE=True),
          ta.PREFIX_WARPS, rope),

@@ -58,13 +58,22 @@ class BucketPlan:
     prefill_sizes: tuple[int, ...]
     max_seqs: int  # prefill batches with more sequences than the buffers hold run eagerly
     ep: bool = False  # MoE expert parallelism: keys carry the dispatch size
+    # speculative decoding: decode graphs run verify chunks as rows (graph/inputs.py)
+    verify: bool = False
 
     @staticmethod
     def from_config(cfg: GraphConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                    ep: bool = False) -> BucketPlan:
+                    ep: bool = False, verify: bool = False) -> BucketPlan:
         decode = capture_sizes(cfg.decode_sizes, min(max_num_seqs, cfg.max_decode))
         prefill = capture_sizes(cfg.prefill_sizes, min(max_num_batched_tokens, cfg.max_prefill))
-        return BucketPlan(tuple(decode), tuple(prefill), max(decode[-1], max_num_seqs), ep)
+        return BucketPlan(tuple(decode), tuple(prefill), max(decode[-1], max_num_seqs), ep,
+                          verify)
+
+    @property
+    def max_verify_rows(self) -> int:
+        """The most decode rows a step of verify chunks runs as (inputs.decode_shaped); 0
+        without speculation: such a step is prefill-shaped."""
+        return self.decode_sizes[-1] if self.verify else 0
 
     @property
     def max_size(self) -> int:
@@ -76,8 +85,8 @@ class BucketPlan:
         `comm` > 0 is the EP dispatch size every rank pads to (see `comm_tokens`); it is part
         of the key, and above the largest capture size every rank runs eagerly.
         """
-        if decode and num_tokens > num_seqs and num_tokens > self.decode_sizes[-1]:
-            decode = False  # drafts to verify past the decode buckets: inputs.decode_shaped
+        if decode and num_tokens > num_seqs and num_tokens > self.max_verify_rows:
+            decode = False  # drafts verified prefill-shaped: inputs.decode_shaped
         if decode:  # a row per token: a verifying sequence's drafts are rows too
             n = bucket(num_tokens, self.decode_sizes)
             local = BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)
@@ -124,4 +133,4 @@ def bucket_plan(cfg: ServeConfig) -> BucketPlan | None:
         return None
     s = cfg.scheduler
     return BucketPlan.from_config(cfg.graph, s.max_num_seqs, s.max_num_batched_tokens,
-                                  cfg.parallel.ep > 1)
+                                  cfg.parallel.ep > 1, cfg.speculative.method != "")

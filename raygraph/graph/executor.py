@@ -138,12 +138,13 @@ class GraphExecutor(Executor):
         self.rank = rank  # the worker's global rank, for capture records
         self.cuda = self.device.type == "cuda" and cfg.backend != "eager"
         self.buckets = buckets
-        self.max_decode_rows = buckets.decode_sizes[-1]
+        self.max_decode_rows = buckets.max_verify_rows
         max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
         # with LoRA every graph reads each token's slot: one graph serves any mix of adapters
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
-                                 self.device, lora=self.lora, cascade=cfg.decode_cascade)
+                                 self.device, lora=self.lora, cascade=cfg.decode_cascade,
+                                 verify=buckets.verify)
         attn = model.attention_layers()[0]
         dtype = next(model.parameters()).dtype
         # one attention output buffer serves every layer and bucket: pieces run in order

@@ -240,7 +240,9 @@ class InputBuffers:
     H100 host (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's
     slot, the tokens sorted by slot, their slots in that order; padding tokens -1) exist
     only when `lora` is set: without it the layout is the plain model's. The shared prefix length
-    (`shared_prefix_len`) is written and handed to decode buckets only with `cascade`.
+    (`shared_prefix_len`) is written and handed to decode buckets only with `cascade`; the
+    rows' verify_row only with `verify` (speculative decoding: the decode kernel then reads
+    it, and a plain decode step pays nothing for it otherwise).
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
     from a list costs about a microsecond, a torch op several, and this runs on the critical
@@ -253,8 +255,9 @@ class InputBuffers:
             "feed", "verify_row")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 lora: bool = False, cascade: bool = False):
+                 lora: bool = False, cascade: bool = False, verify: bool = False):
         self.cascade = cascade
+        self.verify = verify  # decode graphs read each row's verify_row
         starts_at = max_seqs * 4
         shared_at = starts_at + (max_seqs + 1) * 4
         lens_end = -(-(shared_at + 4) // 64) * 64  # token rows 8-byte aligned
@@ -424,4 +427,4 @@ class InputBuffers:
         shared = self.shared_len if cascade and self.cascade and decode else None
         return AttentionMetadata(*views[:7], num_tokens=num_real, max_q_len=max_q_len,
                                  max_kv_len=max_kv_len, decode=decode, shared_len=shared,
-                                 verify_row=views[7] if decode else None)
+                                 verify_row=views[7] if decode and self.verify else None)

@@ -45,6 +45,9 @@ import triton.language as tl
 from raygraph.model.triton_ops import to_cache
 
 TILE = 64
+# verify chunks: rows a program attends for at most, and its warps (a tile of up to 32
+# query rows)
+CHUNK_ROWS, CHUNK_WARPS = 8, 4
 PREFIX_ROWS = 64  # (sequence, query head) rows a cascade program attends over the prefix
 PREFIX_WARPS = 4  # ptxas, sm_90: 64 rows spill at 2 warps (56 B of stack), not at 4
 
@@ -59,8 +62,16 @@ def _decode_split_kernel(
     TILE: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, STORE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
     CASCADE: tl.constexpr, TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    ROPE: tl.constexpr, VERIFY: tl.constexpr,
+    ROPE: tl.constexpr, VERIFY: tl.constexpr, CHUNKS: tl.constexpr, CH: tl.constexpr,
+    CR: tl.constexpr,
 ):
+    if CHUNKS:
+        _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verify_ptr,
+                    out_ptr, cos_ptr, sin_ptr, scale, tl.program_id(0), tl.program_id(1),
+                    tl.arange(0, D), stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_kb, stride_ks, stride_ch, stride_bt, stride_ot,
+                    stride_oh, stride_c, GROUP, D, BS, TILE, PRECISION, STAGES, ROPE, CH, CR)
+        return
     shared = 0
     if CASCADE:
         shared = tl.load(shared_ptr)
@@ -182,13 +193,72 @@ def _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, row, kvh, pos, cos_ptr, sin_ptr, stri
 
 
 @triton.jit
-def _fold_key(q, k, v, m, l_sum, acc, scale):
-    """One key and value into the online softmax of the rows of q: a rank-1 update."""
+def _fold_key(q, k, v, m, l_sum, acc, scale, visible):
+    """One key and value into the online softmax of the rows of q that see it (`visible`,
+    a row mask or True): a rank-1 update. A row that has seen no key yet stays empty."""
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, s)
-    p = tl.exp(s - m_new)
-    alpha = tl.exp(m - m_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe)
+    alpha = tl.exp(m - m_safe)
     return m_new, l_sum * alpha + p, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verify_ptr,
+                out_ptr, cos_ptr, sin_ptr, scale, b, kvh, d, stride_qt, stride_qh, stride_kt,
+                stride_kh, stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt,
+                stride_ot, stride_oh, stride_c, GROUP: tl.constexpr, D: tl.constexpr,
+                BS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+                STAGES: tl.constexpr, ROPE: tl.constexpr, CH: tl.constexpr, CR: tl.constexpr):
+    """One split, verify chunks read once: every row stores its own K/V; the last row of
+    each CH rows of a chunk (or the chunk's last row) attends for those rows together, their
+    queries in one tile of CR rows (CH rows x the KV head's query heads), over the cached
+    keys once and then the chunk's keys of this step from its rows' K/V, each seen by the
+    rows at and after it. The other rows write no output. A plain decode row is a chunk of
+    one; a padding row (kv length 0) attends to nothing and writes zeros."""
+    seq_len = tl.load(lens_ptr + b)
+    last = seq_len - 1
+    pos = tl.maximum(last, 0)
+    ahead = tl.load(verify_ptr + b).to(tl.int32)
+    k_last, v_last = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b, kvh, pos, cos_ptr, sin_ptr,
+                              stride_kt, stride_kh, stride_vt, stride_vh, stride_c, d, D, ROPE)
+    if seq_len > 0:  # NOTE: padding rows (seq_len 0) write nothing
+        blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
+        off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
+        tl.store(k_ptr + off, k_last)
+        tl.store(v_ptr + off, v_last)
+    nxt = tl.load(verify_ptr + b + 1, mask=b + 1 < tl.num_programs(0), other=0)
+    if (nxt == 0) | ((ahead + 1) % CH == 0):
+        gp: tl.constexpr = CR // CH
+        r = tl.arange(0, CR)
+        i = ahead - ahead % CH + r // gp  # the query row's place in its chunk
+        g = r % gp
+        valid = (i <= ahead) & (g < GROUP)
+        base = last - ahead  # the chunk's first key of this step
+        qpos = tl.where(i <= ahead, base + i, pos)
+        qpos = tl.maximum(qpos, 0)
+        rows = b - ahead + tl.minimum(i, ahead)
+        heads = kvh * GROUP + tl.minimum(g, GROUP - 1)
+        q = _load_rotated(q_ptr, rows[:, None] * stride_qt + heads[:, None] * stride_qh,
+                          valid[:, None], qpos[:, None], cos_ptr, sin_ptr, stride_c,
+                          d[None, :], D, ROPE)  # [CR, D]
+        m = tl.full([CR], float("-inf"), tl.float32)
+        l_sum = tl.zeros([CR], tl.float32)
+        acc = tl.zeros([CR, D], tl.float32)
+        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
+                                scale, 0, base, kvh, d, stride_kb, stride_ks, stride_ch, BS,
+                                TILE, PRECISION, STAGES)
+        for j in tl.range(0, ahead + 1):
+            k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh,
+                                tl.maximum(base + j, 0), cos_ptr, sin_ptr, stride_kt,
+                                stride_kh, stride_vt, stride_vh, stride_c, d, D, ROPE)
+            m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale,
+                                      (i >= j) & (seq_len > 0))
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -245,10 +315,10 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                     k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh, at,
                                         cos_ptr, sin_ptr, stride_kt, stride_kh, stride_vt,
                                         stride_vh, stride_c, d, D, ROPE)
-                    m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale)
+                    m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale, True)
             if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop
                 # cost ~50% of the kernel (a layout conversion every tile); one rank-1 update
-                m, l_sum, acc = _fold_key(q, k_last, v_last, m, l_sum, acc, scale)
+                m, l_sum, acc = _fold_key(q, k_last, v_last, m, l_sum, acc, scale, True)
         if SPLITS > 1:
             _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m,
                             l_sum, acc, gmask, d, D)
@@ -456,6 +526,10 @@ def paged_decode_attention(
                 ROPE=rope is not None, num_warps=PREFIX_WARPS,
             )
     verify = store and verify_row is not None
+    # one split, no cascade or window: each chunk's rows attend in one program
+    chunks = verify and splits == 1 and not cascade and window == 0
+    gp = triton.next_power_of_2(group)
+    ch = max(1, min(CHUNK_ROWS, 32 // gp))
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, kn, vn, k_cache, v_cache, block_tables, seq_lens,
         verify_row if verify else seq_lens, shared, ml, acc, out, cos, sin,
@@ -465,7 +539,8 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
         PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total,
-        PREFIX_SPLITS=p_splits, ROPE=rope is not None, VERIFY=verify, num_warps=warps,
+        PREFIX_SPLITS=p_splits, ROPE=rope is not None, VERIFY=verify, CHUNKS=chunks, CH=ch,
+        CR=max(16, ch * gp), num_warps=CHUNK_WARPS if chunks else warps,
     )
     if side is not None:
         main.wait_stream(side)

@@ -8,7 +8,13 @@ import random
 import pytest
 import torch
 
-from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
+from raygraph.config import (
+    CacheConfig,
+    GraphConfig,
+    SchedulerConfig,
+    ServeConfig,
+    SpeculativeConfig,
+)
 from raygraph.engine.sequence import Sequence
 from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref
@@ -230,12 +236,14 @@ def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def worker(ckpt, mode: str, dtype: str, prefill_graph: str = "piecewise",
-           cascade: bool = True) -> Worker:
+           cascade: bool = True, speculative: bool = False) -> Worker:
+    """`speculative`: n-gram speculation configured, so decode graphs verify drafts as rows."""
     cfg = ServeConfig(
         model=str(ckpt), device="cuda", dtype=dtype, cache=CacheConfig(block_size=16,
                                                                         num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128),
         graph=GraphConfig(mode=mode, prefill_graph=prefill_graph, decode_cascade=cascade),
+        speculative=SpeculativeConfig(method="ngram" if speculative else ""),
     )
     return loaded_worker(cfg, 256, capture=True)
 
@@ -260,7 +268,7 @@ def random_plan(rng: random.Random, shape: str) -> StepPlan:
     ("llama", "prefill", "full"), ("llama", "verify", "full"), ("qwen3", "decode", "piecewise"),
     ("qwen3", "prefill", "full")], indirect=["ckpt"])
 def test_graph_replay_equals_eager(ckpt, shape, prefill_graph):
-    g = worker(ckpt, "graph", "bfloat16", prefill_graph)
+    g = worker(ckpt, "graph", "bfloat16", prefill_graph, speculative=shape == "verify")
     e = worker(ckpt, "eager", "bfloat16")
     rng = random.Random(len(shape))
     for trial in range(6):
@@ -275,17 +283,19 @@ def test_graph_replay_equals_eager(ckpt, shape, prefill_graph):
 def test_triton_decode_verifies_drafts_as_rows_in_a_graph():
     """Verify chunks as decode rows (tests/conftest.verify_rows_case), the kernel captured
     and replayed: a row's chunk-mates store their keys in the same launch, so it must take
-    them from their K/V, not the cache; output and cache equal the reference."""
+    them from their K/V, not the cache; output and cache equal the reference. Split over
+    the keys (a program a row), and at one split (a program a chunk's rows: 8 query heads a
+    KV head take 4 rows a program, so the 5-row chunk two)."""
     from raygraph.model.triton_attention import paged_decode_attention
     from tests.conftest import verify_rows_case
 
-    for rope in (False, True):
-        case = verify_rows_case(torch.bfloat16, torch.device("cuda"), rope)
+    for rope, splits, group in [(False, None, 4), (True, None, 4), (False, 1, 4), (True, 1, 8)]:
+        case = verify_rows_case(torch.bfloat16, torch.device("cuda"), rope, group=group)
         a, rows = case["args"], case["rows"]
-        paged_decode_attention(**a, scale=64**-0.5)
+        paged_decode_attention(**a, scale=64**-0.5, splits=splits)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = paged_decode_attention(**a, scale=64**-0.5)
+            out = paged_decode_attention(**a, scale=64**-0.5, splits=splits)
         graph.replay()
         torch.testing.assert_close(a["k_cache"].float(), case["ref_k"].float(), atol=2e-2,
                                    rtol=2e-2)
