@@ -232,10 +232,11 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
 
 
 def default_config(rows: int, k: int, fp8: bool = False) -> GemvConfig:
-    """Enough programs to cover the SMs, each streaming a long run of K. Chosen from
-    bench/decode_profile.py on an H100 (llama-1b shapes, M = 1 and 8). FP8 weights: 32
-    columns over runs of 512 (bench/RESULTS.md, FP8 weights)."""
-    if fp8 and k % 512 == 0:
+    """Enough programs to cover the SMs, each streaming a long run of K. Up to 8192 rows
+    (FP8: any) 32 columns over runs of 512, chosen with bench/decode_profile.py on the 8B
+    shapes at 2-8 rows (bench/RESULTS.md, decode GEMMs alone); wider (an lm_head) 32
+    columns over runs of 256."""
+    if k % 512 == 0 and (fp8 or rows <= 8192):
         return GemvConfig(32, 512, 4, 3)
     block_n = 16 if rows <= 8192 else 32
     return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
