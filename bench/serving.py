@@ -86,8 +86,10 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
                           cache_dtype=a.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
+        # decode graphs for every batch the engine may run (past 256 sequences too)
         graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph, capture=a.capture,
-                          decode_cascade=a.decode_cascade),
+                          decode_cascade=a.decode_cascade,
+                          max_decode=max(GraphConfig().max_decode, max_num_seqs)),
     )
     return cfg.resolved(torch.cuda.device_count())
 
