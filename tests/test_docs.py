@@ -60,6 +60,21 @@ def read_blocks(page: Path) -> list[Block]:
 
 BLOCKS = [b for page in PAGES for b in read_blocks(page) if b.lang != "text"]
 
+# Blocks another test runs as they are, with checks of its own: a line the block holds ->
+# that test. The README's LLM block starts a private Ray and serves on CPU (~30 s on 2
+# cores); test_llm runs it and also checks its tokens and that the Ray it started is gone.
+RUN_ELSEWHERE = {
+    "with LLM() as llm:":
+        "tests/test_llm.py::test_the_readme_block_starts_a_private_ray_and_stops_it",
+}
+
+
+def block_holding(line: str) -> Block:
+    """The one block with `line` among its lines (stripped)."""
+    found = [b for b in BLOCKS if any(ln.strip().startswith(line) for ln in b.code.splitlines())]
+    assert len(found) == 1, f"{len(found)} blocks hold {line!r}: {[str(b) for b in found]}"
+    return found[0]
+
 
 def block_env() -> dict[str, str]:
     """This interpreter's environment for the commands, as the docs' `.venv` would give, and
@@ -79,12 +94,17 @@ def run(argv: list[str], block: Block) -> None:
 
 def test_pages_have_blocks() -> None:
     assert len(BLOCKS) > 10 and any(b.needs is None for b in BLOCKS)
+    for line in RUN_ELSEWHERE:
+        assert block_holding(line).needs is None  # it runs, there
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
 def test_block(block: Block, tmp_path: Path) -> None:
     if block.needs:
         pytest.skip(f"{block}: {block.needs.rstrip(':')}")
+    elsewhere = [test for line, test in RUN_ELSEWHERE.items() if block is block_holding(line)]
+    if elsewhere:
+        pytest.skip(f"{block}: runs in {elsewhere[0]}")
     if block.lang == "python":
         run([sys.executable, "-c", block.code], block)
     elif block.lang == "toml":
