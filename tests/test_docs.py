@@ -1,8 +1,9 @@
-"""Every fenced code block in README.md and docs/*.md runs here, so an example cannot go stale
-unseen. A block that cannot run in CI says so to its readers: the nearest non-empty line
-before it starts with "Needs " ("Needs a CUDA GPU:"), and it is skipped with that line as the
-reason. A ```text block (a drawing, a table, output) is not code. Any other block runs:
-python in a fresh interpreter, toml through raygraph's config loader, shell through bash."""
+"""Every fenced code block in README.md and docs/*.md runs in the tests, so an example cannot
+go stale unseen. A block that cannot run in CI says so to its readers: the nearest non-empty
+line before it starts with "Needs " ("Needs a CUDA GPU:"), and it is skipped with that line as
+the reason. A ```text block (a drawing, a table, output) is not code. Any other block runs
+here (python in a fresh interpreter, toml through raygraph's config loader, shell through
+bash), or in the test RUN_ELSEWHERE names for it."""
 
 from __future__ import annotations
 
