@@ -56,9 +56,12 @@ def test_bad_startup_input_is_one_line_exit_2(bad_models, case, args, cause):
         assert str(bad_models[case]) in line  # the file or directory is named
 
 
-def test_offload_budget_below_floor_is_one_line_exit_2():
-    """This one is found by a worker after loading: the cause crosses two actors."""
-    p = raygraph("serve", "--offload-budget", "1000", "--model", DEFAULT_MODEL)
+def test_offload_budget_below_floor_is_one_line_exit_2(ray_session):
+    """This one is found by a worker after loading: the cause crosses two actors. The CLI
+    joins the session's Ray (--address): a Ray of its own would add its start and stop."""
+    address = ray_session.get_runtime_context().gcs_address
+    p = raygraph("serve", "--offload-budget", "1000", "--model", DEFAULT_MODEL,
+                 "--address", address)
     assert p.returncode == 2, p.stderr
     line = one_error_line(p)
     assert "offload budget 1000 bytes is below the floor: at least" in line

@@ -1,8 +1,9 @@
-"""Every fenced code block in README.md and docs/*.md runs here, so an example cannot go stale
-unseen. A block that cannot run in CI says so to its readers: the nearest non-empty line
-before it starts with "Needs " ("Needs a CUDA GPU:"), and it is skipped with that line as the
-reason. A ```text block (a drawing, a table, output) is not code. Any other block runs:
-python in a fresh interpreter, toml through raygraph's config loader, shell through bash."""
+"""Every fenced code block in README.md and docs/*.md runs in the tests, so an example cannot
+go stale unseen. A block that cannot run in CI says so to its readers: the nearest non-empty
+line before it starts with "Needs " ("Needs a CUDA GPU:"), and it is skipped with that line as
+the reason. A ```text block (a drawing, a table, output) is not code. Any other block runs
+here (python in a fresh interpreter, toml through raygraph's config loader, shell through
+bash), or in the test RUN_ELSEWHERE names for it."""
 
 from __future__ import annotations
 
@@ -60,6 +61,21 @@ def read_blocks(page: Path) -> list[Block]:
 
 BLOCKS = [b for page in PAGES for b in read_blocks(page) if b.lang != "text"]
 
+# Blocks another test runs as they are, with checks of its own: a line the block holds ->
+# that test. The README's LLM block starts a private Ray and serves on CPU (~30 s on 2
+# cores); test_llm runs it and also checks its tokens and that the Ray it started is gone.
+RUN_ELSEWHERE = {
+    "with LLM() as llm:":
+        "tests/test_llm.py::test_the_readme_block_starts_a_private_ray_and_stops_it",
+}
+
+
+def block_holding(line: str) -> Block:
+    """The one block with `line` among its lines (stripped)."""
+    found = [b for b in BLOCKS if any(ln.strip().startswith(line) for ln in b.code.splitlines())]
+    assert len(found) == 1, f"{len(found)} blocks hold {line!r}: {[str(b) for b in found]}"
+    return found[0]
+
 
 def block_env() -> dict[str, str]:
     """This interpreter's environment for the commands, as the docs' `.venv` would give, and
@@ -79,12 +95,17 @@ def run(argv: list[str], block: Block) -> None:
 
 def test_pages_have_blocks() -> None:
     assert len(BLOCKS) > 10 and any(b.needs is None for b in BLOCKS)
+    for line in RUN_ELSEWHERE:
+        assert block_holding(line).needs is None  # it runs, there
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
 def test_block(block: Block, tmp_path: Path) -> None:
     if block.needs:
         pytest.skip(f"{block}: {block.needs.rstrip(':')}")
+    elsewhere = [test for line, test in RUN_ELSEWHERE.items() if block is block_holding(line)]
+    if elsewhere:
+        pytest.skip(f"{block}: runs in {elsewhere[0]}")
     if block.lang == "python":
         run([sys.executable, "-c", block.code], block)
     elif block.lang == "toml":

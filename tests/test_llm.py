@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -119,20 +118,21 @@ def test_a_second_llm_serves_beside_the_first_and_leaves_ray_running(llm, ray_se
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == want.token_ids
 
 
-def test_without_ray_it_starts_a_private_one_and_stops_it(llm):
-    (want,) = llm.generate(PROMPTS[0], GREEDY)
-    script = textwrap.dedent("""
-        import ray
-        from raygraph import LLM, SamplingParams
-        with LLM() as llm:
-            p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-            print(llm.generate("The import statement", p)[0].token_ids)
-        print(ray.is_initialized())
-    """)
+def test_the_readme_block_starts_a_private_ray_and_stops_it(llm):
+    """The README's LLM block (tests/test_docs leaves it to this test), as its readers run it
+    without Ray: it exits 0, its tokens are the session's LLM's, and the Ray it started is
+    gone after the `with`."""
+    from tests.test_docs import block_env, block_holding
+
+    block = block_holding("with LLM() as llm:")
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)  # the block's
+    want = [o.token_ids for o in llm.generate(["The import statement", "A class"], greedy)]
+    script = block.code + "\nimport ray\nprint(ray.is_initialized())\n"
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.split("\n")[-3:] == [str(want.token_ids), "False", ""]
+                       timeout=300, env=block_env())
+    assert p.returncode == 0, f"{block}\n{p.stderr[-4000:]}"
+    assert all(f" {ids}\n" in p.stdout for ids in want), p.stdout
+    assert p.stdout.split("\n")[-2:] == ["False", ""]
 
 
 def cli_config(*flags: str):
