@@ -335,3 +335,25 @@ def test_verify_chunks_past_the_decode_buckets_run_prefill_shaped():
     plain = BucketPlan((1, 2, 4, 8), (16, 64), 8)
     assert not host_inputs(StepPlan(0, chunks[:2]), 16, max_rows=plain.max_verify_rows).decode
     assert plain.key(6, 2, True).phase == "prefill"
+
+
+def test_verify_rows_live_in_the_buffers_only_with_speculation():
+    """Decode graphs read each row's verify_row only where speculation is configured: the
+    buffers then hold the row (a plain step after a verify step writes it back to 0), and
+    without it they have none, the upload being the plain layout's."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+    from raygraph.protocol import SeqChunk, StepPlan
+
+    cpu = torch.device("cpu")
+    verify = StepPlan(0, [SeqChunk(0, [1, 2, 3], 10, [0], True, verify=2),
+                          SeqChunk(1, [4], 5, [1], True)])
+    plain = StepPlan(1, [SeqChunk(0, [1], 13, [0], True), SeqChunk(1, [4], 6, [1], True)])
+    bufs = InputBuffers(16, 8, 4, cpu, verify=True)
+    bufs.fill(host_inputs(verify, 16), 8, 8)
+    assert bufs.verify_row[:4].tolist() == [0, 1, 2, 0]
+    assert bufs.metadata(8, 8, 4, 1, 13, True).verify_row.tolist()[:4] == [0, 1, 2, 0]
+    bufs.fill(host_inputs(plain, 16), 8, 8)
+    assert bufs.verify_row[:4].tolist() == [0, 0, 0, 0]
+    off = InputBuffers(16, 8, 4, cpu)
+    assert off.verify_row is None and off.metadata(8, 8, 2, 1, 14, True).verify_row is None
+    assert off.nbytes == bufs.nbytes - 16 * 8  # one int64 row of max_tokens fewer

@@ -67,7 +67,7 @@ class SchedulerOutput:
     @property
     def decode(self) -> bool:
         """Every sequence computes one token, or one and the drafts it verifies (the graph
-        executor's decode phase: graph/inputs.decode_shaped)."""
+        executor's decode phase: graph/buckets.drafts_as_rows)."""
         return self.num_tokens == self.num_seqs + self.num_drafts
 
     @property

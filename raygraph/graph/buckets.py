@@ -44,6 +44,15 @@ def capture_schedule(decode_sizes: Sequence[int], prefill_sizes: Sequence[int]) 
     return keys
 
 
+def drafts_as_rows(num_tokens: int, num_seqs: int, max_rows: int | None) -> bool:
+    """Whether a decode-shaped step (each sequence one token, or one and its drafts) runs
+    as decode rows, a row per token: always without drafts; with them, up to `max_rows`
+    rows (the largest decode bucket where speculation is configured, else 0; None: any,
+    as an eager executor runs them). Past it, drafts are verified in a prefill-shaped step.
+    The coordinator's keys and the workers' inputs both follow it."""
+    return num_tokens == num_seqs or max_rows is None or num_tokens <= max_rows
+
+
 # A DP group with nothing to run still steps, so the MoE collectives match: one padding
 # token, a decode of one sequence. The coordinator keys it, the executor builds it.
 IDLE_TOKENS = 1
@@ -71,8 +80,8 @@ class BucketPlan:
 
     @property
     def max_verify_rows(self) -> int:
-        """The most decode rows a step of verify chunks runs as (inputs.decode_shaped); 0
-        without speculation: such a step is prefill-shaped."""
+        """The most decode rows a step of verify chunks runs as (drafts_as_rows); 0 without
+        speculation: such a step is prefill-shaped."""
         return self.decode_sizes[-1] if self.verify else 0
 
     @property
@@ -85,8 +94,7 @@ class BucketPlan:
         `comm` > 0 is the EP dispatch size every rank pads to (see `comm_tokens`); it is part
         of the key, and above the largest capture size every rank runs eagerly.
         """
-        if decode and num_tokens > num_seqs and num_tokens > self.max_verify_rows:
-            decode = False  # drafts verified prefill-shaped: inputs.decode_shaped
+        decode = decode and drafts_as_rows(num_tokens, num_seqs, self.max_verify_rows)
         if decode:  # a row per token: a verifying sequence's drafts are rows too
             n = bucket(num_tokens, self.decode_sizes)
             local = BucketKey("decode", n) if n is not None else BucketKey("eager", num_tokens)

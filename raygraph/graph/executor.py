@@ -57,7 +57,7 @@ class Executor(ABC):
         # the previous step's sampled tokens, which fed tokens read (the worker writes it);
         # graphs capture its address, so it is allocated once
         self.prev_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
-        self.max_decode_rows: int | None = None  # inputs.decode_shaped: any, eagerly
+        self.max_decode_rows: int | None = None  # buckets.drafts_as_rows: any, eagerly
 
     @abstractmethod
     def step(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:

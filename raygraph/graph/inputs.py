@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raygraph.graph.buckets import drafts_as_rows
 from raygraph.model.context import AttentionMetadata, ForwardContext, LoRAInputs
 from raygraph.protocol import StepPlan
 
@@ -96,25 +97,27 @@ def token_layout(q_lens: list[int], starts: list[int]) -> tuple[np.ndarray, ...]
     return token_seq, token_row, positions
 
 
-def decode_shaped(plan: StepPlan, max_rows: int | None = None) -> bool:
-    """Whether every chunk is one token, or a token and the drafts it verifies, in at most
-    `max_rows` tokens (the largest decode bucket; None: any): the step then runs as decode
-    rows, a verify chunk's tokens as consecutive rows (one query each, at its own position),
-    so verifying runs in the decode buckets and kernel. BucketPlan.key keys it the same."""
-    verifies = any(s.verify for s in plan.seqs)
-    if verifies and max_rows is not None and sum(len(s.token_ids) for s in plan.seqs) > max_rows:
-        return False
-    return all(len(s.token_ids) == 1 + s.verify for s in plan.seqs)
+def verify_layout(plan: StepPlan) -> tuple[list[int], ...]:
+    """(q_lens, starts, seq_lens, tables, verify_row) of a step whose chunks are each a token
+    and the drafts it verifies (or one token): a row per token, consecutive, each a query of
+    one at its own position, so verifying runs in the decode buckets and kernel."""
+    starts, seq_lens, tables, rows = [], [], [], []
+    for s in plan.seqs:
+        n = len(s.token_ids)
+        starts += range(s.start_pos, s.start_pos + n)
+        seq_lens += range(s.start_pos + 1, s.start_pos + n + 1)
+        tables += [s.block_table] * n
+        rows += range(n)
+    return [1] * len(starts), starts, seq_lens, tables, rows
 
 
 def host_inputs(plan: StepPlan, block_size: int, lora: bool = False,
                 max_rows: int | None = None) -> HostInputs:
     """`lora`: the model has adapter slots, so the tokens' slots are read (a pass over the
-    sequences a step that a model without LoRA does not pay). `max_rows`: decode_shaped's."""
+    sequences a step that a model without LoRA does not pay). `max_rows`: the most rows a
+    step with drafts runs as decode rows (buckets.drafts_as_rows)."""
     ids: list[int] = []
     q_lens, starts, seq_lens, tables, sample_idx = [], [], [], [], []
-    decode = decode_shaped(plan, max_rows)
-    verify_row = [] if decode and any(s.verify for s in plan.seqs) else None
     for s in plan.seqs:
         n = len(s.token_ids)
         end = s.start_pos + n
@@ -122,19 +125,19 @@ def host_inputs(plan: StepPlan, block_size: int, lora: bool = False,
             raise ValueError(
                 f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
         ids += s.token_ids
-        if verify_row is not None:  # a row per token, each its own query of one
-            q_lens += [1] * n
-            starts += range(s.start_pos, end)
-            seq_lens += range(s.start_pos + 1, end + 1)
-            tables += [s.block_table] * n
-            verify_row += range(n)
-        else:
-            q_lens.append(n)
-            starts.append(s.start_pos)
-            seq_lens.append(end)
-            tables.append(s.block_table)
+        q_lens.append(n)
+        starts.append(s.start_pos)
+        seq_lens.append(end)
+        tables.append(s.block_table)
         if s.sample:  # its last token, and each draft it verifies
             sample_idx += range(len(ids) - 1 - s.verify, len(ids))
+    decode, verify_row = q_lens.count(1) == len(q_lens), None
+    # a chunk with drafts has two tokens or more: only such a step pays for this check
+    if not decode and any(s.verify for s in plan.seqs):
+        decode = (all(n == 1 + s.verify for n, s in zip(q_lens, plan.seqs))
+                  and drafts_as_rows(len(ids), len(q_lens), max_rows))
+        if decode:  # each chunk a token and its drafts (or one token), rows permitting
+            q_lens, starts, seq_lens, tables, verify_row = verify_layout(plan)
     token_seq, token_row, positions = token_layout(q_lens, starts)
     h = HostInputs(ids, positions, None, token_seq, token_row, seq_lens, tables, sample_idx,
                    max(q_lens, default=0), decode, block_size=block_size,
@@ -250,18 +253,20 @@ class InputBuffers:
     """
 
     # sample_idx: the rows whose logits are sampled (a prefill step's last prompt tokens)
-    # feed: HostInputs.feed (-1: none); verify_row: HostInputs.verify_row (0: none)
+    # feed: HostInputs.feed (-1: none); verify_row (with `verify` only): HostInputs.verify_row
+    # (0: none)
     ROWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_row", "sample_idx",
-            "feed", "verify_row")
+            "feed")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
                  lora: bool = False, cascade: bool = False, verify: bool = False):
         self.cascade = cascade
         self.verify = verify  # decode graphs read each row's verify_row
+        names = self.ROWS + (("verify_row",) if verify else ())
         starts_at = max_seqs * 4
         shared_at = starts_at + (max_seqs + 1) * 4
         lens_end = -(-(shared_at + 4) // 64) * 64  # token rows 8-byte aligned
-        rows_end = lens_end + len(self.ROWS) * max_tokens * 8
+        rows_end = lens_end + len(names) * max_tokens * 8
         self._tables_at = rows_end + (3 * max_tokens * 4 if lora else 0)
         size = self._tables_at + max_seqs * max_blocks * 4
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -271,7 +276,7 @@ class InputBuffers:
             return (buf[:starts_at].view(torch.int32),
                     buf[starts_at: shared_at].view(torch.int32),
                     buf[shared_at: shared_at + 4].view(torch.int32),
-                    buf[lens_end: rows_end].view(torch.long).view(len(self.ROWS), -1),
+                    buf[lens_end: rows_end].view(torch.long).view(len(names), -1),
                     buf[self._tables_at:].view(torch.int32).view(max_seqs, max_blocks))
 
         (self.host_lens, self.host_starts, self.host_shared, self.host_tokens,
@@ -289,11 +294,14 @@ class InputBuffers:
         self._arange = np.arange(max(max_tokens, max_seqs), dtype=np.int64)
         self._tok[[2, 6]] = -1
         self.tokens[[2, 6]] = -1
-        for i, name in enumerate(self.ROWS):
+        self.verify_row: torch.Tensor | None = None
+        for i, name in enumerate(names):
             setattr(self, name, self.tokens[i])
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self._widths = [0] * max_seqs  # table row lengths last written
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        # (num_tokens, num_seqs) -> (the metadata's row views, the verify rows' or None)
+        self._views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...],
+                                                 torch.Tensor | None]] = {}
         self._lora_views: dict[int, LoRAInputs] = {}
         self._streams: dict[int, object] = {}  # raw stream handle -> its driver CUstream
         self._driver = None
@@ -355,7 +363,8 @@ class InputBuffers:
         tok[5, : len(h.sample_idx)] = h.sample_idx
         tok[5, len(h.sample_idx): n] = 0  # a full prefill graph gathers these rows too
         tok[6, :n] = -1 if h.feed is None else h.feed
-        tok[7, :n] = 0 if h.verify_row is None else h.verify_row
+        if self.verify:
+            tok[7, :n] = 0 if h.verify_row is None else h.verify_row
         if self._lora is not None:
             self._write_lora(h.lora, n, num_tokens)
         if n < num_tokens:
@@ -422,9 +431,12 @@ class InputBuffers:
             views = (self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
                      self.seq_lens[:num_seqs], self.query_start[: num_seqs + 1],
                      self.positions[:num_tokens], self.token_seq[:num_tokens],
-                     self.token_row[:num_tokens], self.verify_row[:num_tokens])
+                     self.token_row[:num_tokens])
+            verify = self.verify_row[:num_tokens] if self.verify_row is not None else None
+            views = (views, verify)
             self._views[(num_tokens, num_seqs)] = views
+        rows, verify = views
         shared = self.shared_len if cascade and self.cascade and decode else None
-        return AttentionMetadata(*views[:7], num_tokens=num_real, max_q_len=max_q_len,
+        return AttentionMetadata(*rows, num_tokens=num_real, max_q_len=max_q_len,
                                  max_kv_len=max_kv_len, decode=decode, shared_len=shared,
-                                 verify_row=views[7] if decode and self.verify else None)
+                                 verify_row=verify if decode else None)

@@ -193,6 +193,16 @@ def _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, row, kvh, pos, cos_ptr, sin_ptr, stri
 
 
 @triton.jit
+def _store_key(k_ptr, v_ptr, table_ptr, pos, kvh, d, k, v, stride_kb, stride_ks, stride_ch,
+               BS: tl.constexpr):
+    """K and V of KV head kvh into the slot the block table row gives position `pos`."""
+    blk = tl.load(table_ptr + pos // BS).to(tl.int64)
+    off = blk * stride_kb + (pos % BS) * stride_ks + kvh * stride_ch + d
+    tl.store(k_ptr + off, k)
+    tl.store(v_ptr + off, v)
+
+
+@triton.jit
 def _fold_key(q, k, v, m, l_sum, acc, scale, visible):
     """One key and value into the online softmax of the rows of q that see it (`visible`,
     a row mask or True): a rank-1 update. A row that has seen no key yet stays empty."""
@@ -225,10 +235,8 @@ def _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verif
     k_last, v_last = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b, kvh, pos, cos_ptr, sin_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_c, d, D, ROPE)
     if seq_len > 0:  # NOTE: padding rows (seq_len 0) write nothing
-        blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
-        off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
-        tl.store(k_ptr + off, k_last)
-        tl.store(v_ptr + off, v_last)
+        _store_key(k_ptr, v_ptr, tables_ptr + b * stride_bt, last, kvh, d, k_last, v_last,
+                   stride_kb, stride_ks, stride_ch, BS)
     nxt = tl.load(verify_ptr + b + 1, mask=b + 1 < tl.num_programs(0), other=0)
     if (nxt == 0) | ((ahead + 1) % CH == 0):
         gp: tl.constexpr = CR // CH
@@ -287,10 +295,8 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                                   stride_kt, stride_kh, stride_vt, stride_vh, stride_c, d, D,
                                   ROPE)
         if (split == 0) & (seq_len > 0):  # NOTE: padding rows (seq_len 0) write nothing
-            blk = tl.load(tables_ptr + b * stride_bt + last // BS).to(tl.int64)
-            off = blk * stride_kb + (last % BS) * stride_ks + kvh * stride_ch + d
-            tl.store(k_ptr + off, k_last)
-            tl.store(v_ptr + off, v_last)
+            _store_key(k_ptr, v_ptr, tables_ptr + b * stride_bt, last, kvh, d, k_last, v_last,
+                       stride_kb, stride_ks, stride_ch, BS)
     start, end = _split_range(_first_key(seq_len, shared, WINDOW, CASCADE), seq_len, split,
                               SPLITS, TILE)
     g = tl.arange(0, GROUP_PAD)
