@@ -87,6 +87,8 @@ class OracleProposer:
     than a decode step's) the recording says nothing about what follows: it proposes
     nothing from then on."""
 
+    asks = False  # proposes here, not on the workers
+
     def __init__(self, prompt_len: int, recorded: list[int], follow: bool = True) -> None:
         self.prompt_len = prompt_len
         self.recorded = recorded
@@ -168,8 +170,8 @@ def run(cfg: ServeConfig, worker: Worker, ids: list[list[int]], max_tokens: int,
     seqs = [Sequence(i, p, params) for i, p in enumerate(ids)]
     if proposer is not None:
         for seq in seqs:
-            seq.ngram = proposer(seq.seq_id, seq.prompt_token_ids)
-            seq.ngram.extend(seq.prompt_token_ids)
+            seq.proposer = proposer(seq.seq_id, seq.prompt_token_ids)
+            seq.proposer.extend(seq.prompt_token_ids)
     core.add(seqs)
     dispatch = local_dispatch(worker)
     t0 = time.perf_counter()

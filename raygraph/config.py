@@ -530,14 +530,17 @@ class LoRAConfig(msgspec.Struct, frozen=True):
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Speculative decoding (vLLM's --speculative-config). method "ngram": prompt lookup
     proposes up to `num_speculative_tokens` drafts a step from the sequence's own tokens
-    (engine/ngram.py); the target verifies them in one step and keeps the ones its greedy
-    argmax agrees with (a sampled request: rejection sampling, so its tokens follow the
-    target's distribution). Constrained and logprob requests decode as usual; a
+    (engine/ngram.py); method "draft": a small model of the target's tokenizer (`model`, a
+    checkpoint directory) proposes them greedily on the workers (worker/drafter.py). The
+    target verifies them in one step and keeps the ones its greedy argmax agrees with (a
+    sampled request: rejection sampling, so its tokens follow the target's distribution).
+    Constrained and logprob requests decode as usual; a
     speculating sequence runs in every other step of the overlapped
     loop (its drafts need its last token), so one whose proposals rarely hold (or that
     finds none) stops speculating and decodes as usual."""
 
-    method: Literal["", "ngram"] = ""  # "": off
+    method: Literal["", "ngram", "draft"] = ""  # "": off
+    model: str = ""  # method "draft": the draft model's checkpoint directory
     num_speculative_tokens: int = 4  # drafts a step at most (k)
     prompt_lookup_min: int = 1  # the shortest n-gram matched
     prompt_lookup_max: int = 4  # the longest (tried first)
@@ -546,9 +549,12 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("", "ngram"):
-            raise ConfigError(f"speculative method must be 'ngram' (draft models and EAGLE "
-                              f"heads are not supported yet), got {self.method!r}")
+        if self.method not in ("", "ngram", "draft"):
+            raise ConfigError(f"speculative method must be 'ngram' or 'draft' (EAGLE heads "
+                              f"are not supported yet), got {self.method!r}")
+        if (self.method == "draft") != bool(self.model):
+            raise ConfigError("a speculative 'model' goes with method 'draft' and only with "
+                              f"it, got method {self.method!r} and model {self.model!r}")
         if self.num_speculative_tokens < 1:
             raise ConfigError("num_speculative_tokens must be >= 1, got "
                               f"{self.num_speculative_tokens}")
@@ -715,6 +721,24 @@ class ServeConfig(msgspec.Struct, frozen=True):
                               "adapters yet")
         return msgspec.structs.replace(model, quant=quant)
 
+    def draft_cfg(self) -> ModelConfig | None:
+        """The draft model's config.json (speculative method "draft"; None: none), checked
+        against the target's: it must share the vocabulary and hold the served context."""
+        spec = self.speculative
+        if spec.method != "draft":
+            return None
+        draft, target = ModelConfig.from_pretrained(spec.model), self.model_cfg()
+        if draft.vocab_size != target.vocab_size:
+            raise ConfigError(f"draft model {spec.model!r} has a vocabulary of "
+                              f"{draft.vocab_size}, the target {target.vocab_size}: a draft "
+                              "model must share the target's tokenizer")
+        if draft.max_position_embeddings < self.max_model_len(target):
+            raise ConfigError(f"draft model {spec.model!r} holds "
+                              f"{draft.max_position_embeddings} positions, the served "
+                              f"context {self.max_model_len(target)}: set "
+                              "scheduler.max_model_len to at most that")
+        return draft
+
     def weights_dtype(self, device: str) -> str:
         """The dtype the weights run in on `device`: the one asked for, or for "auto"
         `auto_dtype` of the checkpoint's. The one place it is decided."""
@@ -736,6 +760,7 @@ class ServeConfig(msgspec.Struct, frozen=True):
             graph = msgspec.structs.replace(
                 graph, capture="background" if device == "cuda" else "lazy")
         cfg = msgspec.structs.replace(self, model_config=self.model_cfg())
+        cfg.draft_cfg()  # a draft model that cannot draft for this one: refused here
         return msgspec.structs.replace(cfg, device=device, dtype=cfg.weights_dtype(device),
                                        graph=graph, lora=self.lora.resolved(),
                                        replica=self.replica.pinned())

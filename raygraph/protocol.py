@@ -197,6 +197,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     logprobs: int = -1  # >= 0: return the sampled token's logprob and this many alternatives
     lora_slot: int = -1  # the adapter slot its tokens read (-1: the base model)
     verify: int = 0  # its last `verify` tokens are drafts: greedy tokens at each of them too
+    propose: bool = False  # the worker's draft model proposes the tokens after this one's
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -242,6 +243,7 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     verify: int = 0  # SeqChunk.verify
     # drafts of its last verify step that were not kept: its workers forget their KV first
     forget: int = 0
+    propose: bool = False  # SeqChunk.propose
 
 
 class StepDelta(msgspec.Struct, frozen=True):
@@ -290,6 +292,8 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
     # tokens per sampling sequence when a row verified drafts (then token_ids holds each
     # row's kept drafts and next token); empty: one token each
     counts: list[int] = []
+    # sampling row -> the draft model's proposal after that row's last token (SeqChunk.propose)
+    drafts: dict[int, list[int]] = {}
 
 
 class StepResult(msgspec.Struct, frozen=True):

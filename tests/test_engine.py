@@ -447,6 +447,8 @@ class Drafter:
     """A proposer (NgramIndex's interface) that drafts the fake model's next tokens, each
     wrong (token 1, which the model never gives) with probability `miss`."""
 
+    asks = False  # proposes here, not on the workers
+
     def __init__(self, g: FakeGroup, q: Sequence, rng: random.Random, miss: float) -> None:
         self.g, self.q, self.rng, self.miss = g, q, rng, miss
         self.num_tokens = 0
@@ -473,8 +475,8 @@ def test_speculation_overlapped(max_batch: int, seed: int) -> None:
     arrivals: dict[int, list[tuple[int, Sequence]]] = defaultdict(list)
     for i in range(12):
         q = seq(i, rng.randint(1, 9), max_tokens=rng.randint(4, 30))
-        q.ngram = Drafter(g, q, rng, miss=0.2)
-        q.ngram.extend(q.prompt_token_ids)
+        q.proposer = Drafter(g, q, rng, miss=0.2)
+        q.proposer.extend(q.prompt_token_ids)
         arrivals[rng.randrange(24)].append((0, q))
     emitted = drive(engine(s), [g], arrivals)
     check_tokens(g, emitted)

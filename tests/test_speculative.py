@@ -150,10 +150,11 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
     assert torch.equal(*draws)
 
 
-def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
-           temperature: float = 0.0, device: str = "cpu"):
+def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
+           temperature: float = 0.0, device: str = "cpu", draft: str = ""):
     """The built-in model through the served loop's logic (EngineCore over an in-process
-    worker: tokens fed on the device, replies a step late), n-gram speculation on or off."""
+    worker: tokens fed on the device, replies a step late), speculation off, n-gram (True)
+    or by the draft model at `draft` ("draft")."""
     from raygraph.config import (
         DEFAULT_MODEL,
         CacheConfig,
@@ -163,17 +164,19 @@ def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool 
         SpeculativeConfig,
     )
     from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
+    from raygraph.engine.drafts import ModelDrafts
     from raygraph.engine.sequence import Sequence
     from raygraph.protocol import SamplingParams
     from raygraph.tokenizer import load_tokenizer
     from tests.conftest import loaded_worker
 
+    method = {False: "", True: "ngram"}.get(spec, spec)
     tok = load_tokenizer(DEFAULT_MODEL)
     cfg = ServeConfig(device=device, dtype="float32",
                       cache=CacheConfig(block_size=16, num_blocks=blocks),
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                       graph=GraphConfig(mode=mode),
-                      speculative=SpeculativeConfig(method="ngram" if spec else ""))
+                      speculative=SpeculativeConfig(method=method, model=draft))
     worker = loaded_worker(cfg, blocks, capture=True)
     core = EngineCore.from_config(cfg, worker.model_cfg, blocks)
     seqs = []
@@ -182,9 +185,11 @@ def served(spec: bool, mode: str = "graph", blocks: int = 128, ignore_eos: bool 
         sp = SamplingParams(max_tokens=40, temperature=temperature, seed=i if temperature else None,
                             ignore_eos=ignore_eos).resolved()
         seq = Sequence(i, prompt, sp)
-        if spec:
-            seq.ngram = NgramIndex(1, 4)
-            seq.ngram.extend(prompt)
+        if method == "ngram":
+            seq.proposer = NgramIndex(1, 4)
+            seq.proposer.extend(prompt)
+        elif method:
+            seq.proposer = ModelDrafts()
         core.schedulers[0].add(seq)
         seqs.append(seq)
     run_to_completion(core, local_dispatch(worker))
@@ -205,29 +210,104 @@ def test_ngram_speculation_keeps_greedy_tokens(mode, blocks, ignore_eos):
         assert sum(s.num_preemptions for s in spec) > 0
 
 
-def test_sampled_requests_speculate_reproducibly():
-    """Seeded sampled requests with n-gram drafts (rejection sampling on the workers): drafts
-    proposed and verified, max_tokens exact, and the same seeds give the same tokens again."""
-    runs = [served(True, temperature=0.8) for _ in range(2)]
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory) -> str:
+    """A random one-layer Llama of the built-in model's vocabulary: drafts that rarely hold."""
+    from tests.conftest import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("draft"), "LlamaForCausalLM",
+                               vocab_size=4096, num_hidden_layers=1))
+
+
+@pytest.mark.parametrize("mode,blocks,ignore_eos", [("graph", 128, True), ("eager", 128, False),
+                                                    ("graph", 12, True)])
+def test_draft_model_speculation_keeps_greedy_tokens(random_draft, mode, blocks, ignore_eos):
+    """A random draft model's proposals verified: greedy tokens and finish reasons equal
+    those without speculation; with 12 blocks sequences are preempted on the way."""
+    plain, _ = served(False, mode, blocks, ignore_eos)
+    spec, sched = served("draft", mode, blocks, ignore_eos, draft=random_draft)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert [s.finish_reason for s in spec] == [s.finish_reason for s in plain]
+    assert sched.num_draft_tokens > 0
+    if blocks == 12:
+        assert sum(s.num_preemptions for s in spec) > 0
+
+
+@pytest.mark.parametrize("blocks", [128, 12])
+def test_a_model_drafting_for_itself_keeps_nearly_every_draft(blocks):
+    """The built-in model as its own draft model proposes the target's greedy tokens, so
+    nearly every draft is kept: only if the draft model's cache holds the target's tokens at
+    their positions (prompts, kept drafts, prefix hits, recomputes after preemption) and each
+    proposal starts from the newest token after the kept drafts (an off-by-one anywhere
+    leaves next to nothing kept). Greedy tokens equal those without speculation."""
+    from raygraph.config import DEFAULT_MODEL
+
+    plain, _ = served(False, blocks=blocks)
+    spec, sched = served("draft", blocks=blocks, draft=DEFAULT_MODEL)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens >= len(TEXTS) * 40 // 2  # most tokens came as drafts
+    assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
+    if blocks == 12:
+        assert sum(s.num_preemptions for s in spec) > 0
+
+
+def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft, tmp_path):
+    """One line each: another vocabulary, too few positions for the served context, a
+    draft model without method "draft" or the method without one."""
+    from raygraph.config import ConfigError, ServeConfig, SpeculativeConfig
+    from tests.conftest import make_checkpoint
+
+    def resolve(model: str, **kw) -> None:
+        ServeConfig(speculative=SpeculativeConfig(method="draft", model=model), **kw).resolved(0)
+
+    other = str(make_checkpoint(tmp_path / "v256", "LlamaForCausalLM", num_hidden_layers=1))
+    with pytest.raises(ConfigError, match="vocabulary of 256, the target 4096"):
+        resolve(other)
+    short = str(make_checkpoint(tmp_path / "p128", "LlamaForCausalLM", num_hidden_layers=1,
+                                vocab_size=4096, max_position_embeddings=128))
+    with pytest.raises(ConfigError, match="holds 128 positions, the served context 512"):
+        resolve(short)
+    from raygraph.config import SchedulerConfig
+
+    resolve(short, scheduler=SchedulerConfig(max_model_len=128))  # as the message says
+    resolve(random_draft)
+    for method, model in (("ngram", random_draft), ("draft", "")):
+        with pytest.raises(ConfigError, match="goes with method 'draft' and only with it"):
+            SpeculativeConfig(method=method, model=model)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_requests_speculate_reproducibly(method):
+    """Seeded sampled requests with drafts (rejection sampling on the workers): drafts
+    proposed and verified, max_tokens exact, and the same seeds give the same tokens again
+    (the draft model: the built-in model drafting for itself)."""
+    from raygraph.config import DEFAULT_MODEL
+
+    spec = True if method == "ngram" else method
+    draft = DEFAULT_MODEL if method == "draft" else ""
+    runs = [served(spec, temperature=0.8, draft=draft) for _ in range(2)]
     (first, sched), (again, _) = runs
     assert sched.num_draft_tokens > 0
     assert all(len(s.output_token_ids) == 40 for s in first)
     assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
 
 
-def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord):
-    """Requests served with n-gram speculation at TP=2 (both ranks verify alike): the same
-    texts, token ids and finish reasons as without (the session's TP=2 coordinator; stop
-    strings and max_tokens included); the drafts counted in the engine's stats. TP=1 is the
-    in-process test above."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord, method):
+    """Requests served with speculation at TP=2 (both ranks verify alike; the draft model,
+    the built-in one drafting for itself, on the rank that samples): the same texts, token
+    ids and finish reasons as without (the session's TP=2 coordinator; stop strings and
+    max_tokens included); the drafts counted in the engine's stats. TP=1 is the in-process
+    test above."""
     import msgspec
 
-    from raygraph.config import SpeculativeConfig
+    from raygraph.config import DEFAULT_MODEL, SpeculativeConfig
     from raygraph.protocol import SamplingParams
     from tests.conftest import default_model_tp2_config, start_coordinators, stop_coordinators
 
-    cfg = msgspec.structs.replace(default_model_tp2_config(), coordinator_name="speculative-tp2",
-                                  speculative=SpeculativeConfig(method="ngram"))
+    spec_cfg = SpeculativeConfig(method=method, model=DEFAULT_MODEL if method == "draft" else "")
+    cfg = msgspec.structs.replace(default_model_tp2_config(), speculative=spec_cfg,
+                                  coordinator_name=f"speculative-tp2-{method}")
     jobs = [(text, SamplingParams(max_tokens=32, temperature=0.0)) for text in TEXTS]
     jobs += [(TEXTS[1], SamplingParams(max_tokens=32, temperature=0.0, stop=[" blue"])),
              (TEXTS[0], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))]
@@ -243,6 +323,9 @@ def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_
     assert plain[-1][2] == "length" and len(plain[-1][1]) == 7
     engine = stats if "spec_decode_num_draft_tokens" in stats else stats["replicas"][0]
     assert engine["spec_decode_num_draft_tokens"] > 0
+    if method == "draft":  # the model's own greedy tokens: nearly all kept
+        assert (engine["spec_decode_num_accepted_tokens"]
+                >= 0.9 * engine["spec_decode_num_draft_tokens"])
 
 
 def test_oracle_drafts_hold_and_keep_greedy_tokens():

@@ -134,7 +134,8 @@ class EngineCore:
         outs, self.in_flight = self.in_flight, None
         if outs is None:
             return [[] for _ in self.schedulers]
-        return [s.update(o, out.token_ids, out.logprobs, out.counts) if o is not None else []
+        return [s.update(o, out.token_ids, out.logprobs, out.counts, out.drafts)
+                if o is not None else []
                 for s, o, out in zip(self.schedulers, outs, outputs)]
 
     def step(self, dispatch: Dispatch) -> Emitted | None:

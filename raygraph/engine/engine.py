@@ -34,6 +34,7 @@ from raygraph.channel import ChannelAddress, DeltaChannel
 from raygraph.config import ServeConfig
 from raygraph.engine.capture import Capture
 from raygraph.engine.core import EngineCore
+from raygraph.engine.drafts import ModelDrafts
 from raygraph.engine.group import WorkerGroup
 from raygraph.engine.kv_cache import merge_stats
 from raygraph.engine.lockstep import CaptureError, KeyReport, remote_call_all
@@ -532,21 +533,23 @@ class Engine:
             seq = Sequence(next(self._ids), ids, sp, watch=stream or bool(sp.stop))
             if grammars is not None:
                 seq.guide = grammars.guide(sp.structured)
-            seq.ngram = self.speculation(sp, ids)
+            seq.proposer = self.speculation(sp, ids)
             if sp.lora is not None:  # its blocks are keyed by the adapter's id
                 seq.adapter_id = self.lora.registry.open(sp.lora).adapter_id
             reqs.append(self.clients.add(seq.seq_id, ids, sp, stream))
             seqs.append((seq, sp.lora))
         return reqs, seqs
 
-    def speculation(self, sp: SamplingParams, prompt: list[int]) -> NgramIndex | None:
-        """A new sequence's n-gram index when it speculates: n-gram speculation on, and a
-        request without a grammar or logprobs (their tokens come one a step). Greedy ones
-        keep the drafts the target's argmax agrees with, sampled ones go through rejection
-        sampling (worker/speculative.py): either way their tokens are the target's own."""
+    def speculation(self, sp: SamplingParams, prompt: list[int]) -> NgramIndex | ModelDrafts | None:
+        """A new sequence's proposer when it speculates: speculation on, and a request
+        without a grammar or logprobs (their tokens come one a step). Greedy ones keep the
+        drafts the target's argmax agrees with, sampled ones go through rejection sampling
+        (worker/speculative.py): either way their tokens are the target's own."""
         spec = self.cfg.speculative
-        if spec.method != "ngram" or sp.structured is not None or sp.logprobs is not None:
+        if not spec.method or sp.structured is not None or sp.logprobs is not None:
             return None
+        if spec.method == "draft":
+            return ModelDrafts()
         index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         index.extend(prompt)
         return index
@@ -675,8 +678,11 @@ class Engine:
         items = []
         for pairs in emitted:
             self.tokens_generated += len(pairs)
-            for seq, token in pairs:
-                reason = seq.finish_reason
+            for i, (seq, token) in enumerate(pairs):
+                # a verify step's tokens of one sequence come in a row: it finished, if it
+                # did, with the last of them
+                more = i + 1 < len(pairs) and pairs[i + 1][0] is seq
+                reason = None if more else seq.finish_reason
                 if seq.watch:
                     items.append((seq.seq_id, [token], reason, False, seq.logprobs[-1:],
                                   seq.scheduled_at))

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 class NgramIndex:
     """One sequence's tokens (prompt, then outputs as they are accepted) and n-grams."""
 
+    asks = False  # proposes on the coordinator: its chunks ask the workers for nothing
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")

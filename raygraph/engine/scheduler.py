@@ -20,9 +20,10 @@ keep its matcher and fill its mask once its pending token is on their host, whil
 step's forward runs (worker/guides.py). Its matcher here, a step behind, ends it when the
 grammar is complete.
 
-A sequence with an n-gram index (speculative decoding, engine/ngram.py) is sent, once its
-last token is known, with the drafts the index proposes after it: the workers return the
-drafts their greedy tokens agree with and the token after them (one to k + 1 tokens). Its
+A sequence with a proposer (speculative decoding: an n-gram index, engine/ngram.py, or the
+workers' draft model, engine/drafts.py) is sent, once its last token is known, with the
+drafts proposed after it: the workers return the drafts their greedy tokens agree with and
+the token after them (one to k + 1 tokens), and a draft model's next proposal with them. Its
 drafts need its last token, so it sits out the step in which that token is in flight. A
 verify step in flight returns one to k + 1 tokens, so no feed can follow it: the sequence
 sits out the next step even when drafts are off for it (speculative_max_batch reached).
@@ -91,6 +92,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens  # drafts a verify step at most
         self.speculative_max_batch = speculative_max_batch  # no drafts from this batch (0: any)
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding's totals
+        self._speculate = False  # this step sends drafts (and asks the workers for them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._drop: list[int] = []  # tracked sequences to forget with the next step
@@ -131,13 +133,13 @@ class Scheduler:
         out = SchedulerOutput([], [], [], [], self._drop, [], 0)
         self._drop = []
         feed, bs, max_len = out.feed, self.kv.block_size, self.max_model_len
-        speculate = self.num_speculative_tokens > 0 and (
+        speculate = self._speculate = self.num_speculative_tokens > 0 and (
             not self.speculative_max_batch or len(self.running) < self.speculative_max_batch)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if seq.ngram is not None:
+            if seq.proposer is not None:
                 if seq.drafts:
                     continue  # verifying: 1 to k + 1 tokens come back, no feed can follow
                 if speculate:
@@ -232,7 +234,7 @@ class Scheduler:
             out.feed.append(seq)
             return  # counted with the other feeds
         out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample,
-                                        forget=seq.forget)))
+                                        forget=seq.forget, propose=sample and self._asks(seq))))
         seq.forget = 0
         out.num_tokens += n
 
@@ -247,10 +249,11 @@ class Scheduler:
                    self.max_num_seqs - len(self.running) - out.num_drafts,
                    p.max_tokens - len(seq.output_token_ids) - 1,
                    self.max_model_len - seq.num_tokens - 1)
-        drafts = seq.ngram.propose(room) if room > 0 else []
-        seq.spec_misses = 0 if drafts else seq.spec_misses + 1
+        drafts = seq.proposer.propose(room) if room > 0 else []
+        # a draft model proposes with every token it is asked after: none means not asked
+        seq.spec_misses = 0 if drafts or seq.proposer.asks else seq.spec_misses + 1
         if seq.spec_misses >= SPEC_MAX_MISSES:
-            seq.ngram = None  # decodes as usual from now on
+            seq.proposer = None  # decodes as usual from now on
         return drafts
 
     def _take_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput) -> None:
@@ -263,10 +266,14 @@ class Scheduler:
         seq.num_pending += 1
         seq.drafts = len(drafts)
         out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, 1) + drafts, True,
-                                        len(drafts), seq.forget)))
+                                        len(drafts), seq.forget, seq.proposer.asks)))
         seq.forget = 0
         out.num_tokens += 1 + len(drafts)
         out.num_drafts += len(drafts)
+
+    def _asks(self, seq: Sequence) -> bool:
+        """Whether seq's chunk that samples asks the workers' draft model for drafts."""
+        return self._speculate and seq.proposer is not None and seq.proposer.asks
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for n more tokens of seq, preempting from the back of the running list."""
@@ -294,13 +301,24 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[int],
                logprobs: dict[int, TokenLogprobs] | None = None,
-               counts: list[int] | None = None) -> list[tuple[Sequence, int]]:
+               counts: list[int] | None = None,
+               drafts: dict[int, list[int]] | None = None) -> list[tuple[Sequence, int]]:
         """Apply one step's tokens (one per `out.sampled`, in order; with `counts`, that
-        many each: a verifying sequence's kept drafts and next token) and the logprobs of
-        the rows that asked; returns the (seq, token) pairs to emit. A token past a stop is
-        discarded; finished sequences leave."""
-        if counts:
-            return self._update_verified(out, sampled, counts)
+        many each: a verifying sequence's kept drafts and next token), the logprobs of the
+        rows that asked and the draft model's proposals (by row, after each row's tokens);
+        returns the (seq, token) pairs to emit. A token past a stop is discarded; finished
+        sequences leave."""
+        new = (self._update_verified(out, sampled, counts) if counts
+               else self._update(out, sampled, logprobs))
+        for row, proposal in (drafts or {}).items():
+            seq = out.sampled[row]
+            if seq.finish_reason is None and seq.proposer is not None:
+                seq.proposer.offer(proposal)
+        return new
+
+    def _update(self, out: SchedulerOutput, sampled: list[int],
+                logprobs: dict[int, TokenLogprobs] | None) -> list[tuple[Sequence, int]]:
+        """update() for a step of one token a sequence."""
         new: list[tuple[Sequence, int]] = []
         seqs = out.sampled
         if len(seqs) != len(sampled):
@@ -324,8 +342,8 @@ class Scheduler:
             elif (len(outputs) >= p.max_tokens
                   or len(seq.prompt_token_ids) + len(outputs) >= max_len):
                 self.finish(seq, "length")
-            if seq.ngram is not None:
-                seq.ngram.extend((token,))
+            if seq.proposer is not None:
+                seq.proposer.extend((token,))
         return new
 
     def _update_verified(self, out: SchedulerOutput, sampled: list[int], counts: list[int]
@@ -351,14 +369,14 @@ class Scheduler:
                 seq.spec_kept += n - 1
                 if (seq.spec_drafts >= SPEC_TRIAL_DRAFTS
                         and seq.spec_kept < SPEC_MIN_KEPT * seq.spec_drafts):
-                    seq.ngram = None  # decodes as usual from now on
+                    seq.proposer = None  # decodes as usual from now on
                 if seq.block_table:  # not preempted since: its rejected drafts' KV is stale
                     seq.num_computed -= seq.drafts - (n - 1)
                     seq.forget = seq.drafts - (n - 1)
                 seq.drafts = 0
             kept = self._append(seq, tokens, new)
-            if seq.ngram is not None:
-                seq.ngram.extend(kept)
+            if seq.proposer is not None:
+                seq.proposer.extend(kept)
         return new
 
     def _append(self, seq: Sequence, tokens: list[int], new: list[tuple[Sequence, int]]

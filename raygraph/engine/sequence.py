@@ -37,7 +37,9 @@ class Sequence:
     adapter_id: int = 0  # part of every block's key (0: the base model)
     lora_slot: int = -1  # the workers' adapter slot holding it (-1: the base model)
     guide: Any = None  # its grammar's matcher (raygraph/grammar.Guide): structured output
-    ngram: Any = None  # its n-gram index (engine/ngram.NgramIndex): speculative decoding
+    # speculative decoding: where its drafts come from (engine/ngram.NgramIndex, or
+    # engine/drafts.ModelDrafts: the workers' draft model); None: it decodes as usual
+    proposer: Any = None
     drafts: int = 0  # draft tokens in its verify step in flight
     forget: int = 0  # drafts its last verify step did not keep: its next chunk says so
     spec_drafts: int = 0  # drafts proposed, and of them kept (it stops speculating when few

@@ -52,6 +52,7 @@ from raygraph.protocol import (
     WorkerCall,
     WorkerInfo,
 )
+from raygraph.worker.drafter import Drafter
 from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import (
     SamplingRows,
@@ -119,6 +120,8 @@ class _Pending:
     guided: list[tuple[int, int]] | None = None  # (row, seq id) sampled under a grammar
     verify: list[tuple[int, int, list[int]]] | None = None  # speculative.verify_rows
     targets: torch.Tensor | None = None  # pinned host copy: the greedy token of each row
+    drafts: torch.Tensor | None = None  # pinned host copy: the draft model's proposals [D, k]
+    proposing: list[int] | None = None  # the sampling rows they follow
 
 
 DELTA = msgspec.msgpack.Decoder(StepDelta)
@@ -171,6 +174,7 @@ class Worker:
                              for _ in range(2)]  # sampled chunks' drafts (sampled_targets)
         self.guides = Guides(cfg.tokenizer or cfg.model, n, self.device)
         self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
+        self.drafter: Drafter | None = None  # set by load(): speculative method "draft"
         self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
 
     def address(self) -> tuple[str, int]:
@@ -214,6 +218,16 @@ class Worker:
             if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:
                 log.warning("rank %d: offload mode %r moves weights between steps; running "
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
+        draft = self.cfg.draft_cfg() if self.samples else None
+        if draft is not None:  # before the KV cache is sized around what is in use
+            self.drafter = Drafter(self.cfg, draft, self.dtype, self.device)
+            k = self.cfg.speculative.num_speculative_tokens
+            self._host_proposals = [torch.zeros(self.cfg.scheduler.max_num_seqs * k,
+                                                dtype=torch.long,
+                                                pin_memory=self.device.type == "cuda")
+                                    for _ in range(2)]
+            log.info("rank %d: draft model %s, %.1f MiB", self.rank, draft.path,
+                     self.drafter.weight_bytes / 2**20)
         if warmup is not None:
             warmup.join()
         if self.kv_dtype == FP8_KV:  # a checkpoint's per-tensor cache scales (else 1.0)
@@ -239,7 +253,9 @@ class Worker:
         return tp, Comm(dist.group.WORLD) if p.ep > 1 else None
 
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.cfg, self.model_cfg, self.kv_dtype)
+        """The target's K/V of one block, and the draft model's where this rank drafts."""
+        draft = self.drafter.bytes_per_block() if self.drafter is not None else 0
+        return kv_bytes_per_block(self.cfg, self.model_cfg, self.kv_dtype) + draft
 
     def _one_token_forward(self) -> None:
         """One eager forward of a single token over a throwaway cache (records the order in
@@ -324,6 +340,8 @@ class Worker:
         else:
             for layer, (k, v) in zip(layers, pairs):
                 layer.k_cache, layer.v_cache = k, v
+        if self.drafter is not None:
+            self.drafter.bind_kv(num_blocks)
         t1 = time.perf_counter()
         self.executor = self._make_executor(self.graph_budget)
         t2 = time.perf_counter()
@@ -446,6 +464,8 @@ class Worker:
             logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
+        if self.drafter is not None:  # reads the tokens fed, before this step's replace them
+            self.drafter.catch_up(plan, self.executor.prev_tokens)
         chunks = [s for s in plan.seqs if s.sample]
         if not chunks:
             return None, None, [], None
@@ -525,10 +545,17 @@ class Worker:
         if tokens is not None and (self.samples or guided):
             pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
             pending.tokens.copy_(tokens, non_blocking=True)
+        sampling = [s for s in plan.seqs if s.sample]
         if targets is not None and self.samples:
-            pending.verify = verify_rows([s for s in plan.seqs if s.sample])
+            pending.verify = verify_rows(sampling)
             pending.targets = self._host_targets[delta.step_id % 2][: len(targets)]
             pending.targets.copy_(targets, non_blocking=True)
+        if self.drafter is not None and tokens is not None:
+            drafts = self.drafter.propose(sampling, tokens, targets)
+            if drafts is not None:
+                pending.proposing = [i for i, c in enumerate(sampling) if c.propose]
+                host = self._host_proposals[delta.step_id % 2][: drafts.numel()]
+                pending.drafts = host.view(drafts.shape).copy_(drafts, non_blocking=True)
         if cuda and guided and not self.samples:
             pending.ready = torch.cuda.Event()
             pending.ready.record()
@@ -575,8 +602,9 @@ class Worker:
         counts: list[int] = []
         if p.verify:
             tokens, counts = emitted(tokens, p.targets.tolist(), p.verify)
+        drafts = dict(zip(p.proposing, p.drafts.tolist())) if p.proposing else {}
         return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle, logprobs,
-                                        loads or [], counts))
+                                        loads or [], counts, drafts))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
