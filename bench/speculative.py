@@ -26,6 +26,12 @@ and the speedup is the most k drafts can give.
 drafts by position): the loop timed at 100% acceptance where the verify and decode kernels
 pick different greedy tokens (bf16 on random weights); tokens are then not compared.
 
+--draft PRESET|DIR: the speculative runs draw their drafts from a draft model on the worker
+(method "draft", worker/drafter.py; a bench.checkpoints preset follows --load-format)
+instead of the oracle; the plain runs and the direct step timings run without it. With
+random weights its drafts rarely hold: --keep-drafts times the loop, the draft model's
+work included, at 100% acceptance.
+
 First the direct step timing per --step-batches (default --batches): Worker.execute of a
 hand-built step (decode_step's plans: every sequence at prompt + max_tokens / 2 cached
 tokens) computing 1 token against 1 + k (a verify step), median seconds from the plan to
@@ -55,7 +61,7 @@ from typing import Any
 import msgspec
 import torch
 
-from bench.checkpoints import bench_model
+from bench.checkpoints import PRESETS, bench_model
 from bench.decode_step import time_worker
 from bench.serving import make_prompts
 from raygraph.config import (
@@ -68,6 +74,7 @@ from raygraph.config import (
     SpeculativeConfig,
 )
 from raygraph.engine.core import EngineCore, local_dispatch
+from raygraph.engine.drafts import ModelDrafts
 from raygraph.engine.ngram import NgramIndex
 from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams
@@ -186,9 +193,11 @@ def run(cfg: ServeConfig, worker: Worker, ids: list[list[int]], max_tokens: int,
             "drafts": sched.num_draft_tokens, "kept": sched.num_accepted_tokens}
 
 
-def speculating(cfg: ServeConfig, k: int, disable_by_batch_size: int = 0) -> ServeConfig:
+def speculating(cfg: ServeConfig, k: int, disable_by_batch_size: int = 0,
+                draft: str = "") -> ServeConfig:
     return msgspec.structs.replace(cfg, speculative=SpeculativeConfig(
-        method="ngram", num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size))
+        method="draft" if draft else "ngram", model=draft, num_speculative_tokens=k,
+        disable_by_batch_size=disable_by_batch_size))
 
 
 def ngram_main(a: argparse.Namespace, device: str) -> None:
@@ -279,6 +288,7 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
     one worker; returns the requests whose tokens differed from plain where that is a fault
     (float32: the verify and decode kernels agree), else 0."""
     model = bench_model(a.preset, a.load_format) if a.preset else a.model
+    draft = bench_model(a.draft, a.load_format) if a.draft in PRESETS else a.draft
     step_batches = a.batches if a.step_batches is None else a.step_batches
     top = max(a.batches + step_batches)
     longest = a.prompt_tokens + a.max_tokens + a.k + BLOCK
@@ -294,11 +304,14 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
                       graph=GraphConfig(max_decode=rows))  # verify rows in decode buckets
     dtype = cfg.weights_dtype(device)
     t0 = time.perf_counter()
-    worker = make_worker(speculating(cfg, a.k), blocks)  # decode graphs verify drafts as rows
+    spec_cfg = speculating(cfg, a.k, draft=draft)
+    worker = make_worker(spec_cfg, blocks)  # decode graphs verify drafts as rows
+    drafter, worker.drafter = worker.drafter, None  # attached for the speculative runs only
     print(json.dumps({"model": model, "device": device, "dtype": dtype,
                       "torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                      "k": a.k, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
+                      "k": a.k, "draft": draft or None,
+                      "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                       "disable_by_batch_size": a.disable_by_batch_size,
                       "load_and_capture_s": round(time.perf_counter() - t0, 1)}), flush=True)
     steps = {}
@@ -313,12 +326,14 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
     for b in a.batches:
         ids = make_prompts(b, a.prompt_tokens, worker.model_cfg.vocab_size)
         plain = timed(cfg, worker, ids, a, blocks)
-        oracle = oracles(plain["tokens"], follow=not a.keep_drafts)
-        runs = {"plain": plain, "spec": timed(speculating(cfg, a.k), worker, ids, a, blocks,
-                                              oracle)}
+        proposer = (oracles(plain["tokens"], follow=not a.keep_drafts) if not draft
+                    else lambda i, p: ModelDrafts())
+        worker.drafter = drafter
+        runs = {"plain": plain, "spec": timed(spec_cfg, worker, ids, a, blocks, proposer)}
         if a.disable_by_batch_size and b >= a.disable_by_batch_size:
-            runs["adaptive"] = timed(speculating(cfg, a.k, a.disable_by_batch_size), worker,
-                                     ids, a, blocks, oracle)
+            runs["adaptive"] = timed(speculating(cfg, a.k, a.disable_by_batch_size, draft),
+                                     worker, ids, a, blocks, proposer)
+        worker.drafter = None
         row = {}
         for mode, r in runs.items():
             row[mode] = summary(b, mode, r, plain)
@@ -382,6 +397,9 @@ def main() -> None:
                    help="oracle: batches of the direct step timings (default: --batches; "
                         "none: no timings)")
     p.add_argument("--iters", type=int, default=50, help="oracle: timed steps per figure")
+    p.add_argument("--draft", default="",
+                   help="oracle: drafts from this draft model (a preset or a checkpoint "
+                        "directory) instead of the oracle")
     p.add_argument("--keep-drafts", action="store_true",
                    help="oracle: the workers keep every draft (timing at 100%% acceptance; "
                         "tokens not checked)")

@@ -307,6 +307,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def random_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A draft model for the built-in one: a random one-layer Llama of its vocabulary,
+    whose drafts rarely hold."""
+    return str(make_checkpoint(tmp_path_factory.mktemp("draft"), "LlamaForCausalLM",
+                               vocab_size=4096, num_hidden_layers=1))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("qwen2"), "Qwen2ForCausalLM",
                            tie_word_embeddings=True)

@@ -210,15 +210,6 @@ def test_ngram_speculation_keeps_greedy_tokens(mode, blocks, ignore_eos):
         assert sum(s.num_preemptions for s in spec) > 0
 
 
-@pytest.fixture(scope="module")
-def random_draft(tmp_path_factory) -> str:
-    """A random one-layer Llama of the built-in model's vocabulary: drafts that rarely hold."""
-    from tests.conftest import make_checkpoint
-
-    return str(make_checkpoint(tmp_path_factory.mktemp("draft"), "LlamaForCausalLM",
-                               vocab_size=4096, num_hidden_layers=1))
-
-
 @pytest.mark.parametrize("mode,blocks,ignore_eos", [("graph", 128, True), ("eager", 128, False),
                                                     ("graph", 12, True)])
 def test_draft_model_speculation_keeps_greedy_tokens(random_draft, mode, blocks, ignore_eos):

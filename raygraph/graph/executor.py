@@ -116,19 +116,14 @@ class EagerExecutor(Executor):
 
     @torch.inference_mode()
     def run(self, h: HostInputs, comm: int = 0) -> torch.Tensor:
-        hidden, sample_idx = self.forward(h, comm)
-        return self.model.compute_logits(hidden[sample_idx]).float()
-
-    @torch.inference_mode()
-    def forward(self, h: HostInputs, comm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the hidden states of every token, the rows whose logits are sampled)."""
         batch = batch_from(h, self.device)
         batch.ctx.num_comm_tokens = comm
         ids = batch.input_ids
         if batch.feed is not None:
             ids = feed_tokens(ids, batch.feed, self.prev_tokens)
         with forward_context(batch.ctx):
-            return self.model(ids, batch.positions), batch.sample_idx
+            hidden = self.model(ids, batch.positions)
+        return self.model.compute_logits(hidden[batch.sample_idx]).float()
 
 
 class GraphExecutor(Executor):

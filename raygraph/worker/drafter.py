@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from raygraph.config import ModelConfig, ServeConfig
-from raygraph.graph.executor import EagerExecutor
-from raygraph.graph.inputs import host_inputs
+from raygraph.graph.inputs import InputBuffers, feed_tokens, host_inputs
 from raygraph.model import ops
 from raygraph.model.context import AttentionMetadata, ForwardContext, forward_context
 from raygraph.model.loader import build_model
@@ -28,22 +27,44 @@ from raygraph.protocol import SeqChunk, StepPlan
 
 
 class Drafter:
-    """The draft model, its KV cache and its proposal loop (eager)."""
+    """The draft model, its KV cache and its proposal loop (a CUDA graph per batch size,
+    captured at its first use, where the target runs in graphs; eager elsewhere)."""
 
     def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.model_cfg = model_cfg
         self.k = cfg.speculative.num_speculative_tokens
-        self.block_size = cfg.cache.block_size
-        self.max_seqs = cfg.scheduler.max_num_seqs
+        self.block_size = bs = cfg.cache.block_size
+        self.max_seqs = n = cfg.scheduler.max_num_seqs
         self.device, self.dtype = device, dtype
         # replicated on every drafting rank: no TP group
         self.model = build_model(model_cfg, Comm(), dtype, device,
                                  load_format=cfg.load_format)
-        self.eager = EagerExecutor(self.model, self.block_size)
-        self.lookahead = -(-self.k // self.block_size) + 1  # blocks a proposal may pass a table
+        max_len = cfg.max_model_len(cfg.model_cfg())
+        # the catch-up's inputs: decode rows (verify chunks' too) up to max_num_seqs rows,
+        # as the scheduler keeps them; past that a verify step is prefill-shaped
+        self.bufs = InputBuffers(cfg.scheduler.max_num_batched_tokens, n, -(-max_len // bs),
+                                 device, verify=True)
+        self.lookahead = -(-self.k // bs) + 1  # blocks a proposal may run past a table
         self.first_lookahead = 0  # set by bind_kv: the lookahead blocks follow the shared ones
+        self.width = -(-max_len // bs) + self.lookahead
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # the loop's inputs and output at fixed addresses (its graphs read and write them)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        self.drafts = torch.zeros(n, self.k, dtype=torch.long, device=device)
+        self.rows = torch.arange(n, device=device)
+        self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphed = device.type == "cuda" and cfg.uses_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
+        # host staging of a proposal's inputs, pinned on a GPU (a copy from pageable memory
+        # would wait for the step's forward), two so one fills while the other uploads
+        size = n * (4 + self.k + self.width)
+        self._host = [torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+                      for _ in range(2)]
+        self._turn = 0
 
     def bytes_per_block(self) -> int:
         m = self.model_cfg
@@ -60,14 +81,23 @@ class Drafter:
         for layer in self.model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.graphs.clear()  # they captured the old cache's addresses
         return total * self.bytes_per_block()
 
+    @torch.inference_mode()
     def catch_up(self, plan: StepPlan, prev_tokens: torch.Tensor) -> None:
-        """The draft model's K/V for every token of the target's step. `prev_tokens`: the
-        buffer the step's fed tokens read (read before this step's samples overwrite it)."""
-        if plan.seqs:
-            self.eager.prev_tokens = prev_tokens
-            self.eager.forward(host_inputs(plan, self.block_size))
+        """The draft model's K/V for every token of the target's step (eager, its inputs
+        through pinned buffers). `prev_tokens`: the buffer the step's fed tokens read (read
+        before this step's samples overwrite it)."""
+        if not plan.seqs:
+            return
+        h = host_inputs(plan, self.block_size, max_rows=self.max_seqs)
+        n, b = h.num_tokens, h.num_seqs
+        self.bufs.fill(h, n, b)
+        md = self.bufs.metadata(n, b, n, h.max_q_len, max(h.seq_lens), h.decode)
+        ids = feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens)
+        with forward_context(ForwardContext(md)):
+            self.model(ids, self.bufs.positions[:n])
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor,
@@ -75,61 +105,91 @@ class Drafter:
         """[D, k] greedy drafts after the newest token of each chunk that asks for them
         (`SeqChunk.propose`), in order; None when none asks. `chunks`: the step's sampling
         chunks; `tokens` [S]: their sampled tokens; `targets`: the target's token at every
-        logits row where a chunk verified drafts (worker/speculative.py), else None."""
+        logits row where a chunk verified drafts (worker/speculative.py), else None. The
+        result is the loop's buffer: read it before the next proposal."""
         asks = [i for i, c in enumerate(chunks) if c.propose]
         if not asks:
             return None
-        newest, pos = self._newest(chunks, asks, tokens, targets)
-        d, bs, dev = len(asks), self.block_size, self.device
-        width = max(len(chunks[i].block_table) for i in asks) + self.lookahead
-        scratch = self.first_lookahead - 1  # the target's scratch block: never read
-        tables = []
-        for j, i in enumerate(asks):  # past its blocks, a sequence's own lookahead blocks
-            t = chunks[i].block_table
-            first = self.first_lookahead + j * self.lookahead
-            tables.append(t + list(range(first, first + self.lookahead))
-                          + [scratch] * (width - len(t) - self.lookahead))
-        table = torch.tensor(tables, dtype=torch.int32).to(dev)
-        rows = torch.arange(d, device=dev)
-        starts = torch.arange(d + 1, dtype=torch.int32, device=dev)
-        last = self.model_cfg.max_position_embeddings - 1
-        x, out = newest, []
-        for step in range(self.k):
-            p = (pos + step).clamp(max=last)  # past the context: a draft never verified
-            slots = table[rows, p // bs].long() * bs + p % bs
-            md = AttentionMetadata(slots, table, (p + 1).int(), starts, p, rows,
-                                   torch.zeros_like(rows), d, 1, width * bs, decode=True)
-            with forward_context(ForwardContext(md)):
-                hidden = self.model(x, p)
-            x = ops.argmax(self.model.compute_logits(hidden).float())
-            out.append(x)
-        return torch.stack(out, 1)
+        d = len(asks)
+        n = min(1 << (d - 1).bit_length(), self.max_seqs) if self.graphed else d
+        k = max(chunks[i].verify for i in asks) if targets is not None else 0
+        staged = self._stage(chunks, asks, n, k)
+        ask, first, start, verifies = staged[: 4 * d].view(4, d)
+        drafts = staged[4 * d: (4 + k) * d].view(d, k)
+        newest, pos = tokens[ask], first
+        if k:  # after a verify chunk's kept drafts, the target's token there
+            at = (start.unsqueeze(1) + torch.arange(k, device=self.device)).clamp(
+                max=len(targets) - 1)
+            kept = (drafts == targets[at]).long().cumprod(1).sum(1)  # padding -1 never equal
+            newest = torch.where(verifies > 0, targets[start + kept], newest)
+            pos = pos + kept
+        self.tokens[:d].copy_(newest)
+        self.positions[:d].copy_(pos)
+        self.tables[:n].copy_(staged[(4 + k) * d:].view(n, self.width))
+        if n > d:  # padding rows: position 0 of the scratch block
+            self.tokens[d:n].zero_()
+            self.positions[d:n].zero_()
+        if not self.graphed:
+            self._loop(n)
+        else:
+            graph = self.graphs.get(n)
+            if graph is None:
+                graph = self.graphs[n] = self._capture(n)
+            graph.replay()
+        return self.drafts[:d]
 
-    def _newest(self, chunks: list[SeqChunk], asks: list[int], tokens: torch.Tensor,
-                targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, position) [D] of each asking chunk's newest token: its sampled token after
-        its last one, or after a verify chunk's kept drafts the target's token there (as
-        speculative.emitted reads them on the host)."""
-        dev = self.device
-        ask = torch.tensor(asks, device=dev)
-        newest = tokens[ask]
-        # a verify chunk's tokens: its last known one, then its drafts
-        first = [chunks[i].start_pos + len(chunks[i].token_ids) - chunks[i].verify for i in asks]
-        pos = torch.tensor(first, device=dev)
-        if targets is None:
-            return newest, pos
+    def _stage(self, chunks: list[SeqChunk], asks: list[int], n: int, k: int) -> torch.Tensor:
+        """The proposal's host inputs on the device in one copy: [asks | their newest
+        token's position before any kept draft | their first logits row | drafts verified |
+        the drafts (-1 padded) | the tables (n rows; past its blocks a sequence's own
+        lookahead blocks, then the scratch block)]."""
+        d, w = len(asks), self.width
+        host = self._host[self._turn]
+        self._turn ^= 1
         rows, row = [], 0
         for c in chunks:
             rows.append(row)
             row += 1 + c.verify
-        k = max(chunks[i].verify for i in asks)
-        if k == 0:
-            return newest, pos
-        drafts = [chunks[i].token_ids[len(chunks[i].token_ids) - chunks[i].verify:] for i in asks]
-        drafts_t = torch.tensor([x + [-1] * (k - len(x)) for x in drafts], device=dev)
-        start = torch.tensor([rows[i] for i in asks], device=dev)
-        at = (start.unsqueeze(1) + torch.arange(k, device=dev)).clamp(max=len(targets) - 1)
-        kept = (drafts_t == targets[at]).long().cumprod(1).sum(1)  # padding -1 never matches
-        verifies = torch.tensor([chunks[i].verify > 0 for i in asks], device=dev)
-        newest = torch.where(verifies, targets[start + kept], newest)
-        return newest, pos + kept
+        cs = [chunks[i] for i in asks]
+        heads = [*asks, *(c.start_pos + len(c.token_ids) - c.verify for c in cs),
+                 *(rows[i] for i in asks), *(c.verify for c in cs)]
+        if k:
+            heads += [t for c in cs
+                      for t in c.token_ids[len(c.token_ids) - c.verify:] + [-1] * (k - c.verify)]
+        scratch = self.first_lookahead - 1  # the target's scratch block: never read
+        tables: list[int] = []
+        for j, c in enumerate(cs):
+            first = self.first_lookahead + j * self.lookahead
+            tables += c.block_table
+            tables += range(first, first + self.lookahead)
+            tables += [scratch] * (w - len(c.block_table) - self.lookahead)
+        tables += [scratch] * ((n - d) * w)
+        size = len(heads) + len(tables)
+        view = host[:size].numpy()
+        view[: len(heads)] = heads
+        view[len(heads):] = tables
+        return host[:size].to(self.device, non_blocking=True)
+
+    def _loop(self, n: int) -> None:
+        """k greedy decode steps of the first n rows of the loop's buffers."""
+        bs, last = self.block_size, self.model_cfg.max_position_embeddings - 1
+        table, rows = self.tables[:n], self.rows[:n]
+        x, pos = self.tokens[:n], self.positions[:n]
+        for step in range(self.k):
+            p = (pos + step).clamp(max=last)  # past the context: a draft never verified
+            slots = table[rows, p // bs].long() * bs + p % bs
+            md = AttentionMetadata(slots, table, (p + 1).int(), self.starts[: n + 1], p, rows,
+                                   torch.zeros_like(rows), n, 1, self.width * bs, decode=True)
+            with forward_context(ForwardContext(md)):
+                hidden = self.model(x, p)
+            x = ops.argmax(self.model.compute_logits(hidden).float())
+            self.drafts[:n, step].copy_(x)
+
+    def _capture(self, n: int) -> torch.cuda.CUDAGraph:
+        """The loop of n rows as a graph; its warm-up run (kernels compiled) computes this
+        proposal, which the first replay computes again, alike."""
+        self._loop(n)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._loop(n)
+        return graph

@@ -1,6 +1,7 @@
 """GPU: speculative decoding on the built-in model in float32, verify steps as decode rows
 in the captured decode graphs: greedy tokens equal those without speculation, and seeded
-sampled requests draw the same tokens again (rejection sampling on the device)."""
+sampled requests draw the same tokens again (rejection sampling on the device). The draft
+model's proposal loop runs in its own graphs (graph mode) or eagerly."""
 
 from __future__ import annotations
 
@@ -19,8 +20,34 @@ def test_greedy_tokens_with_speculation_equal_without(mode):
     assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
 
 
-def test_sampled_requests_speculate_reproducibly():
-    (first, sched), (again, _) = (served(True, temperature=0.8, device="cuda")
+@pytest.mark.parametrize("mode,blocks", [("graph", 128), ("eager", 128), ("graph", 12)])
+def test_a_draft_model_keeps_greedy_tokens(mode, blocks, random_draft):
+    """A random draft model: the same greedy tokens as without (12 blocks: preemption)."""
+    plain, _ = served(False, mode, blocks, device="cuda")
+    spec, sched = served("draft", mode, blocks, device="cuda", draft=random_draft)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_model_drafting_for_itself_keeps_nearly_every_draft(mode):
+    """The built-in model as its own draft model (its proposal loop in graphs, or eager)
+    proposes the target's greedy tokens: nearly every draft kept, tokens as without."""
+    from raygraph.config import DEFAULT_MODEL
+
+    plain, _ = served(False, mode, device="cuda")
+    spec, sched = served("draft", mode, device="cuda", draft=DEFAULT_MODEL)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens >= 80
+    assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_requests_speculate_reproducibly(method):
+    from raygraph.config import DEFAULT_MODEL
+
+    spec, draft = (True, "") if method == "ngram" else ("draft", DEFAULT_MODEL)
+    (first, sched), (again, _) = (served(spec, temperature=0.8, device="cuda", draft=draft)
                                   for _ in range(2))
     assert sched.num_draft_tokens > 0
     assert all(len(s.output_token_ids) == 40 for s in first)
