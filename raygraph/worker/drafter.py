@@ -15,6 +15,8 @@ the step's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from raygraph.config import ModelConfig, ServeConfig
@@ -27,8 +29,10 @@ from raygraph.protocol import SeqChunk, StepPlan
 
 
 class Drafter:
-    """The draft model, its KV cache and its proposal loop (a CUDA graph per batch size,
-    captured at its first use, where the target runs in graphs; eager elsewhere)."""
+    """The draft model, its KV cache, its catch-up and its proposal loop: where the target
+    runs in graphs, CUDA graphs per batch size captured at their first use (the catch-up of
+    decode-shaped steps: verify chunks as decode rows; a prefill runs eagerly); eager
+    elsewhere."""
 
     def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -57,7 +61,8 @@ class Drafter:
         self.rows = torch.arange(n, device=device)
         self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphed = device.type == "cuda" and cfg.uses_graphs
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the loop's, by rows
+        self.catch_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by decode rows
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         # host staging of a proposal's inputs, pinned on a GPU (a copy from pageable memory
         # would wait for the step's forward), two so one fills while the other uploads
@@ -82,6 +87,7 @@ class Drafter:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs.clear()  # they captured the old cache's addresses
+        self.catch_up_graphs.clear()
         return total * self.bytes_per_block()
 
     @torch.inference_mode()
@@ -93,11 +99,23 @@ class Drafter:
             return
         h = host_inputs(plan, self.block_size, max_rows=self.max_seqs)
         n, b = h.num_tokens, h.num_seqs
+        graphed = self.graphed and h.decode
+        if graphed:  # padded: each padding row a sequence of no keys
+            n = b = self._bucket(n)
         self.bufs.fill(h, n, b)
-        md = self.bufs.metadata(n, b, n, h.max_q_len, max(h.seq_lens), h.decode)
-        ids = feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens)
-        with forward_context(ForwardContext(md)):
-            self.model(ids, self.bufs.positions[:n])
+        md = self.bufs.metadata(n, b, h.num_tokens, h.max_q_len, max(h.seq_lens), h.decode)
+
+        def forward() -> None:
+            ids = feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens)
+            with forward_context(ForwardContext(md)):
+                self.model(ids, self.bufs.positions[:n])
+
+        if not graphed:
+            forward()
+        elif n in self.catch_up_graphs:
+            self.catch_up_graphs[n].replay()
+        else:
+            self.catch_up_graphs[n] = self._capture(forward)
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor,
@@ -111,7 +129,7 @@ class Drafter:
         if not asks:
             return None
         d = len(asks)
-        n = min(1 << (d - 1).bit_length(), self.max_seqs) if self.graphed else d
+        n = self._bucket(d) if self.graphed else d
         k = max(chunks[i].verify for i in asks) if targets is not None else 0
         staged = self._stage(chunks, asks, n, k)
         ask, first, start, verifies = staged[: 4 * d].view(4, d)
@@ -131,12 +149,15 @@ class Drafter:
             self.positions[d:n].zero_()
         if not self.graphed:
             self._loop(n)
+        elif n in self.graphs:
+            self.graphs[n].replay()
         else:
-            graph = self.graphs.get(n)
-            if graph is None:
-                graph = self.graphs[n] = self._capture(n)
-            graph.replay()
+            self.graphs[n] = self._capture(lambda: self._loop(n))
         return self.drafts[:d]
+
+    def _bucket(self, rows: int) -> int:
+        """The graph size that runs `rows` rows: the next power of two, max_num_seqs at most."""
+        return min(1 << (rows - 1).bit_length(), self.max_seqs)
 
     def _stage(self, chunks: list[SeqChunk], asks: list[int], n: int, k: int) -> torch.Tensor:
         """The proposal's host inputs on the device in one copy: [asks | their newest
@@ -185,11 +206,11 @@ class Drafter:
             x = ops.argmax(self.model.compute_logits(hidden).float())
             self.drafts[:n, step].copy_(x)
 
-    def _capture(self, n: int) -> torch.cuda.CUDAGraph:
-        """The loop of n rows as a graph; its warm-up run (kernels compiled) computes this
-        proposal, which the first replay computes again, alike."""
-        self._loop(n)
+    def _capture(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """`run` as a graph. Its warm-up run (kernels compiled) computes this step's work,
+        which capturing does not; so it is not replayed now."""
+        run()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._loop(n)
+            run()
         return graph
