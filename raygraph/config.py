@@ -727,7 +727,11 @@ class ServeConfig(msgspec.Struct, frozen=True):
         spec = self.speculative
         if spec.method != "draft":
             return None
-        draft, target = ModelConfig.from_pretrained(spec.model), self.model_cfg()
+        try:
+            draft = ModelConfig.from_pretrained(spec.model)
+        except FileNotFoundError as e:
+            raise ConfigError(f"draft model: {e}") from None
+        target = self.model_cfg()
         if draft.vocab_size != target.vocab_size:
             raise ConfigError(f"draft model {spec.model!r} has a vocabulary of "
                               f"{draft.vocab_size}, the target {target.vocab_size}: a draft "

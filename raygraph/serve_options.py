@@ -49,13 +49,13 @@ FIELDS: dict[str, tuple[str, str]] = {
 }
 
 def speculative(value: Any) -> SpeculativeConfig:
-    """--speculative-config's JSON object (vLLM's keys: method, num_speculative_tokens,
-    prompt_lookup_min, prompt_lookup_max), or the same as a dict."""
+    """--speculative-config's JSON object (vLLM's keys: method, model,
+    num_speculative_tokens, prompt_lookup_min, prompt_lookup_max), or the same as a dict."""
     try:
         return msgspec.convert(json.loads(value) if isinstance(value, str) else value,
                                SpeculativeConfig)
     except (ValueError, msgspec.ValidationError) as e:
-        raise ConfigError(f"speculative config: {e} (methods: ngram)") from None
+        raise ConfigError(f"speculative config: {e} (methods: ngram, draft)") from None
 
 
 # keyword -> (section, field, conversion) for values given in another unit or shape

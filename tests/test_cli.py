@@ -114,3 +114,20 @@ def test_config_file_with_an_unknown_key_is_one_line_exit_2(tmp_path):
     p = raygraph("serve", "--config", str(toml), "--port", "0")
     assert p.returncode == 2, p.stderr
     assert "unknown key 'max_num_seq' in [scheduler]" in one_error_line(p)
+
+
+def test_a_draft_model_that_cannot_draft_is_one_line_exit_2(tmp_path):
+    """Refused before anything starts: another vocabulary, a missing directory, an unknown
+    speculative method."""
+    from tests.conftest import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "v256", "LlamaForCausalLM", num_hidden_layers=1)
+    for spec, cause in (
+            (f'{{"method": "draft", "model": "{other}"}}', "has a vocabulary of 256, the "
+             "target 4096: a draft model must share the target's tokenizer"),
+            ('{"method": "draft", "model": "/nonexistent"}',
+             "draft model: model path '/nonexistent' is not a directory"),
+            ('{"method": "eagle3"}', "Invalid enum value 'eagle3'")):
+        p = raygraph("serve", "--speculative-config", spec, "--port", "0")
+        assert p.returncode == 2, p.stderr
+        assert cause in one_error_line(p)

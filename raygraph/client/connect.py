@@ -113,6 +113,7 @@ def check_startup(cfg: ServeConfig) -> ModelConfig:
     config.json."""
     model = cfg.model_cfg()
     cfg.parallel.check_model(model)
+    cfg.draft_cfg()  # a draft model that cannot draft for this one
     if cfg.load_format == "dummy":
         return model
     headers = read_headers(cfg.model)  # a damaged file fails before torch is imported
