@@ -99,6 +99,25 @@ def write_config(out: str | Path, preset: str, dtype: str = "bfloat16") -> Path:
     return out
 
 
+def write_eagle3_config(out: str | Path, preset: str, draft_vocab: int = 32000) -> Path:
+    """The config.json of an EAGLE-3 head for `preset` (one layer of its width, the EAGLE
+    authors' fields; Llama-3.1-8B's heads draft from 32,000 tokens), for dummy weights."""
+    import json
+
+    _, cfg = hf_config(preset)
+    t = cfg.to_dict()
+    head = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                              "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                              "vocab_size", "rope_parameters") if k in t}
+    head.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                num_hidden_layers=1, draft_vocab_size=min(draft_vocab, t["vocab_size"]),
+                torch_dtype="bfloat16")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(head))
+    return out
+
+
 def bench_model(preset: str, load_format: str) -> str:
     """The benchmarks' directory for `preset`: a random checkpoint, or for dummy weights its
     config.json alone (a directory of its own: a config-only one is no checkpoint)."""

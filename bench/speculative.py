@@ -26,11 +26,12 @@ and the speedup is the most k drafts can give.
 drafts by position): the loop timed at 100% acceptance where the verify and decode kernels
 pick different greedy tokens (bf16 on random weights); tokens are then not compared.
 
---draft PRESET|DIR: the speculative runs draw their drafts from a draft model on the worker
-(method "draft", worker/drafter.py; a bench.checkpoints preset follows --load-format)
-instead of the oracle; the plain runs and the direct step timings run without it. With
-random weights its drafts rarely hold: --keep-drafts times the loop, the draft model's
-work included, at 100% acceptance.
+--draft PRESET|DIR|eagle3: the speculative runs draw their drafts from a draft model or an
+EAGLE-3 head on the worker (methods "draft" and "eagle3", worker/drafter.py; a
+bench.checkpoints preset follows --load-format; eagle3: a head of the target preset's
+shape, dummy weights) instead of the oracle; the plain runs and the direct step timings
+run without it. With random weights its drafts rarely hold: --keep-drafts times the loop,
+the drafter's work included, at 100% acceptance.
 
 First the direct step timing per --step-batches (default --batches): Worker.execute of a
 hand-built step (decode_step's plans: every sequence at prompt + max_tokens / 2 cached
@@ -61,7 +62,7 @@ from typing import Any
 import msgspec
 import torch
 
-from bench.checkpoints import PRESETS, bench_model
+from bench.checkpoints import PRESETS, bench_model, write_eagle3_config
 from bench.decode_step import time_worker
 from bench.serving import make_prompts
 from raygraph.config import (
@@ -195,8 +196,11 @@ def run(cfg: ServeConfig, worker: Worker, ids: list[list[int]], max_tokens: int,
 
 def speculating(cfg: ServeConfig, k: int, disable_by_batch_size: int = 0,
                 draft: str = "") -> ServeConfig:
+    """Speculation by n-gram lookup, or by the draft model or EAGLE-3 head at `draft`."""
+    method = ("" if not draft else "eagle3"
+              if ModelConfig.from_pretrained(draft).family == "eagle3" else "draft")
     return msgspec.structs.replace(cfg, speculative=SpeculativeConfig(
-        method="draft" if draft else "ngram", model=draft, num_speculative_tokens=k,
+        method=method or "ngram", model=draft, num_speculative_tokens=k,
         disable_by_batch_size=disable_by_batch_size))
 
 
@@ -288,7 +292,8 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
     one worker; returns the requests whose tokens differed from plain where that is a fault
     (float32: the verify and decode kernels agree), else 0."""
     model = bench_model(a.preset, a.load_format) if a.preset else a.model
-    draft = bench_model(a.draft, a.load_format) if a.draft in PRESETS else a.draft
+    draft = (str(write_eagle3_config(f"{model}-eagle3", a.preset)) if a.draft == "eagle3"
+             else bench_model(a.draft, a.load_format) if a.draft in PRESETS else a.draft)
     step_batches = a.batches if a.step_batches is None else a.step_batches
     top = max(a.batches + step_batches)
     longest = a.prompt_tokens + a.max_tokens + a.k + BLOCK
@@ -398,8 +403,9 @@ def main() -> None:
                         "none: no timings)")
     p.add_argument("--iters", type=int, default=50, help="oracle: timed steps per figure")
     p.add_argument("--draft", default="",
-                   help="oracle: drafts from this draft model (a preset or a checkpoint "
-                        "directory) instead of the oracle")
+                   help="oracle: drafts from this draft model or EAGLE-3 head (a preset, a "
+                        "checkpoint directory, or eagle3: a dummy head for --preset) instead "
+                        "of the oracle")
     p.add_argument("--keep-drafts", action="store_true",
                    help="oracle: the workers keep every draft (timing at 100%% acceptance; "
                         "tokens not checked)")

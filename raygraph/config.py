@@ -33,6 +33,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # an EAGLE-3 draft head (speculative method "eagle3"): never served as a model itself
+    "LlamaForCausalLMEagle3": "eagle3",
 }
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -92,6 +94,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # FP8 linear layers: the checkpoint's quantization_config, or quantized at load
     # (ServeConfig.quantization); None: the weights run in the model's dtype
     quant: QuantConfig | None = None
+    # an EAGLE-3 head: the vocabulary it proposes from (d2t maps it into the target's), and
+    # the target layers whose input it reads (empty: the target's 2, L / 2 and L - 3)
+    draft_vocab_size: int = 0
+    aux_layers: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
@@ -181,6 +187,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
             eos_token_ids=eos_token_ids(path, hf.get("eos_token_id")),
             checkpoint_dtype=_torch_dtype(hf),
             quant=quant,
+            draft_vocab_size=hf.get("draft_vocab_size") or hf["vocab_size"]
+            if arch == "LlamaForCausalLMEagle3" else 0,
+            aux_layers=tuple((hf.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids") or ()),
             **_moe_fields(hf, arch),
         )
 
@@ -539,8 +549,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     loop (its drafts need its last token), so one whose proposals rarely hold (or that
     finds none) stops speculating and decodes as usual."""
 
-    method: Literal["", "ngram", "draft"] = ""  # "": off
-    model: str = ""  # method "draft": the draft model's checkpoint directory
+    method: Literal["", "ngram", "draft", "eagle3"] = ""  # "": off
+    model: str = ""  # method "draft" or "eagle3": the draft model's or head's directory
     num_speculative_tokens: int = 4  # drafts a step at most (k)
     prompt_lookup_min: int = 1  # the shortest n-gram matched
     prompt_lookup_max: int = 4  # the longest (tried first)
@@ -549,12 +559,13 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("", "ngram", "draft"):
-            raise ConfigError(f"speculative method must be 'ngram' or 'draft' (EAGLE heads "
-                              f"are not supported yet), got {self.method!r}")
-        if (self.method == "draft") != bool(self.model):
-            raise ConfigError("a speculative 'model' goes with method 'draft' and only with "
-                              f"it, got method {self.method!r} and model {self.model!r}")
+        if self.method not in ("", "ngram", "draft", "eagle3"):
+            raise ConfigError(f"speculative method must be 'ngram', 'draft' or 'eagle3', got "
+                              f"{self.method!r}")
+        if (self.method in ("draft", "eagle3")) != bool(self.model):
+            raise ConfigError("a speculative 'model' goes with methods 'draft' and 'eagle3' "
+                              f"and only with them, got method {self.method!r} and model "
+                              f"{self.model!r}")
         if self.num_speculative_tokens < 1:
             raise ConfigError("num_speculative_tokens must be >= 1, got "
                               f"{self.num_speculative_tokens}")
@@ -710,6 +721,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
         if self.model_config is not None:
             return self.model_config
         model = ModelConfig.from_pretrained(self.model)
+        if model.family == "eagle3":
+            raise ConfigError(f"{self.model!r} is an EAGLE-3 head: serve its target model, "
+                              "with speculative method 'eagle3' and this as its model")
         quant = model.quant
         if quant is None and self.quantization == "fp8":
             if model.num_experts:
@@ -722,26 +736,44 @@ class ServeConfig(msgspec.Struct, frozen=True):
         return msgspec.structs.replace(model, quant=quant)
 
     def draft_cfg(self) -> ModelConfig | None:
-        """The draft model's config.json (speculative method "draft"; None: none), checked
-        against the target's: it must share the vocabulary and hold the served context."""
+        """The draft model's or EAGLE-3 head's config.json (speculative method "draft" or
+        "eagle3"; None: neither), checked against the target's: it must share the
+        vocabulary and hold the served context; a head must also fit the target's width
+        and layers (its `aux_layers` resolved: the target's 2, L / 2 and L - 3 by default)."""
         spec = self.speculative
-        if spec.method != "draft":
+        if spec.method not in ("draft", "eagle3"):
             return None
         try:
             draft = ModelConfig.from_pretrained(spec.model)
         except FileNotFoundError as e:
-            raise ConfigError(f"draft model: {e}") from None
-        target = self.model_cfg()
+            raise ConfigError(f"{spec.method} model: {e}") from None
+        target, name = self.model_cfg(), f"{spec.method} model {spec.model!r}"
+        if (draft.family == "eagle3") != (spec.method == "eagle3"):
+            raise ConfigError(f"{name} is a {draft.architecture}: method 'eagle3' takes "
+                              "EAGLE-3 heads, method 'draft' any other model")
         if draft.vocab_size != target.vocab_size:
-            raise ConfigError(f"draft model {spec.model!r} has a vocabulary of "
-                              f"{draft.vocab_size}, the target {target.vocab_size}: a draft "
-                              "model must share the target's tokenizer")
+            raise ConfigError(f"{name} has a vocabulary of {draft.vocab_size}, the target "
+                              f"{target.vocab_size}: a draft model must share the target's "
+                              "tokenizer")
         if draft.max_position_embeddings < self.max_model_len(target):
-            raise ConfigError(f"draft model {spec.model!r} holds "
-                              f"{draft.max_position_embeddings} positions, the served "
-                              f"context {self.max_model_len(target)}: set "
+            raise ConfigError(f"{name} holds {draft.max_position_embeddings} positions, the "
+                              f"served context {self.max_model_len(target)}: set "
                               "scheduler.max_model_len to at most that")
-        return draft
+        if spec.method == "draft":
+            return draft
+        layers = target.num_layers
+        aux = draft.aux_layers or (2, layers // 2, layers - 3)
+        if (target.family != "llama" or draft.hidden_size != target.hidden_size
+                or draft.num_layers != 1 or len(aux) != 3
+                or not 0 < draft.draft_vocab_size <= target.vocab_size
+                or not all(0 <= i < layers for i in aux)):
+            raise ConfigError(
+                f"{name} ({draft.num_layers} layer(s) of {draft.hidden_size}, reading layers "
+                f"{list(aux)}, drafting {draft.draft_vocab_size} tokens) does not fit the "
+                f"target ({target.architecture}, {layers} layers of {target.hidden_size}, "
+                f"{target.vocab_size} tokens): an EAGLE-3 head is one layer of the dense "
+                "target's width over three of its layers, drafting from its vocabulary")
+        return msgspec.structs.replace(draft, aux_layers=tuple(aux))
 
     def weights_dtype(self, device: str) -> str:
         """The dtype the weights run in on `device`: the one asked for, or for "auto"

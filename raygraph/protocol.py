@@ -198,6 +198,7 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     lora_slot: int = -1  # the adapter slot its tokens read (-1: the base model)
     verify: int = 0  # its last `verify` tokens are drafts: greedy tokens at each of them too
     propose: bool = False  # the worker's draft model proposes the tokens after this one's
+    next_token: int = -1  # >= 0: the known token after its last (an EAGLE-3 head reads it)
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -244,6 +245,7 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     # drafts of its last verify step that were not kept: its workers forget their KV first
     forget: int = 0
     propose: bool = False  # SeqChunk.propose
+    next_token: int = -1  # SeqChunk.next_token
 
 
 class StepDelta(msgspec.Struct, frozen=True):

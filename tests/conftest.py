@@ -314,6 +314,56 @@ def random_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
                                vocab_size=4096, num_hidden_layers=1))
 
 
+def make_eagle3_head(path: Path, target: str, draft_vocab: int, seed: int = 0) -> str:
+    """A random EAGLE-3 head for the checkpoint at `target`, in the EAGLE authors' layout
+    (config.json's fields, `midlayer.*`, `fc`, `d2t`, `t2d`, no embedding), float32."""
+    import json
+
+    from safetensors.torch import save_file
+
+    t = json.loads((Path(target) / "config.json").read_text())
+    h, vocab = t["hidden_size"], t["vocab_size"]
+    heads, kv = t["num_attention_heads"], t.get("num_key_value_heads", t["num_attention_heads"])
+    d, inter = t.get("head_dim") or h // heads, t["intermediate_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    ids = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": torch.ones(h),
+               "lm_head.weight": rand(draft_vocab, h), "d2t": ids - torch.arange(draft_vocab),
+               "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)}
+    # q and k spread wide: attention sharp enough that a key at the wrong place shows
+    for name, shape, std in (("self_attn.q_proj", (heads * d, 2 * h), 0.3),
+                             ("self_attn.k_proj", (kv * d, 2 * h), 0.3),
+                             ("self_attn.v_proj", (kv * d, 2 * h), 0.05),
+                             ("self_attn.o_proj", (h, heads * d), 0.05),
+                             ("mlp.gate_proj", (inter, h), 0.05), ("mlp.up_proj", (inter, h), 0.05),
+                             ("mlp.down_proj", (h, inter), 0.05)):
+        tensors[f"midlayer.{name}.weight"] = rand(*shape, std=std)
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"midlayer.{norm}.weight"] = torch.ones(h)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                "rms_norm_eps", "max_position_embeddings") if k in t}
+    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                  num_hidden_layers=1, num_key_value_heads=kv, head_dim=d, vocab_size=vocab,
+                  draft_vocab_size=draft_vocab, torch_dtype="float32",
+                  rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def eagle3_head(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random EAGLE-3 head for the built-in model: 1024 of its 4096 tokens drafted."""
+    from raygraph.config import DEFAULT_MODEL
+
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3"), DEFAULT_MODEL, 1024)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("qwen2"), "Qwen2ForCausalLM",

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from raygraph.engine.drafts import ModelDrafts
 from raygraph.engine.ngram import NgramIndex
 from raygraph.worker.speculative import accept_greedy, accept_sampled
 
@@ -151,10 +152,12 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
 
 
 def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
-           temperature: float = 0.0, device: str = "cpu", draft: str = ""):
+           temperature: float = 0.0, device: str = "cpu", draft: str = "",
+           record: dict | None = None):
     """The built-in model through the served loop's logic (EngineCore over an in-process
-    worker: tokens fed on the device, replies a step late), speculation off, n-gram (True)
-    or by the draft model at `draft` ("draft")."""
+    worker: tokens fed on the device, replies a step late), speculation off, n-gram (True),
+    or by the draft model or EAGLE-3 head at `draft` ("draft", "eagle3"). `record`: gets the
+    worker and every proposal with the sequence's tokens it followed."""
     from raygraph.config import (
         DEFAULT_MODEL,
         CacheConfig,
@@ -164,7 +167,6 @@ def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos:
         SpeculativeConfig,
     )
     from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
-    from raygraph.engine.drafts import ModelDrafts
     from raygraph.engine.sequence import Sequence
     from raygraph.protocol import SamplingParams
     from raygraph.tokenizer import load_tokenizer
@@ -189,11 +191,25 @@ def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos:
             seq.proposer = NgramIndex(1, 4)
             seq.proposer.extend(prompt)
         elif method:
-            seq.proposer = ModelDrafts()
+            seq.proposer = ModelDrafts() if record is None else RecordedDrafts(seq, record)
         core.schedulers[0].add(seq)
         seqs.append(seq)
     run_to_completion(core, local_dispatch(worker))
+    if record is not None:
+        record["worker"] = worker
     return seqs, core.schedulers[0]
+
+
+class RecordedDrafts(ModelDrafts):
+    """ModelDrafts that keeps each proposal and the tokens it followed in record["proposals"]."""
+
+    def __init__(self, seq, record: dict) -> None:
+        super().__init__()
+        self.seq, self.record = seq, record
+
+    def offer(self, drafts: list[int]) -> None:
+        self.record.setdefault("proposals", []).append((list(self.seq.token_ids), drafts))
+        super().offer(drafts)
 
 
 @pytest.mark.parametrize("mode,blocks,ignore_eos", [("graph", 128, True), ("eager", 128, False),
@@ -238,6 +254,68 @@ def test_a_model_drafting_for_itself_keeps_nearly_every_draft():
     assert sched.num_draft_tokens >= len(TEXTS) * 40 // 2  # most tokens came as drafts
     assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
     assert sum(s.num_preemptions for s in spec) > 0
+
+
+@pytest.mark.parametrize("mode,blocks", [("eager", 128), ("graph", 12)])
+def test_eagle3_speculation_keeps_greedy_tokens(eagle3_head, mode, blocks):
+    """A random EAGLE-3 head's proposals verified: greedy tokens equal those without
+    speculation; with 12 blocks sequences are preempted on the way."""
+    plain, _ = served(False, mode, blocks)
+    spec, sched = served("eagle3", mode, blocks, draft=eagle3_head)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens > 0
+    if blocks == 12:
+        assert sum(s.num_preemptions for s in spec) > 0
+
+
+def eagle3_reference(worker, tokens: list[int], k: int) -> list[int]:
+    """The head's k drafts after `tokens`, from scratch: one prefill of the target over them
+    (its hidden states), the head over positions 0..n-2 with the token after each, its
+    last row's greedy token, then k - 1 steps from its own hidden state. In the first
+    blocks of the caches (free once the run is over)."""
+    from raygraph.graph.executor import EagerExecutor
+    from raygraph.graph.inputs import batch_from, host_inputs
+    from raygraph.model.context import forward_context
+    from raygraph.protocol import SeqChunk, StepPlan
+
+    target, head, bs = worker.model, worker.drafter.model, 16
+    blocks = list(range(-(-(len(tokens) + k) // bs)))
+
+    def batch(ids: list[int], start: int):
+        chunk = SeqChunk(0, ids, start, blocks, True)
+        return batch_from(host_inputs(StepPlan(0, [chunk]), bs), worker.device)
+
+    with torch.inference_mode():
+        n = len(tokens)
+        EagerExecutor(target, bs).run(host_inputs(StepPlan(0, [SeqChunk(0, tokens, 0, blocks,
+                                                                        True)]), bs))
+        hidden = head.combine(target.model.aux[: n - 1].clone())
+        b = batch(tokens[1:], 0)
+        with forward_context(b.ctx):
+            normed, hidden = head(b.input_ids, b.positions, hidden)
+        x, hidden, out = head.greedy(normed[-1:]), hidden[-1:], []
+        out.append(int(x))
+        for step in range(1, k):
+            b = batch([out[-1]], n + step - 2)
+            with forward_context(b.ctx):
+                normed, hidden = head(b.input_ids, b.positions, hidden)
+            out.append(int(head.greedy(normed)))
+    return out
+
+
+def test_eagle3_proposals_follow_the_heads_math(eagle3_head):
+    """Every proposal the served loop's EAGLE-3 drafter returned (graph mode, preemption
+    on the way) equals the head's math run from scratch over the sequence's tokens at that
+    moment (`eagle3_reference`): the rows shifted by one token, the anchor row, the loop's
+    positions and hidden states and the head's cache through shared and lookahead blocks
+    all agree with it; an off-by-one anywhere leaves next to none equal. Different shapes
+    round differently, so a near tie may flip a draft: 90% must be equal."""
+    record: dict = {}
+    served("eagle3", "graph", 12, draft=eagle3_head, record=record)
+    proposals, worker = record["proposals"], record["worker"]
+    equal = sum(drafts == eagle3_reference(worker, tokens, len(drafts))
+                for tokens, drafts in proposals)
+    assert len(proposals) >= 20 and equal >= 0.9 * len(proposals), (equal, len(proposals))
 
 
 def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft, tmp_path):

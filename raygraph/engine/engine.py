@@ -548,7 +548,7 @@ class Engine:
         spec = self.cfg.speculative
         if not spec.method or sp.structured is not None or sp.logprobs is not None:
             return None
-        if spec.method == "draft":
+        if spec.method in ("draft", "eagle3"):
             return ModelDrafts()
         index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         index.extend(prompt)

@@ -233,8 +233,14 @@ class Scheduler:
         if seq.num_pending > sample:  # n == 1: the pending token is the one to compute
             out.feed.append(seq)
             return  # counted with the other feeds
+        drafted = seq.proposer is not None and seq.proposer.asks
+        # a chunk that ends inside the known tokens: a drafter reading the token after
+        # each position (an EAGLE-3 head) is told the one after its last
+        after = (seq.token_slice(start + n, 1)[0]
+                 if drafted and not sample and start + n < len(seq.token_ids) else -1)
         out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample,
-                                        forget=seq.forget, propose=sample and self._asks(seq))))
+                                        forget=seq.forget, propose=sample and self._asks(seq),
+                                        next_token=after)))
         seq.forget = 0
         out.num_tokens += n
 

@@ -12,6 +12,7 @@ from pathlib import Path
 # what a model's weights may be stored as (cast to the model's dtype on load, FP8 e4m3 kept
 # for the layers an FP8 config quantizes): bytes per element
 FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1}
+INDEX_DTYPES = {"I64": 8, "I32": 4, "BOOL": 1}  # read only where named (checkpoint._entry)
 MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too
 
 
@@ -84,13 +85,15 @@ def _entry(file: Path, name: str, entry: object, data_bytes: int) -> StoredTenso
             raise ValueError("negative or non-integer")
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{name} in {file.name}: malformed header entry ({e})") from None
-    if dtype not in FLOAT_DTYPES:
+    # an EAGLE-3 head's vocabulary maps: integers and a mask
+    sizes = {**FLOAT_DTYPES, **INDEX_DTYPES} if name in ("d2t", "t2d") else FLOAT_DTYPES
+    if dtype not in sizes:
         raise CheckpointError(f"{name} in {file.name}: stored as {dtype}; the model's weights "
                               f"are floating point ({', '.join(FLOAT_DTYPES)})")
     if end > data_bytes:
         raise CheckpointError(f"{name} in {file.name}: its data ends at byte {end} of "
                               f"{data_bytes}: the file is truncated")
-    if end - begin != math.prod(shape) * FLOAT_DTYPES[dtype]:
+    if end - begin != math.prod(shape) * sizes[dtype]:
         raise CheckpointError(f"{name} in {file.name}: {end - begin} bytes stored for shape "
                               f"{list(shape)} of {dtype}")
     return StoredTensor(dtype, shape)

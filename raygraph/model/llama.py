@@ -154,12 +154,24 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # an EAGLE-3 head reads the residual stream entering these layers: each forward
+        # writes them side by side into the first rows of `aux` [tokens, 3 x hidden]
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                self._keep(i, x if residual is None else x + residual)
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
+
+    def _keep(self, layer: int, stream: torch.Tensor) -> None:
+        h = stream.shape[-1]
+        for j, at in enumerate(self.aux_layers):  # a small model may name a layer twice
+            if at == layer:
+                self.aux[: stream.shape[0], j * h: (j + 1) * h].copy_(stream)
 
 
 class LlamaForCausalLM(nn.Module):

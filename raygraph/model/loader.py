@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from raygraph.config import ConfigError, ModelConfig, check_ep
 from raygraph.model.checkpoint import CheckpointError, StoredTensor, read_headers
+from raygraph.model.eagle3 import Eagle3Head
 from raygraph.model.llama import LlamaForCausalLM
 from raygraph.model.moe import MoeForCausalLM
 from raygraph.model.parallel import Comm, LoRARows, RowParallelLinear, load_shard
@@ -34,7 +35,8 @@ from raygraph.model.quant import (
 )
 from raygraph.quantization import ONLINE, QuantConfig
 
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# rotary tables; an EAGLE-3 head's target -> draft vocabulary mask (its d2t is what it reads)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "t2d")
 DUMMY_STD = 0.02  # HF's initializer_range: activations stay O(1) through every layer
 # dummy weights under --quantization fp8: drawn in the layout of an FP8-dynamic checkpoint
 DUMMY_FP8 = QuantConfig("compressed-tensors", "channel", "dynamic")
@@ -56,7 +58,7 @@ def build_model(
     # parameters on meta first: FP8 layers then take their FP8 bytes only, never a
     # model-dtype copy (a 70B FP8 checkpoint fits one 141 GB GPU; in bf16 it would not)
     with torch.device(device), _ParametersOnMeta():
-        model = _new_model(cfg, comm, ep_comm)
+        model = _new_model(cfg, comm, ep_comm, load_format)
     model.to(dtype=dtype)
     for module in model.modules():  # rotary tables stay fp32
         if hasattr(module, "cos"):
@@ -75,8 +77,13 @@ def build_model(
     return model.eval()
 
 
-def _new_model(cfg: ModelConfig, comm: Comm, ep_comm: Comm | None = None) -> nn.Module:
+def _new_model(cfg: ModelConfig, comm: Comm, ep_comm: Comm | None = None,
+               load_format: str = "auto") -> nn.Module:
     check_ep(cfg, ep_comm.world_size if ep_comm else 1, comm.world_size)
+    if cfg.family == "eagle3":  # its own embedding only where the checkpoint has one
+        own = load_format != "dummy" and any(
+            "embed_tokens.weight" in tensors for _, tensors in read_headers(cfg.path))
+        return Eagle3Head(cfg, comm, own_embedding=own)
     if cfg.num_experts:
         return MoeForCausalLM(cfg, comm, ep_comm)
     return LlamaForCausalLM(cfg, comm)
@@ -196,10 +203,15 @@ def _target(name: str) -> tuple[str, Part]:
     return name, None
 
 
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    """The module holding parameter `name` (the model itself for a top-level one)."""
+    return model.get_submodule(name.rsplit(".", 1)[0] if "." in name else "")
+
+
 def _full_shape(model: nn.Module, name: str, param: nn.Parameter, world: int,
                 part: Part) -> tuple[int | None, tuple[int, ...]]:
     """The shard dim of a parameter and the shape its full checkpoint tensor must have."""
-    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    owner = _owner(model, name)
     if part is not None:
         return 0, owner.part_shape(part, param)
     dim = getattr(owner, "shard_dim", None)
@@ -213,7 +225,7 @@ def _full_shape(model: nn.Module, name: str, param: nn.Parameter, world: int,
 def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, Part]]:
     out: set[tuple[str, Part]] = set()
     for name in params:
-        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        owner = _owner(model, name)
         if hasattr(owner, "checkpoint_parts"):  # stacked experts: this rank's ones only
             out |= {(name, p) for p in owner.checkpoint_parts(name.rsplit(".", 1)[1])}
             continue
@@ -246,10 +258,10 @@ def _slot(model: nn.Module, params: dict[str, nn.Parameter], world: int, ckpt_na
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             return None  # tied: the embedding already holds it
         raise CheckpointError(f"{file.name}: unexpected tensor {ckpt_name!r}")
-    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    owner = _owner(model, name)
     if isinstance(part, tuple) and not owner.owns(part):
         return None
-    leaf = name.rsplit(".", 1)[1]
+    leaf = name.rsplit(".", 1)[-1]
     if leaf == "weight_scale":  # its rows split as W's; its columns (groups): see _copy_in
         weight = f"{name.rsplit('.', 1)[0]}.weight"
         dim, shape = _full_shape(model, weight, params[weight], world, part)
@@ -311,8 +323,8 @@ def load_weights(model: nn.Module, path: str, comm: Comm,
 def _copy_in(model: nn.Module, params: dict[str, nn.Parameter], slot: _Slot,
              full: torch.Tensor, comm: Comm) -> None:
     """This rank's slice of the full tensor `full` into the parameter (part) `slot` names."""
-    param, (owner_name, leaf) = params[slot.name], slot.name.rsplit(".", 1)
-    owner = model.get_submodule(owner_name)
+    param, leaf = params[slot.name], slot.name.rsplit(".", 1)[-1]
+    owner = _owner(model, slot.name)
     if leaf == "input_scale":  # fused parts: the largest
         param.data.copy_(torch.maximum(param.data, full.float().reshape(1).to(param.device)))
         return
@@ -345,7 +357,7 @@ def init_dummy_weights(model: nn.Module, comm: Comm,
         ckpt_name = _hf_name(name, part)
         slot = _slot(model, params, comm.world_size, ckpt_name, where)
         assert slot is not None, ckpt_name  # every expected tensor has a slot on this rank
-        full = _dummy_tensor(ckpt_name, slot.shape, params[slot.name])
+        full = dummy_tensor(ckpt_name, slot.shape, params[slot.name])
         _copy_in(model, params, slot, full, comm)
         loaded.add((slot.name, slot.part))
         if progress is not None:
@@ -354,7 +366,7 @@ def init_dummy_weights(model: nn.Module, comm: Comm,
     _check_finite(params, {})
 
 
-def _dummy_tensor(ckpt_name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+def dummy_tensor(ckpt_name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """The full tensor `ckpt_name` of a dummy checkpoint, in `like`'s dtype on its device. An
     FP8 weight is drawn with unit spread and its scales are DUMMY_STD: the same spread."""
     if ckpt_name.endswith("weight_scale"):
@@ -363,6 +375,8 @@ def _dummy_tensor(ckpt_name: str, shape: tuple[int, ...], like: torch.Tensor) ->
     out = torch.empty(shape, dtype=torch.bfloat16 if fp8 else like.dtype, device=like.device)
     if ckpt_name.endswith("norm.weight"):
         return out.fill_(1.0)
+    if not out.is_floating_point():  # an EAGLE-3 head's d2t: the identity map
+        return out.zero_()
     if ckpt_name.endswith(".bias"):
         return out.zero_()
     gen = torch.Generator(device=like.device).manual_seed(crc32(ckpt_name.encode()))
@@ -406,8 +420,8 @@ def _check_finite(params: dict[str, nn.Parameter],
 
 def _hf_name(name: str, part: Part) -> str:
     """A parameter (and part) under the checkpoint name HF gives it, for error messages."""
-    prefix, leaf = name.rsplit(".", 1)
     if isinstance(part, tuple):
+        prefix, leaf = name.rsplit(".", 1)
         proj = {v: k for k, v in EXPERT_PROJ.items() if k.endswith("_proj")}[leaf, part[1]]
         return f"{prefix}.{part[0]}.{proj}.weight"
     if part is None:

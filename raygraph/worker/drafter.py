@@ -1,38 +1,54 @@
-"""A draft model on the worker (speculative method "draft"): a small model of the target's
-tokenizer that proposes each speculating sequence's next k tokens, greedily, in the same
-step in which the target computed the token before them.
+"""Draft proposers on the worker: a draft model (speculative method "draft"), a small model
+of the target's tokenizer, or an EAGLE-3 head ("eagle3", model/eagle3.py) over the target's
+hidden states. Either proposes each speculating sequence's next k tokens, greedily, in the
+same step in which the target computed the token before them.
 
-Its KV cache shares the target's block tables: the draft model runs over every token the
-target computes (prompt chunks, decodes and verified drafts alike: `catch_up`), so a block
-holds the draft model's keys for the same tokens as the target's, through prefix-cache hits
-and preemption. A proposal then decodes k tokens from each asking sequence's newest token
-(`propose`): which drafts the target kept, and so where the newest token sits, is read on
-the device, with no host sync. Where a proposal runs past a sequence's blocks it writes into
-lookahead blocks of its own, which nothing reads after that proposal (the verify step
-recomputes those positions). Only the rank that samples drafts: its proposals return with
-the step's tokens.
+Its KV cache shares the target's block tables and follows every token the target computes
+(prompt chunks, decodes and verified drafts alike), so a block holds the drafter's keys for
+the same tokens as the target's, through prefix-cache hits and preemption: a draft model
+runs over the step's tokens (`catch_up`, before the step's samples); a head, which reads the
+token after each position, over the same rows once the samples are known (`propose`). A
+proposal then decodes from each asking sequence's newest token: which drafts the target
+kept, and so where the newest token sits, is read on the device, with no host sync. Where a
+proposal runs past a sequence's blocks it writes into lookahead blocks of its own, which
+nothing reads after that proposal (the verify step recomputes those positions). Only the
+rank that samples drafts: its proposals return with the step's tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from torch import nn
 
 from raygraph.config import ModelConfig, ServeConfig
+from raygraph.graph.buckets import bucket_plan
 from raygraph.graph.inputs import InputBuffers, feed_tokens, host_inputs
 from raygraph.model import ops
+from raygraph.model.checkpoint import read_headers
 from raygraph.model.context import AttentionMetadata, ForwardContext, forward_context
-from raygraph.model.loader import build_model
-from raygraph.model.parallel import Comm
+from raygraph.model.loader import build_model, dummy_tensor
+from raygraph.model.parallel import Comm, VocabParallelEmbedding
 from raygraph.protocol import SeqChunk, StepPlan
 
 
+def make_drafter(cfg: ServeConfig, draft: ModelConfig, target: nn.Module, dtype: torch.dtype,
+                 device: torch.device) -> Drafter:
+    """The drafter `draft` (ServeConfig.draft_cfg) describes, beside the `target` model."""
+    if draft.family == "eagle3":
+        return Eagle3Drafter(cfg, draft, target, dtype, device)
+    return ModelDrafter(cfg, draft, dtype, device)
+
+
 class Drafter:
-    """The draft model, its KV cache, its catch-up and its proposal loop: where the target
-    runs in graphs, CUDA graphs per batch size captured at their first use (the catch-up of
-    decode-shaped steps: verify chunks as decode rows; a prefill runs eagerly); eager
-    elsewhere."""
+    """A drafter's KV cache, input buffers, graphs and proposal loop; the subclasses say what
+    runs. Where the target runs in graphs, the passes over a step's rows (decode-shaped
+    steps: verify chunks as decode rows; a prefill runs eagerly) and the loops are CUDA
+    graphs per batch size, captured at their first use; eager elsewhere."""
+
+    model: nn.Module
 
     def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -41,18 +57,14 @@ class Drafter:
         self.block_size = bs = cfg.cache.block_size
         self.max_seqs = n = cfg.scheduler.max_num_seqs
         self.device, self.dtype = device, dtype
-        # replicated on every drafting rank: no TP group
-        self.model = build_model(model_cfg, Comm(), dtype, device,
-                                 load_format=cfg.load_format)
         max_len = cfg.max_model_len(cfg.model_cfg())
-        # the catch-up's inputs: decode rows (verify chunks' too) up to max_num_seqs rows,
-        # as the scheduler keeps them; past that a verify step is prefill-shaped
-        self.bufs = InputBuffers(cfg.scheduler.max_num_batched_tokens, n, -(-max_len // bs),
-                                 device, verify=True)
+        self.max_tokens = cfg.scheduler.max_num_batched_tokens
+        # a step's rows: decode rows (verify chunks' too) up to max_num_seqs rows, as the
+        # scheduler keeps them; past that a verify step is prefill-shaped
+        self.bufs = InputBuffers(self.max_tokens, n, -(-max_len // bs), device, verify=True)
         self.lookahead = -(-self.k // bs) + 1  # blocks a proposal may run past a table
         self.first_lookahead = 0  # set by bind_kv: the lookahead blocks follow the shared ones
         self.width = -(-max_len // bs) + self.lookahead
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # the loop's inputs and output at fixed addresses (its graphs read and write them)
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -62,19 +74,25 @@ class Drafter:
         self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphed = device.type == "cuda" and cfg.uses_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the loop's, by rows
-        self.catch_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by decode rows
+        self.pass_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # over a step's decode rows
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         # host staging of a proposal's inputs, pinned on a GPU (a copy from pageable memory
         # would wait for the step's forward), two so one fills while the other uploads
-        size = n * (4 + self.k + self.width)
+        size = n * (4 + self.k + self.width) + 3 * (self.max_tokens + n)
         self._host = [torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
                       for _ in range(2)]
         self._turn = 0
+        self._step: tuple[int, AttentionMetadata, bool] | None = None  # catch_up's rows
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def bytes_per_block(self) -> int:
         m = self.model_cfg
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return (2 * len(self.model.attention_layers()) * self.block_size * m.num_kv_heads
+                * m.head_dim * elem)
 
     def bind_kv(self, num_blocks: int) -> int:
         """A cache of the target's `num_blocks` (and its scratch block), then the lookahead
@@ -87,14 +105,15 @@ class Drafter:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs.clear()  # they captured the old cache's addresses
-        self.catch_up_graphs.clear()
+        self.pass_graphs.clear()
         return total * self.bytes_per_block()
 
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, prev_tokens: torch.Tensor) -> None:
-        """The draft model's K/V for every token of the target's step (eager, its inputs
-        through pinned buffers). `prev_tokens`: the buffer the step's fed tokens read (read
-        before this step's samples overwrite it)."""
+        """Before the step's samples: its rows into the input buffers (pinned, one copy),
+        then what the drafter takes of them (`_absorb`). `prev_tokens`: the buffer the
+        step's fed tokens read (read before this step's samples overwrite it)."""
+        self._step = None
         if not plan.seqs:
             return
         h = host_inputs(plan, self.block_size, max_rows=self.max_seqs)
@@ -104,18 +123,21 @@ class Drafter:
             n = b = self._bucket(n)
         self.bufs.fill(h, n, b)
         md = self.bufs.metadata(n, b, h.num_tokens, h.max_q_len, max(h.seq_lens), h.decode)
+        self._step = (n, md, graphed)
+        self._absorb(plan, h.num_tokens, prev_tokens)
 
-        def forward() -> None:
-            ids = feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens)
-            with forward_context(ForwardContext(md)):
-                self.model(ids, self.bufs.positions[:n])
+    def _absorb(self, plan: StepPlan, num_tokens: int, prev_tokens: torch.Tensor) -> None:
+        raise NotImplementedError
 
+    def _run_pass(self, forward: Callable[[], None]) -> None:
+        """A pass over the step's rows: eager, or its graph (by rows) where decode-shaped."""
+        n, _, graphed = self._step
         if not graphed:
             forward()
-        elif n in self.catch_up_graphs:
-            self.catch_up_graphs[n].replay()
+        elif n in self.pass_graphs:
+            self.pass_graphs[n].replay()
         else:
-            self.catch_up_graphs[n] = self._capture(forward)
+            self.pass_graphs[n] = self._capture(forward)
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor,
@@ -131,22 +153,25 @@ class Drafter:
         d = len(asks)
         n = self._bucket(d) if self.graphed else d
         k = max(chunks[i].verify for i in asks) if targets is not None else 0
-        staged = self._stage(chunks, asks, n, k)
+        extra = self._extra(chunks, asks)
+        staged = self._stage(chunks, asks, n, k, extra)
         ask, first, start, verifies = staged[: 4 * d].view(4, d)
         drafts = staged[4 * d: (4 + k) * d].view(d, k)
-        newest, pos = tokens[ask], first
+        newest, pos, kept = tokens[ask], first, None
         if k:  # after a verify chunk's kept drafts, the target's token there
             at = (start.unsqueeze(1) + torch.arange(k, device=self.device)).clamp(
                 max=len(targets) - 1)
             kept = (drafts == targets[at]).long().cumprod(1).sum(1)  # padding -1 never equal
             newest = torch.where(verifies > 0, targets[start + kept], newest)
             pos = pos + kept
+        tables_end = (4 + k) * d + n * self.width
         self.tokens[:d].copy_(newest)
         self.positions[:d].copy_(pos)
-        self.tables[:n].copy_(staged[(4 + k) * d:].view(n, self.width))
+        self.tables[:n].copy_(staged[(4 + k) * d: tables_end].view(n, self.width))
         if n > d:  # padding rows: position 0 of the scratch block
             self.tokens[d:n].zero_()
             self.positions[d:n].zero_()
+        self._before_loop(staged[tables_end:], d, n, tokens, kept)
         if not self.graphed:
             self._loop(n)
         elif n in self.graphs:
@@ -155,15 +180,27 @@ class Drafter:
             self.graphs[n] = self._capture(lambda: self._loop(n))
         return self.drafts[:d]
 
+    def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> list[int]:
+        """More host inputs the subclass stages with the proposal's (`_before_loop`)."""
+        return []
+
+    def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor,
+                     kept: torch.Tensor | None) -> None:
+        """Once the loop's buffers hold the newest tokens and their positions."""
+
+    def _loop(self, n: int) -> None:
+        raise NotImplementedError
+
     def _bucket(self, rows: int) -> int:
         """The graph size that runs `rows` rows: the next power of two, max_num_seqs at most."""
         return min(1 << (rows - 1).bit_length(), self.max_seqs)
 
-    def _stage(self, chunks: list[SeqChunk], asks: list[int], n: int, k: int) -> torch.Tensor:
+    def _stage(self, chunks: list[SeqChunk], asks: list[int], n: int, k: int,
+               extra: list[int]) -> torch.Tensor:
         """The proposal's host inputs on the device in one copy: [asks | their newest
         token's position before any kept draft | their first logits row | drafts verified |
         the drafts (-1 padded) | the tables (n rows; past its blocks a sequence's own
-        lookahead blocks, then the scratch block)]."""
+        lookahead blocks, then the scratch block) | `extra`]."""
         d, w = len(asks), self.width
         host = self._host[self._turn]
         self._turn ^= 1
@@ -185,26 +222,19 @@ class Drafter:
             tables += range(first, first + self.lookahead)
             tables += [scratch] * (w - len(c.block_table) - self.lookahead)
         tables += [scratch] * ((n - d) * w)
-        size = len(heads) + len(tables)
+        size = len(heads) + len(tables) + len(extra)
         view = host[:size].numpy()
         view[: len(heads)] = heads
-        view[len(heads):] = tables
+        view[len(heads): len(heads) + len(tables)] = tables
+        view[len(heads) + len(tables):] = extra
         return host[:size].to(self.device, non_blocking=True)
 
-    def _loop(self, n: int) -> None:
-        """k greedy decode steps of the first n rows of the loop's buffers."""
-        bs, last = self.block_size, self.model_cfg.max_position_embeddings - 1
-        table, rows = self.tables[:n], self.rows[:n]
-        x, pos = self.tokens[:n], self.positions[:n]
-        for step in range(self.k):
-            p = (pos + step).clamp(max=last)  # past the context: a draft never verified
-            slots = table[rows, p // bs].long() * bs + p % bs
-            md = AttentionMetadata(slots, table, (p + 1).int(), self.starts[: n + 1], p, rows,
-                                   torch.zeros_like(rows), n, 1, self.width * bs, decode=True)
-            with forward_context(ForwardContext(md)):
-                hidden = self.model(x, p)
-            x = ops.argmax(self.model.compute_logits(hidden).float())
-            self.drafts[:n, step].copy_(x)
+    def _loop_metadata(self, n: int, p: torch.Tensor) -> AttentionMetadata:
+        """A loop step of n rows, one token each at positions p, through the loop's tables."""
+        bs, table, rows = self.block_size, self.tables[:n], self.rows[:n]
+        slots = table[rows, p // bs].long() * bs + p % bs
+        return AttentionMetadata(slots, table, (p + 1).int(), self.starts[: n + 1], p, rows,
+                                 torch.zeros_like(rows), n, 1, self.width * bs, decode=True)
 
     def _capture(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """`run` as a graph. Its warm-up run (kernels compiled) computes this step's work,
@@ -214,3 +244,152 @@ class Drafter:
         with torch.cuda.graph(graph, pool=self._pool):
             run()
         return graph
+
+
+class ModelDrafter(Drafter):
+    """A draft model: it runs over the step's tokens at their positions, then decodes k
+    tokens from the newest one."""
+
+    def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        # replicated on every drafting rank: no TP group
+        self.model = build_model(model_cfg, Comm(), dtype, device,
+                                 load_format=cfg.load_format)
+        super().__init__(cfg, model_cfg, dtype, device)
+
+    def _absorb(self, plan: StepPlan, num_tokens: int, prev_tokens: torch.Tensor) -> None:
+        n, md, _ = self._step
+
+        def forward() -> None:
+            ids = feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens)
+            with forward_context(ForwardContext(md)):
+                self.model(ids, self.bufs.positions[:n])
+
+        self._run_pass(forward)
+
+    def _loop(self, n: int) -> None:
+        """k greedy decode steps of the first n rows of the loop's buffers."""
+        last = self.model_cfg.max_position_embeddings - 1
+        x, pos = self.tokens[:n], self.positions[:n]
+        for step in range(self.k):
+            p = (pos + step).clamp(max=last)  # past the context: a draft never verified
+            with forward_context(ForwardContext(self._loop_metadata(n, p))):
+                hidden = self.model(x, p)
+            x = ops.argmax(self.model.compute_logits(hidden).float())
+            self.drafts[:n, step].copy_(x)
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 head. The target writes the residual stream entering three of its layers
+    into `aux` on every forward. Once the step's samples are known the head runs over the
+    step's rows, each with the token after it (the next row's, or for a chunk's newest
+    token the sampled one) and the target's hidden state there; the row before each asking
+    sequence's newest token (its anchor) gives the first draft and the hidden state the
+    head's k - 1 further steps start from."""
+
+    def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, target: nn.Module,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = build_model(model_cfg, Comm(), dtype, device,
+                                 load_format=cfg.load_format)
+        if self.model.embed_tokens is None:  # the checkpoint has none: the target's
+            self.model.embed_tokens = target_embedding(cfg, target, dtype, device)
+        super().__init__(cfg, model_cfg, dtype, device)
+        plan = bucket_plan(cfg)  # graphs pad a step's rows up to their bucket
+        h, rows = model_cfg.hidden_size, max(self.max_tokens, plan.max_size if plan else 0)
+        base = target.model
+        base.aux_layers = model_cfg.aux_layers
+        base.aux = torch.zeros(rows, 3 * h, dtype=dtype, device=device)
+        self.aux = base.aux
+        self.step_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
+        self.next_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
+        self.normed = torch.zeros(self.max_tokens, h, dtype=dtype, device=device)
+        self.prenorm = torch.zeros(self.max_tokens, h, dtype=dtype, device=device)
+        self.anchors = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
+        self._shift = np.zeros(0, dtype=np.int64)  # catch_up's: each row's next row
+        self._sample_rows: list[int] = []  # catch_up's: each sampling chunk's last row
+        self._known: list[tuple[int, int]] = []  # catch_up's: chunks' next known tokens
+
+    def _absorb(self, plan: StepPlan, num_tokens: int, prev_tokens: torch.Tensor) -> None:
+        """The step's tokens (fed ones read now), and which row follows which."""
+        n = self._step[0]
+        self.step_ids[:n].copy_(
+            feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens))
+        shift, row, self._sample_rows = np.arange(1, n + 1, dtype=np.int64), 0, []
+        self._known: list[tuple[int, int]] = []  # (a chunk's last row, the token after it)
+        for c in plan.seqs:
+            row += len(c.token_ids)
+            shift[row - 1] = row - 1  # a chunk's last row: the sampled or known token
+            if c.sample:
+                self._sample_rows.append(row - 1)
+            elif c.next_token >= 0:
+                self._known.append((row - 1, c.next_token))
+        shift[num_tokens:] = np.arange(num_tokens, n)
+        self._shift = shift
+
+    def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> list[int]:
+        """[each row's next row | each sampling chunk's last row | each asking chunk's
+        anchor before any kept draft | the rows whose next token is known | those tokens]."""
+        last = self._sample_rows
+        anchors = [last[i] - chunks[i].verify for i in asks]
+        known = [r for r, _ in self._known] + [t for _, t in self._known]
+        return [*self._shift, *last, *anchors, *known]
+
+    def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor,
+                     kept: torch.Tensor | None) -> None:
+        rows, s, m = self._step[0], len(self._sample_rows), len(self._known)
+        shift, last = extra[:rows], extra[rows: rows + s]
+        anchors = extra[rows + s: rows + s + d] + (kept if kept is not None else 0)
+        known = extra[rows + s + d:].view(2, m)
+        nxt = self.step_ids[:rows][shift]
+        nxt[known[0]] = known[1]  # a prompt chunk's next token
+        nxt[last] = tokens  # a chunk's newest token follows its last row
+        nxt[anchors] = self.tokens[:d]  # or after kept drafts, the target's token there
+        self.next_ids[:rows].copy_(nxt)
+        self.anchors[:d].copy_(anchors)
+        if n > d:
+            self.anchors[d:n].zero_()
+        _, md, _ = self._step
+
+        def forward() -> None:
+            hidden = self.model.combine(self.aux[:rows])
+            with forward_context(ForwardContext(md)):
+                normed, prenorm = self.model(self.next_ids[:rows], self.bufs.positions[:rows],
+                                             hidden)
+            self.normed[:rows].copy_(normed)
+            self.prenorm[:rows].copy_(prenorm)
+
+        self._run_pass(forward)
+
+    def _loop(self, n: int) -> None:
+        """The first draft from each anchor row, then k - 1 greedy steps of the head."""
+        last = self.model_cfg.max_position_embeddings - 1
+        at = self.anchors[:n]
+        x, hidden, pos = self.model.greedy(self.normed[at]), self.prenorm[at], self.positions[:n]
+        self.drafts[:n, 0].copy_(x)
+        for step in range(1, self.k):
+            p = (pos + step - 1).clamp(max=last)  # past the context: a draft never verified
+            with forward_context(ForwardContext(self._loop_metadata(n, p))):
+                normed, hidden = self.model(x, p, hidden)
+            x = self.model.greedy(normed)
+            self.drafts[:n, step].copy_(x)
+
+
+def target_embedding(cfg: ServeConfig, target: nn.Module, dtype: torch.dtype,
+                     device: torch.device) -> nn.Module:
+    """The target's token embedding for a head that has none: the target's own where it is
+    whole (TP = 1), else a whole copy read from the target's checkpoint."""
+    emb = target.model.embed_tokens
+    if emb.comm.world_size == 1:
+        return emb
+    m = cfg.model_cfg()
+    whole = VocabParallelEmbedding(m.vocab_size, m.hidden_size, Comm()).to(device, dtype)
+    name = "model.embed_tokens.weight"
+    if cfg.load_format == "dummy":
+        whole.weight.data.copy_(dummy_tensor(name, tuple(whole.weight.shape), whole.weight))
+        return whole
+    from safetensors import safe_open
+
+    file = next(f for f, tensors in read_headers(m.path) if name in tensors)
+    with safe_open(str(file), framework="pt") as f:
+        whole.weight.data.copy_(f.get_tensor(name))
+    return whole

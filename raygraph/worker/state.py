@@ -46,8 +46,8 @@ class SeqTable:
             for c in d.chunks:
                 if c.forget:
                     seqs[c.seq_id].num_computed -= c.forget
-            chunks += [self._chunk(c.seq_id, c.token_ids, c.sample, -1, c.verify, c.propose)
-                       for c in d.chunks]
+            chunks += [self._chunk(c.seq_id, c.token_ids, c.sample, -1, c.verify, c.propose,
+                                   c.next_token) for c in d.chunks]
         except KeyError as e:
             raise StateError(f"step {d.step_id}: sequence {e.args[0]} is not tracked here "
                              "(or sampled nothing last step)") from None
@@ -55,7 +55,7 @@ class SeqTable:
         return StepPlan(d.step_id, chunks, d.key, d.num_comm_tokens)
 
     def _chunk(self, seq_id: int, tokens: list[int], sample: bool, feed: int,
-               verify: int = 0, propose: bool = False) -> SeqChunk:
+               verify: int = 0, propose: bool = False, next_token: int = -1) -> SeqChunk:
         s = self.seqs[seq_id]
         start, gen = s.num_computed, s.num_generated
         s.num_computed += len(tokens)
@@ -64,4 +64,5 @@ class SeqTable:
         # NOTE: the chunk shares the table's live block list; a plan is consumed before the
         # next delta can append to it
         return SeqChunk(seq_id, tokens, start, s.blocks, sample, p.temperature, p.top_k,
-                        p.top_p, p.seed, gen, feed, p.logprobs, p.lora_slot, verify, propose)
+                        p.top_p, p.seed, gen, feed, p.logprobs, p.lora_slot, verify, propose,
+                        next_token)

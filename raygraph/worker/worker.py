@@ -52,7 +52,7 @@ from raygraph.protocol import (
     WorkerCall,
     WorkerInfo,
 )
-from raygraph.worker.drafter import Drafter
+from raygraph.worker.drafter import Drafter, make_drafter
 from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import (
     SamplingRows,
@@ -174,7 +174,7 @@ class Worker:
                              for _ in range(2)]  # sampled chunks' drafts (sampled_targets)
         self.guides = Guides(cfg.tokenizer or cfg.model, n, self.device)
         self.lora_slots: LoRASlots | None = None  # set by load() when LoRA is on
-        self.drafter: Drafter | None = None  # set by load(): speculative method "draft"
+        self.drafter: Drafter | None = None  # set by load(): method "draft" or "eagle3"
         self.warm_loras = WarmAdapters(cfg.lora.warm_budget_bytes)
 
     def address(self) -> tuple[str, int]:
@@ -220,14 +220,14 @@ class Worker:
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
         draft = self.cfg.draft_cfg() if self.samples else None
         if draft is not None:  # before the KV cache is sized around what is in use
-            self.drafter = Drafter(self.cfg, draft, self.dtype, self.device)
+            self.drafter = make_drafter(self.cfg, draft, self.model, self.dtype, self.device)
             k = self.cfg.speculative.num_speculative_tokens
             self._host_proposals = [torch.zeros(self.cfg.scheduler.max_num_seqs * k,
                                                 dtype=torch.long,
                                                 pin_memory=self.device.type == "cuda")
                                     for _ in range(2)]
-            log.info("rank %d: draft model %s, %.1f MiB", self.rank, draft.path,
-                     self.drafter.weight_bytes / 2**20)
+            log.info("rank %d: %s drafter %s, %.1f MiB", self.rank,
+                     self.cfg.speculative.method, draft.path, self.drafter.weight_bytes / 2**20)
         if warmup is not None:
             warmup.join()
         if self.kv_dtype == FP8_KV:  # a checkpoint's per-tensor cache scales (else 1.0)
