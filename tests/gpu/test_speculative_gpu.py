@@ -52,3 +52,25 @@ def test_sampled_requests_speculate_reproducibly(method):
     assert sched.num_draft_tokens > 0
     assert all(len(s.output_token_ids) == 40 for s in first)
     assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
+
+
+@pytest.mark.parametrize("mode,blocks", [("graph", 12), ("eager", 128)])
+def test_an_eagle3_head_keeps_greedy_tokens(mode, blocks, eagle3_head):
+    """A random EAGLE-3 head (its passes in graphs, or eager): tokens as without."""
+    plain, _ = served(False, mode, blocks, device="cuda")
+    spec, sched = served("eagle3", mode, blocks, device="cuda", draft=eagle3_head)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens > 0
+
+
+def test_eagle3_proposals_follow_the_heads_math_on_gpu(eagle3_head):
+    """The proposals of the graphs (decode kernel, Triton GEMMs) against the head's math from
+    scratch on the same GPU: 90% equal (different kernels round differently)."""
+    from tests.test_speculative import eagle3_reference
+
+    record: dict = {}
+    served("eagle3", "graph", 12, device="cuda", draft=eagle3_head, record=record)
+    proposals, worker = record["proposals"], record["worker"]
+    equal = sum(drafts == eagle3_reference(worker, tokens, len(drafts))
+                for tokens, drafts in proposals)
+    assert len(proposals) >= 20 and equal >= 0.9 * len(proposals), (equal, len(proposals))
