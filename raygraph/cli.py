@@ -99,7 +99,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
-                        '\'{"method": "draft", "model": DIR}\' (default: off)')
+                        '\'{"method": "eagle3"|"draft", "model": DIR}\' (default: off)')
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
                    help="auto: the weights' dtype; fp8: FP8 e4m3, twice the tokens in the "
                         f"same memory (default: {D.cache.cache_dtype})")

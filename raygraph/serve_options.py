@@ -55,7 +55,7 @@ def speculative(value: Any) -> SpeculativeConfig:
         return msgspec.convert(json.loads(value) if isinstance(value, str) else value,
                                SpeculativeConfig)
     except (ValueError, msgspec.ValidationError) as e:
-        raise ConfigError(f"speculative config: {e} (methods: ngram, draft)") from None
+        raise ConfigError(f"speculative config: {e} (methods: ngram, draft, eagle3)") from None
 
 
 # keyword -> (section, field, conversion) for values given in another unit or shape

@@ -318,11 +318,13 @@ def test_eagle3_proposals_follow_the_heads_math(eagle3_head):
     assert len(proposals) >= 20 and equal >= 0.9 * len(proposals), (equal, len(proposals))
 
 
-def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft, tmp_path):
-    """One line each: another vocabulary, too few positions for the served context, a
-    draft model without method "draft" or the method without one."""
+def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft, eagle3_head,
+                                                                  tmp_path):
+    """One line each: another vocabulary, too few positions for the served context, a head
+    under method "draft" or a model under "eagle3", a head of another width, a draft model
+    without method "draft" or the method without one."""
     from raygraph.config import ConfigError, ServeConfig, SpeculativeConfig
-    from tests.conftest import make_checkpoint
+    from tests.conftest import make_checkpoint, make_eagle3_head
 
     def resolve(model: str, **kw) -> None:
         ServeConfig(speculative=SpeculativeConfig(method="draft", model=model), **kw).resolved(0)
@@ -338,8 +340,18 @@ def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft,
 
     resolve(short, scheduler=SchedulerConfig(max_model_len=128))  # as the message says
     resolve(random_draft)
+    with pytest.raises(ConfigError, match="is a LlamaForCausalLMEagle3: method 'eagle3' takes"):
+        resolve(eagle3_head)
+    with pytest.raises(ConfigError, match="method 'eagle3' takes EAGLE-3 heads, method "):
+        ServeConfig(speculative=SpeculativeConfig(method="eagle3", model=random_draft)
+                    ).resolved(0)
+    narrow = make_eagle3_head(tmp_path / "h128", str(make_checkpoint(
+        tmp_path / "t128", "LlamaForCausalLM", vocab_size=4096, hidden_size=128)), 256)
+    with pytest.raises(ConfigError, match=r"of 128, reading layers \[2, 2, 1\], drafting "
+                       r"256 tokens\) does not fit the target \(LlamaForCausalLM, 4 layers of 256"):
+        ServeConfig(speculative=SpeculativeConfig(method="eagle3", model=narrow)).resolved(0)
     for method, model in (("ngram", random_draft), ("draft", "")):
-        with pytest.raises(ConfigError, match="goes with method 'draft' and only with it"):
+        with pytest.raises(ConfigError, match="goes with methods 'draft' and 'eagle3'"):
             SpeculativeConfig(method=method, model=model)
 
 
@@ -359,20 +371,23 @@ def test_sampled_requests_speculate_reproducibly(method):
     assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord, method):
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
+def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord, method,
+                                                 eagle3_head):
     """Requests served with speculation at TP=2 (both ranks verify alike; the draft model,
-    the built-in one drafting for itself, on the rank that samples): the same texts, token
-    ids and finish reasons as without (the session's TP=2 coordinator; stop strings and
-    max_tokens included); the drafts counted in the engine's stats. TP=1 is the in-process
-    test above."""
+    the built-in one drafting for itself, or a random EAGLE-3 head, whose embedding is then
+    read whole from the target's checkpoint, on the rank that samples): the same texts,
+    token ids and finish reasons as without (the session's TP=2 coordinator; stop strings
+    and max_tokens included); the drafts counted in the engine's stats. TP=1 is the
+    in-process test above."""
     import msgspec
 
     from raygraph.config import DEFAULT_MODEL, SpeculativeConfig
     from raygraph.protocol import SamplingParams
     from tests.conftest import default_model_tp2_config, start_coordinators, stop_coordinators
 
-    spec_cfg = SpeculativeConfig(method=method, model=DEFAULT_MODEL if method == "draft" else "")
+    model = {"draft": DEFAULT_MODEL, "eagle3": eagle3_head}.get(method, "")
+    spec_cfg = SpeculativeConfig(method=method, model=model)
     cfg = msgspec.structs.replace(default_model_tp2_config(), speculative=spec_cfg,
                                   coordinator_name=f"speculative-tp2-{method}")
     jobs = [(text, SamplingParams(max_tokens=32, temperature=0.0)) for text in TEXTS]
