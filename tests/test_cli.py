@@ -117,8 +117,8 @@ def test_config_file_with_an_unknown_key_is_one_line_exit_2(tmp_path):
 
 
 def test_a_draft_model_that_cannot_draft_is_one_line_exit_2(tmp_path):
-    """Refused before anything starts: another vocabulary, a missing directory, an unknown
-    speculative method."""
+    """Refused before anything starts: another vocabulary, a missing directory, a head
+    without its directory, an unknown speculative method."""
     from tests.conftest import make_checkpoint
 
     other = make_checkpoint(tmp_path / "v256", "LlamaForCausalLM", num_hidden_layers=1)
@@ -127,7 +127,9 @@ def test_a_draft_model_that_cannot_draft_is_one_line_exit_2(tmp_path):
              "target 4096: a draft model must share the target's tokenizer"),
             ('{"method": "draft", "model": "/nonexistent"}',
              "draft model: model path '/nonexistent' is not a directory"),
-            ('{"method": "eagle3"}', "Invalid enum value 'eagle3'")):
+            ('{"method": "eagle3"}', "a speculative 'model' goes with methods 'draft' and "
+             "'eagle3' and only with them, got method 'eagle3' and model ''"),
+            ('{"method": "medusa"}', "Invalid enum value 'medusa'")):
         p = raygraph("serve", "--speculative-config", spec, "--port", "0")
         assert p.returncode == 2, p.stderr
         assert cause in one_error_line(p)
