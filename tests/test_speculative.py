@@ -405,6 +405,22 @@ def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_
     assert plain[-1][2] == "length" and len(plain[-1][1]) == 7
     engine = stats if "spec_decode_num_draft_tokens" in stats else stats["replicas"][0]
     assert engine["spec_decode_num_draft_tokens"] > 0
+    per_pos = engine["spec_decode_num_accepted_tokens_per_pos"]
+    assert engine["spec_decode_num_drafts"] > 0 and len(per_pos) == 4
+    assert sum(per_pos) == engine["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the ones before
+    if "replicas" in stats:  # as /metrics shows them
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from raygraph.api.metrics import Metrics
+
+        text = Metrics("m").render(stats).decode()
+        samples = {(x.name, x.labels.get("position")): x.value
+                   for f in text_string_to_metric_families(text) for x in f.samples}
+        assert (samples["raygraph:spec_decode_num_drafts_total", None]
+                == engine["spec_decode_num_drafts"])
+        assert [samples["raygraph:spec_decode_num_accepted_tokens_per_pos_total", str(i)]
+                for i in range(4)] == per_pos
     if method == "draft":  # the model's own greedy tokens: nearly all kept
         assert (engine["spec_decode_num_accepted_tokens"]
                 >= 0.9 * engine["spec_decode_num_draft_tokens"])

@@ -82,6 +82,15 @@ class CoordinatorCollector:
                            "speculative decoding.", s.get("spec_decode_num_draft_tokens", 0))
         yield self._family(C, "spec_decode_num_accepted_tokens", "Draft tokens the target "
                            "kept.", s.get("spec_decode_num_accepted_tokens", 0))
+        yield self._family(C, "spec_decode_num_drafts", "Verify chunks: one sequence's drafts "
+                           "of a step (mean accepted length: 1 + accepted / drafts).",
+                           s.get("spec_decode_num_drafts", 0))
+        per_pos = C("raygraph:spec_decode_num_accepted_tokens_per_pos", "Draft tokens the "
+                    "target kept, by their place among a step's drafts.",
+                    labels=["model_name", "replica", "position"])
+        for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([self.model, self.replica, str(pos)], n)
+        yield per_pos
         done = C("raygraph:request_success", "Finished requests by finish reason.",
                  labels=["model_name", "replica", "finished_reason"])
         for reason in ("stop", "length", "abort"):

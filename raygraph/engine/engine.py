@@ -224,6 +224,9 @@ class Engine:
             "tokens_generated": self.tokens_generated, "preemptions": core.preemptions,
             "spec_decode_num_draft_tokens": sum(s.num_draft_tokens for s in ss),
             "spec_decode_num_accepted_tokens": sum(s.num_accepted_tokens for s in ss),
+            "spec_decode_num_drafts": sum(s.num_drafts for s in ss),
+            "spec_decode_num_accepted_tokens_per_pos": [sum(p) for p in zip(
+                *(s.accepted_per_pos for s in ss))],
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
             # where a served step's time goes: the device idle between steps (rank 0), and
             # the step thread's own host time (its time in steps less waiting for replies)

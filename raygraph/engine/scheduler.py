@@ -92,6 +92,8 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens  # drafts a verify step at most
         self.speculative_max_batch = speculative_max_batch  # no drafts from this batch (0: any)
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding's totals
+        self.num_drafts = 0  # verify chunks (each one sequence's drafts of a step)
+        self.accepted_per_pos = [0] * num_speculative_tokens  # drafts kept at each place
         self._speculate = False  # this step sends drafts (and asks the workers for them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -369,8 +371,11 @@ class Scheduler:
                 continue
             seq.num_pending -= 1
             if seq.drafts:
+                self.num_drafts += 1
                 self.num_draft_tokens += seq.drafts
                 self.num_accepted_tokens += n - 1
+                for pos in range(n - 1):
+                    self.accepted_per_pos[pos] += 1
                 seq.spec_drafts += seq.drafts
                 seq.spec_kept += n - 1
                 if (seq.spec_drafts >= SPEC_TRIAL_DRAFTS
