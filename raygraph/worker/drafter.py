@@ -25,7 +25,7 @@ from torch import nn
 
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.buckets import bucket_plan
-from raygraph.graph.inputs import InputBuffers, feed_tokens, host_inputs
+from raygraph.graph.inputs import InputBuffers, feed_tokens, host_inputs, padding_inputs
 from raygraph.model import ops
 from raygraph.model.checkpoint import read_headers
 from raygraph.model.context import AttentionMetadata, ForwardContext, forward_context
@@ -61,7 +61,8 @@ class Drafter:
         self.max_tokens = cfg.scheduler.max_num_batched_tokens
         # a step's rows: decode rows (verify chunks' too) up to max_num_seqs rows, as the
         # scheduler keeps them; past that a verify step is prefill-shaped
-        self.bufs = InputBuffers(self.max_tokens, n, -(-max_len // bs), device, verify=True)
+        self.max_rows = max(self.max_tokens, n)  # a step's rows, padded ones included
+        self.bufs = InputBuffers(self.max_rows, n, -(-max_len // bs), device, verify=True)
         self.lookahead = -(-self.k // bs) + 1  # blocks a proposal may run past a table
         self.first_lookahead = 0  # set by bind_kv: the lookahead blocks follow the shared ones
         self.width = -(-max_len // bs) + self.lookahead
@@ -78,7 +79,7 @@ class Drafter:
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         # host staging of a proposal's inputs, pinned on a GPU (a copy from pageable memory
         # would wait for the step's forward), two so one fills while the other uploads
-        size = n * (4 + self.k + self.width) + 3 * (self.max_tokens + n)
+        size = n * (4 + self.k + self.width) + 3 * (self.max_rows + n)
         self._host = [torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
                       for _ in range(2)]
         self._turn = 0
@@ -129,15 +130,42 @@ class Drafter:
     def _absorb(self, plan: StepPlan, num_tokens: int, prev_tokens: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _run_pass(self, forward: Callable[[], None]) -> None:
-        """A pass over the step's rows: eager, or its graph (by rows) where decode-shaped."""
-        n, _, graphed = self._step
+    def _pass(self, n: int, md: AttentionMetadata, prev_tokens: torch.Tensor
+              ) -> Callable[[], None] | None:
+        """The subclass's pass over n rows of the input buffers (None: it has none)."""
+        return None
+
+    def _run_pass(self, prev_tokens: torch.Tensor) -> None:
+        """The pass over the step's rows: eager, or its graph (by rows) where decode-shaped."""
+        n, md, graphed = self._step
         if not graphed:
-            forward()
+            self._pass(n, md, prev_tokens)()
         elif n in self.pass_graphs:
             self.pass_graphs[n].replay()
         else:
-            self.pass_graphs[n] = self._capture(forward)
+            self.pass_graphs[n] = self._capture(self._pass(n, md, prev_tokens))
+
+    @torch.inference_mode()
+    def capture_all(self, prev_tokens: torch.Tensor) -> int:
+        """Every graph a step may replay, captured now (at start-up: no step waits for a
+        capture) over padding rows in the scratch block; returns how many. `prev_tokens`:
+        the buffer the target's fed tokens read."""
+        if not self.graphed:
+            return 0
+        scratch = self.first_lookahead - 1
+        sizes = sorted({self._bucket(r) for r in range(1, self.max_seqs + 1)})
+        self.tables.fill_(scratch)
+        self.tokens.zero_()
+        self.positions.zero_()
+        for n in sizes:
+            h = padding_inputs(n, scratch)
+            self.bufs.fill(h, n, n)
+            run = self._pass(n, self.bufs.metadata(n, n, n, 1, 1, True), prev_tokens)
+            if run is not None and n not in self.pass_graphs:
+                self.pass_graphs[n] = self._capture(run)
+            if n not in self.graphs:
+                self.graphs[n] = self._capture(lambda n=n: self._loop(n))
+        return len(self.graphs) + len(self.pass_graphs)
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor,
@@ -258,14 +286,16 @@ class ModelDrafter(Drafter):
         super().__init__(cfg, model_cfg, dtype, device)
 
     def _absorb(self, plan: StepPlan, num_tokens: int, prev_tokens: torch.Tensor) -> None:
-        n, md, _ = self._step
+        self._run_pass(prev_tokens)
 
+    def _pass(self, n: int, md: AttentionMetadata, prev_tokens: torch.Tensor
+              ) -> Callable[[], None]:
         def forward() -> None:
             ids = feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens)
             with forward_context(ForwardContext(md)):
                 self.model(ids, self.bufs.positions[:n])
 
-        self._run_pass(forward)
+        return forward
 
     def _loop(self, n: int) -> None:
         """k greedy decode steps of the first n rows of the loop's buffers."""
@@ -295,15 +325,15 @@ class Eagle3Drafter(Drafter):
             self.model.embed_tokens = target_embedding(cfg, target, dtype, device)
         super().__init__(cfg, model_cfg, dtype, device)
         plan = bucket_plan(cfg)  # graphs pad a step's rows up to their bucket
-        h, rows = model_cfg.hidden_size, max(self.max_tokens, plan.max_size if plan else 0)
+        h, rows = model_cfg.hidden_size, max(self.max_rows, plan.max_size if plan else 0)
         base = target.model
         base.aux_layers = model_cfg.aux_layers
         base.aux = torch.zeros(rows, 3 * h, dtype=dtype, device=device)
         self.aux = base.aux
-        self.step_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
-        self.next_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
-        self.normed = torch.zeros(self.max_tokens, h, dtype=dtype, device=device)
-        self.prenorm = torch.zeros(self.max_tokens, h, dtype=dtype, device=device)
+        self.step_ids = torch.zeros(self.max_rows, dtype=torch.long, device=device)
+        self.next_ids = torch.zeros(self.max_rows, dtype=torch.long, device=device)
+        self.normed = torch.zeros(self.max_rows, h, dtype=dtype, device=device)
+        self.prenorm = torch.zeros(self.max_rows, h, dtype=dtype, device=device)
         self.anchors = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
         self._shift = np.zeros(0, dtype=np.int64)  # catch_up's: each row's next row
         self._sample_rows: list[int] = []  # catch_up's: each sampling chunk's last row
@@ -348,17 +378,19 @@ class Eagle3Drafter(Drafter):
         self.anchors[:d].copy_(anchors)
         if n > d:
             self.anchors[d:n].zero_()
-        _, md, _ = self._step
+        self._run_pass(self.step_ids)  # reads no fed token
 
+    def _pass(self, n: int, md: AttentionMetadata, prev_tokens: torch.Tensor
+              ) -> Callable[[], None]:
         def forward() -> None:
-            hidden = self.model.combine(self.aux[:rows])
+            hidden = self.model.combine(self.aux[:n])
             with forward_context(ForwardContext(md)):
-                normed, prenorm = self.model(self.next_ids[:rows], self.bufs.positions[:rows],
+                normed, prenorm = self.model(self.next_ids[:n], self.bufs.positions[:n],
                                              hidden)
-            self.normed[:rows].copy_(normed)
-            self.prenorm[:rows].copy_(prenorm)
+            self.normed[:n].copy_(normed)
+            self.prenorm[:n].copy_(prenorm)
 
-        self._run_pass(forward)
+        return forward
 
     def _loop(self, n: int) -> None:
         """The first draft from each anchor row, then k - 1 greedy steps of the head."""

@@ -350,6 +350,12 @@ class Worker:
         # few-row steps pay the compile instead
         if isinstance(self.executor, GraphExecutor) and self.offload is None:
             self.executor.warm_logits()
+        if self.drafter is not None:  # its graphs, before any step could wait for one
+            t3 = time.perf_counter()
+            n = self.drafter.capture_all(self.executor.prev_tokens)
+            if n:
+                log.info("rank %d: %d drafter graphs captured in %.2fs", self.rank, n,
+                         time.perf_counter() - t3)
         self.kv_cache_bytes = num_blocks * self.kv_bytes_per_block()
         log.info("rank %d: KV cache of %d blocks mapped in %.2fs, executor built in %.2fs, "
                  "logits warmed in %.2fs", self.rank, num_blocks, t1 - t0, t2 - t1,
