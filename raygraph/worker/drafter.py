@@ -46,7 +46,7 @@ class Drafter:
     """A drafter's KV cache, input buffers, graphs and proposal loop; the subclasses say what
     runs. Where the target runs in graphs, the passes over a step's rows (decode-shaped
     steps: verify chunks as decode rows; a prefill runs eagerly) and the loops are CUDA
-    graphs per batch size, captured at their first use; eager elsewhere."""
+    graphs per batch size, captured with the KV cache (`capture_all`); eager elsewhere."""
 
     model: nn.Module
 
