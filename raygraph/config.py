@@ -693,6 +693,9 @@ class ServeConfig(msgspec.Struct, frozen=True):
         if self.lora.enabled and self.offload.budget_bytes is not None:
             raise ConfigError("LoRA adapters (lora.max_loras > 0) and weight offload "
                               "(offload.budget_bytes) cannot be combined")
+        if self.speculative.model and self.offload.budget_bytes is not None:
+            raise ConfigError(f"a speculative {self.speculative.method} model and weight "
+                              "offload (offload.budget_bytes) cannot be combined yet")
 
     @property
     def uses_graphs(self) -> bool:

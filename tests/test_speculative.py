@@ -350,6 +350,11 @@ def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft,
     with pytest.raises(ConfigError, match=r"of 128, reading layers \[2, 2, 1\], drafting "
                        r"256 tokens\) does not fit the target \(LlamaForCausalLM, 4 layers of 256"):
         ServeConfig(speculative=SpeculativeConfig(method="eagle3", model=narrow)).resolved(0)
+    from raygraph.config import OffloadConfig
+
+    with pytest.raises(ConfigError, match="draft model and weight offload"):
+        ServeConfig(speculative=SpeculativeConfig(method="draft", model=random_draft),
+                    offload=OffloadConfig(budget_bytes=1 << 30))
     for method, model in (("ngram", random_draft), ("draft", "")):
         with pytest.raises(ConfigError, match="goes with methods 'draft' and 'eagle3'"):
             SpeculativeConfig(method=method, model=model)
