@@ -98,6 +98,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # the target layers whose input it reads (empty: the target's 2, L / 2 and L - 3)
     draft_vocab_size: int = 0
     aux_layers: tuple[int, ...] = ()
+    norm_before_residual: bool = False  # the head's residual is its normed hidden state
 
     @property
     def family(self) -> str:
@@ -135,6 +136,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     @staticmethod
     def _from_hf(path: str, cfg_file: Path, hf: dict) -> ModelConfig:
+        if hf.get("speculators_model_type") == "eagle3":  # the `speculators` layout of a head
+            hf = _speculators_eagle3(hf)
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -191,8 +194,23 @@ class ModelConfig(msgspec.Struct, frozen=True):
             if arch == "LlamaForCausalLMEagle3" else 0,
             aux_layers=tuple((hf.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids") or ()),
+            norm_before_residual=bool(hf.get("norm_before_residual", False)),
             **_moe_fields(hf, arch),
         )
+
+
+def _speculators_eagle3(hf: dict) -> dict:
+    """A `speculators` EAGLE-3 config.json as the EAGLE authors' fields: its transformer
+    layer's config, the draft vocabulary, the target layers read, and the residual taken
+    after the hidden state's norm (that layout's default)."""
+    out = dict(hf["transformer_layer_config"])
+    out.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+               draft_vocab_size=hf.get("draft_vocab_size"),
+               norm_before_residual=hf.get("norm_before_residual", True))
+    if hf.get("eagle_aux_hidden_state_layer_ids"):
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
+                               hf["eagle_aux_hidden_state_layer_ids"]}
+    return out
 
 
 def _torch_dtype(hf: dict) -> str:

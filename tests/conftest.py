@@ -314,9 +314,12 @@ def random_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
                                vocab_size=4096, num_hidden_layers=1))
 
 
-def make_eagle3_head(path: Path, target: str, draft_vocab: int, seed: int = 0) -> str:
+def make_eagle3_head(path: Path, target: str, draft_vocab: int, seed: int = 0,
+                     speculators: bool = False) -> str:
     """A random EAGLE-3 head for the checkpoint at `target`, in the EAGLE authors' layout
-    (config.json's fields, `midlayer.*`, `fc`, `d2t`, `t2d`, no embedding), float32."""
+    (config.json's fields, `midlayer.*`, `fc`, `d2t`, `t2d`, no embedding), float32; with
+    `speculators`, in that library's (the layer's config nested, `layers.0.*`, the residual
+    after the hidden state's norm by default)."""
     import json
 
     from safetensors.torch import save_file
@@ -344,6 +347,8 @@ def make_eagle3_head(path: Path, target: str, draft_vocab: int, seed: int = 0) -
         tensors[f"midlayer.{name}.weight"] = rand(*shape, std=std)
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         tensors[f"midlayer.{norm}.weight"] = torch.ones(h)
+    if speculators:
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     config = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -352,6 +357,14 @@ def make_eagle3_head(path: Path, target: str, draft_vocab: int, seed: int = 0) -
                   num_hidden_layers=1, num_key_value_heads=kv, head_dim=d, vocab_size=vocab,
                   draft_vocab_size=draft_vocab, torch_dtype="float32",
                   rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if speculators:
+        layer = {**config, "architectures": ["LlamaForCausalLM"]}
+        del layer["draft_vocab_size"]
+        config = {"speculators_model_type": "eagle3", "transformer_layer_config": layer,
+                  "draft_vocab_size": draft_vocab, "architectures": ["Eagle3Speculator"],
+                  "speculators_config": {"proposal_methods": [
+                      {"proposal_type": "greedy", "speculative_tokens": 3}],
+                      "verifier": {"name_or_path": target}}}
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
@@ -362,6 +375,15 @@ def eagle3_head(tmp_path_factory: pytest.TempPathFactory) -> str:
     from raygraph.config import DEFAULT_MODEL
 
     return make_eagle3_head(tmp_path_factory.mktemp("eagle3"), DEFAULT_MODEL, 1024)
+
+
+@pytest.fixture(scope="session")
+def eagle3_speculators_head(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same kind of head in the `speculators` layout."""
+    from raygraph.config import DEFAULT_MODEL
+
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3-sp"), DEFAULT_MODEL, 1024,
+                            seed=1, speculators=True)
 
 
 @pytest.fixture(scope="session")

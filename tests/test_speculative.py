@@ -303,15 +303,22 @@ def eagle3_reference(worker, tokens: list[int], k: int) -> list[int]:
     return out
 
 
-def test_eagle3_proposals_follow_the_heads_math(eagle3_head):
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_eagle3_proposals_follow_the_heads_math(request, layout):
     """Every proposal the served loop's EAGLE-3 drafter returned (graph mode, preemption
     on the way) equals the head's math run from scratch over the sequence's tokens at that
     moment (`eagle3_reference`): the rows shifted by one token, the anchor row, the loop's
     positions and hidden states and the head's cache through shared and lookahead blocks
     all agree with it; an off-by-one anywhere leaves next to none equal. Different shapes
-    round differently, so a near tie may flip a draft: 90% must be equal."""
+    round differently, so a near tie may flip a draft: 90% must be equal. Heads in the
+    EAGLE authors' layout and in the `speculators` one (tokens equal plain's there too)."""
+    head = request.getfixturevalue(
+        "eagle3_head" if layout == "eagle" else "eagle3_speculators_head")
     record: dict = {}
-    served("eagle3", "graph", 12, draft=eagle3_head, record=record)
+    spec, _ = served("eagle3", "graph", 12, draft=head, record=record)
+    if layout == "speculators":
+        plain, _ = served(False, "graph", 12)
+        assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
     proposals, worker = record["proposals"], record["worker"]
     equal = sum(drafts == eagle3_reference(worker, tokens, len(drafts))
                 for tokens, drafts in proposals)

@@ -1,9 +1,11 @@
-"""An EAGLE-3 draft head (Li et al. 2025) in the EAGLE authors' checkpoint layout: `fc` maps
-three of the target's hidden states (the residual stream entering three of its layers) to
-one; `midlayer`, one decoder layer whose q|k|v read the normed token embedding beside the
-normed hidden state; `norm`; `lm_head` over a smaller draft vocabulary, which `d2t` maps
-into the target's (target id = draft id + d2t[draft id]); `t2d` (the reverse mask) is read
-and not used. Without `embed_tokens` in the checkpoint the head reads the target's.
+"""An EAGLE-3 draft head (Li et al. 2025) as the EAGLE authors publish it: `fc` maps three of
+the target's hidden states (the residual stream entering three of its layers) to one;
+`midlayer`, one decoder layer whose q|k|v read the normed token embedding beside the normed
+hidden state; `norm`; `lm_head` over a smaller draft vocabulary, which `d2t` maps into the
+target's (target id = draft id + d2t[draft id]); `t2d` (the reverse mask) is read and not
+used. Without `embed_tokens` in the checkpoint the head reads the target's. The
+`speculators` layout names the layer `layers.0.*`, nests its config.json and by default
+takes the layer's residual after the hidden state's norm (`norm_before_residual`).
 
 At position i the head takes the token at i + 1 and a hidden state for position i (the
 target's, through fc, or its own from the step before) and predicts the token at i + 2.
@@ -38,13 +40,16 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP's output, the residual stream before it)."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h = self.self_attn(positions, x)
-        h, residual = self.post_attention_layernorm(h, hidden)
+        residual = normed if self.norm_before_residual else hidden
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 

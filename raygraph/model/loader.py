@@ -190,6 +190,8 @@ Part = int | tuple[int, int] | None
 def _target(name: str) -> tuple[str, Part]:
     """Checkpoint tensor name -> (parameter name, part of a merged parameter or None)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    if name.startswith("layers.0."):  # a `speculators` EAGLE-3 head's layer: its midlayer
+        name = "midlayer." + name.removeprefix("layers.0.")
     name = name.removesuffix("_inv")  # fine-grained FP8's weight_scale_inv
     for kv in ("k", "v"):  # ModelOpt's k_proj.k_scale: the attention's k_scale
         name = name.replace(f".{kv}_proj.{kv}_scale", f".{kv}_scale")
