@@ -64,10 +64,12 @@ from raygraph.config import (
     ReplicaConfig,
     SchedulerConfig,
     ServeConfig,
+    SpeculativeConfig,
 )
 from raygraph.engine.core import Dispatch, EngineCore, local_dispatch, run_to_completion
 from raygraph.engine.sequence import Sequence
 from raygraph.protocol import SamplingParams, StepDelta, StepOutput
+from raygraph.serve_options import speculative
 from raygraph.worker.worker import Worker
 
 Prompts = list[list[int]]
@@ -90,6 +92,7 @@ def serve_cfg(a: argparse.Namespace, model: str, num_blocks: int | None, max_num
         graph=GraphConfig(mode=a.mode, prefill_graph=a.prefill_graph, capture=a.capture,
                           decode_cascade=a.decode_cascade,
                           max_decode=max(GraphConfig().max_decode, max_num_seqs)),
+        speculative=speculative(a.speculative_config or "{}"),
     )
     return cfg.resolved(torch.cuda.device_count())
 
@@ -171,8 +174,10 @@ def run_engine(cfg: ServeConfig, prompts: Prompts, params: SamplingParams,
 
 def engine_phase(cfg: ServeConfig, a: argparse.Namespace, vocab: int) -> dict[int, dict]:
     """Per batch, the in-process run (tp 1: a Worker built as the coordinator builds it; tp > 1:
-    the scheduler alone with dummy tokens, for the message figures). Frees the device after."""
+    the scheduler alone with dummy tokens, for the message figures), without speculation.
+    Frees the device after."""
     params, warm = sampling(a)
+    cfg = msgspec.structs.replace(cfg, speculative=SpeculativeConfig())
     if cfg.parallel.world_size > 1:  # the message figures only: a fake, pipelined worker
         dec, pending = msgspec.msgpack.Decoder(StepDelta), [0]
 
@@ -328,6 +333,9 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: the KV cache in FP8 e4m3 (twice the tokens)")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="the served engine's speculative decoding, as `raygraph serve` takes "
+                        "it (the in-process engine phase runs without)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the coordinator (load mode; use --client mux)")
     p.add_argument("--routing", choices=["cache", "load", "round-robin"], default="cache")
