@@ -153,11 +153,12 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
 
 def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
            temperature: float = 0.0, device: str = "cpu", draft: str = "",
-           record: dict | None = None):
+           record: dict | None = None, texts: list[str] | None = None):
     """The built-in model through the served loop's logic (EngineCore over an in-process
     worker: tokens fed on the device, replies a step late), speculation off, n-gram (True),
     or by the draft model or EAGLE-3 head at `draft` ("draft", "eagle3"). `record`: gets the
-    worker and every proposal with the sequence's tokens it followed."""
+    worker and every proposal with the sequence's tokens it followed. `texts`: the prompts
+    (TEXTS)."""
     from raygraph.config import (
         DEFAULT_MODEL,
         CacheConfig,
@@ -182,7 +183,7 @@ def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos:
     worker = loaded_worker(cfg, blocks, capture=True)
     core = EngineCore.from_config(cfg, worker.model_cfg, blocks)
     seqs = []
-    for i, text in enumerate(TEXTS):
+    for i, text in enumerate(texts or TEXTS):
         prompt = tok.encode(text)
         sp = SamplingParams(max_tokens=40, temperature=temperature, seed=i if temperature else None,
                             ignore_eos=ignore_eos).resolved()
@@ -268,6 +269,10 @@ def test_eagle3_speculation_keeps_greedy_tokens(eagle3_head, mode, blocks):
         assert sum(s.num_preemptions for s in spec) > 0
 
 
+# TEXTS and one prompt longer than a step's 64 tokens: prefilled over two steps
+LONG_TEXTS = TEXTS[:3] + [" ".join(["The list of colors: red, green, blue."] * 5)]
+
+
 def eagle3_reference(worker, tokens: list[int], k: int) -> list[int]:
     """The head's k drafts after `tokens`, from scratch: one prefill of the target over them
     (its hidden states), the head over positions 0..n-2 with the token after each, its
@@ -285,11 +290,15 @@ def eagle3_reference(worker, tokens: list[int], k: int) -> list[int]:
         chunk = SeqChunk(0, ids, start, blocks, True)
         return batch_from(host_inputs(StepPlan(0, [chunk]), bs), worker.device)
 
+    n, served_aux = len(tokens), target.model.aux  # the whole sequence in one forward
+    target.model.aux = served_aux.new_zeros(n, served_aux.shape[1])
     with torch.inference_mode():
-        n = len(tokens)
-        EagerExecutor(target, bs).run(host_inputs(StepPlan(0, [SeqChunk(0, tokens, 0, blocks,
-                                                                        True)]), bs))
-        hidden = head.combine(target.model.aux[: n - 1].clone())
+        try:
+            EagerExecutor(target, bs).run(host_inputs(StepPlan(0, [SeqChunk(
+                0, tokens, 0, blocks, True)]), bs))
+            hidden = head.combine(target.model.aux[: n - 1])
+        finally:
+            target.model.aux = served_aux
         b = batch(tokens[1:], 0)
         with forward_context(b.ctx):
             normed, hidden = head(b.input_ids, b.positions, hidden)
@@ -315,9 +324,9 @@ def test_eagle3_proposals_follow_the_heads_math(request, layout):
     head = request.getfixturevalue(
         "eagle3_head" if layout == "eagle" else "eagle3_speculators_head")
     record: dict = {}
-    spec, _ = served("eagle3", "graph", 12, draft=head, record=record)
+    spec, _ = served("eagle3", "graph", 12, draft=head, record=record, texts=LONG_TEXTS)
     if layout == "speculators":
-        plain, _ = served(False, "graph", 12)
+        plain, _ = served(False, "graph", 12, texts=LONG_TEXTS)
         assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
     proposals, worker = record["proposals"], record["worker"]
     equal = sum(drafts == eagle3_reference(worker, tokens, len(drafts))

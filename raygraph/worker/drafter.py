@@ -49,6 +49,7 @@ class Drafter:
     graphs per batch size, captured with the KV cache (`capture_all`); eager elsewhere."""
 
     model: nn.Module
+    passes_after_samples = False  # its pass over a step's rows needs the step's samples
 
     def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -168,15 +169,20 @@ class Drafter:
         return len(self.graphs) + len(self.pass_graphs)
 
     @torch.inference_mode()
-    def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor,
+    def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor | None,
                 targets: torch.Tensor | None) -> torch.Tensor | None:
         """[D, k] greedy drafts after the newest token of each chunk that asks for them
-        (`SeqChunk.propose`), in order; None when none asks. `chunks`: the step's sampling
-        chunks; `tokens` [S]: their sampled tokens; `targets`: the target's token at every
-        logits row where a chunk verified drafts (worker/speculative.py), else None. The
-        result is the loop's buffer: read it before the next proposal."""
+        (`SeqChunk.propose`), in order; None when none asks. Called after every step's
+        samples (a drafter that passes over the step's rows then does so). `chunks`: the
+        step's sampling chunks; `tokens` [S]: their sampled tokens (None: none samples);
+        `targets`: the target's token at every logits row where a chunk verified drafts
+        (worker/speculative.py), else None. The result is the loop's buffer: read it
+        before the next proposal."""
         asks = [i for i, c in enumerate(chunks) if c.propose]
         if not asks:
+            if self.passes_after_samples and self._step is not None:
+                staged = self._stage(chunks, [], 0, 0, self._extra(chunks, []))
+                self._before_loop(staged, 0, 0, tokens, None)
             return None
         d = len(asks)
         n = self._bucket(d) if self.graphed else d
@@ -212,9 +218,10 @@ class Drafter:
         """More host inputs the subclass stages with the proposal's (`_before_loop`)."""
         return []
 
-    def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor,
+    def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor | None,
                      kept: torch.Tensor | None) -> None:
-        """Once the loop's buffers hold the newest tokens and their positions."""
+        """Once the loop's buffers hold the newest tokens and their positions (d = 0: the
+        step has no proposal)."""
 
     def _loop(self, n: int) -> None:
         raise NotImplementedError
@@ -317,6 +324,8 @@ class Eagle3Drafter(Drafter):
     sequence's newest token (its anchor) gives the first draft and the hidden state the
     head's k - 1 further steps start from."""
 
+    passes_after_samples = True
+
     def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, target: nn.Module,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model = build_model(model_cfg, Comm(), dtype, device,
@@ -364,7 +373,7 @@ class Eagle3Drafter(Drafter):
         known = [r for r, _ in self._known] + [t for _, t in self._known]
         return [*self._shift, *last, *anchors, *known]
 
-    def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor,
+    def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor | None,
                      kept: torch.Tensor | None) -> None:
         rows, s, m = self._step[0], len(self._sample_rows), len(self._known)
         shift, last = extra[:rows], extra[rows: rows + s]
@@ -372,7 +381,8 @@ class Eagle3Drafter(Drafter):
         known = extra[rows + s + d:].view(2, m)
         nxt = self.step_ids[:rows][shift]
         nxt[known[0]] = known[1]  # a prompt chunk's next token
-        nxt[last] = tokens  # a chunk's newest token follows its last row
+        if tokens is not None:
+            nxt[last] = tokens  # a chunk's newest token follows its last row
         nxt[anchors] = self.tokens[:d]  # or after kept drafts, the target's token there
         self.next_ids[:rows].copy_(nxt)
         self.anchors[:d].copy_(anchors)

@@ -466,12 +466,13 @@ class Worker:
         (row, seq id) come back third. Fourth, when a chunk verifies drafts: the greedy
         token of every logits row (worker/speculative.py); None otherwise."""
         self.sleep_memory.check_awake()
+        if self.drafter is not None:  # ahead of the step: it reads the tokens fed, and its
+            # inputs' upload is then ordered before the step's (the next one need not wait)
+            self.drafter.catch_up(plan, self.executor.prev_tokens)
         try:
             logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
             raise KeyMismatch(f"rank {self.rank}: {e}") from None
-        if self.drafter is not None:  # reads the tokens fed, before this step's replace them
-            self.drafter.catch_up(plan, self.executor.prev_tokens)
         chunks = [s for s in plan.seqs if s.sample]
         if not chunks:
             return None, None, [], None
@@ -556,7 +557,7 @@ class Worker:
             pending.verify = verify_rows(sampling)
             pending.targets = self._host_targets[delta.step_id % 2][: len(targets)]
             pending.targets.copy_(targets, non_blocking=True)
-        if self.drafter is not None and tokens is not None:
+        if self.drafter is not None:
             drafts = self.drafter.propose(sampling, tokens, targets)
             if drafts is not None:
                 pending.proposing = [i for i, c in enumerate(sampling) if c.propose]
