@@ -153,12 +153,13 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
 
 def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
            temperature: float = 0.0, device: str = "cpu", draft: str = "",
-           record: dict | None = None, texts: list[str] | None = None):
+           record: dict | None = None, texts: list[str] | None = None,
+           max_num_seqs: int = 8):
     """The built-in model through the served loop's logic (EngineCore over an in-process
     worker: tokens fed on the device, replies a step late), speculation off, n-gram (True),
     or by the draft model or EAGLE-3 head at `draft` ("draft", "eagle3"). `record`: gets the
-    worker and every proposal with the sequence's tokens it followed. `texts`: the prompts
-    (TEXTS)."""
+    worker, the steps sent and every proposal with the sequence's tokens it followed.
+    `texts`: the prompts (TEXTS)."""
     from raygraph.config import (
         DEFAULT_MODEL,
         CacheConfig,
@@ -177,7 +178,8 @@ def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos:
     tok = load_tokenizer(DEFAULT_MODEL)
     cfg = ServeConfig(device=device, dtype="float32",
                       cache=CacheConfig(block_size=16, num_blocks=blocks),
-                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                max_num_batched_tokens=64),
                       graph=GraphConfig(mode=mode),
                       speculative=SpeculativeConfig(method=method, model=draft))
     worker = loaded_worker(cfg, blocks, capture=True)
@@ -197,7 +199,7 @@ def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos:
         seqs.append(seq)
     run_to_completion(core, local_dispatch(worker))
     if record is not None:
-        record["worker"] = worker
+        record["worker"], record["steps"] = worker, core.step_id
     return seqs, core.schedulers[0]
 
 
@@ -238,6 +240,20 @@ def test_draft_model_speculation_keeps_greedy_tokens(random_draft, mode, blocks,
     assert sched.num_draft_tokens > 0
     if blocks == 12:
         assert sum(s.num_preemptions for s in spec) > 0
+
+
+def test_no_row_for_a_draft_means_decoding_as_usual(random_draft):
+    """With as many sequences running as max_num_seqs no draft has a logits row: the
+    sequences decode as usual, never sitting out steps to wait for drafts (as many steps
+    as without speculation), and ask the draft model for a proposal at most while they
+    are admitted; tokens as without speculation."""
+    plain_record: dict = {}
+    record: dict = {}
+    plain, _ = served(False, max_num_seqs=4, record=plain_record)
+    spec, sched = served("draft", draft=random_draft, record=record, max_num_seqs=4)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens == 0 and record["steps"] == plain_record["steps"]
+    assert len(record.get("proposals", [])) <= len(TEXTS)
 
 
 def test_a_model_drafting_for_itself_keeps_nearly_every_draft():

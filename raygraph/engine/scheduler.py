@@ -144,7 +144,7 @@ class Scheduler:
             if seq.proposer is not None:
                 if seq.drafts:
                     continue  # verifying: 1 to k + 1 tokens come back, no feed can follow
-                if speculate:
+                if speculate and self._rows_free(out):
                     if seq.num_pending:
                         continue  # its drafts follow the token in flight: next step
                     drafts = self._drafts(seq, budget, out)
@@ -241,7 +241,8 @@ class Scheduler:
         after = (seq.token_slice(start + n, 1)[0]
                  if drafted and not sample and start + n < len(seq.token_ids) else -1)
         out.chunks.append((seq, SeqStep(seq.seq_id, seq.token_slice(start, n), sample,
-                                        forget=seq.forget, propose=sample and self._asks(seq),
+                                        forget=seq.forget,
+                                        propose=sample and self._asks(seq, out),
                                         next_token=after)))
         seq.forget = 0
         out.num_tokens += n
@@ -279,9 +280,15 @@ class Scheduler:
         out.num_tokens += 1 + len(drafts)
         out.num_drafts += len(drafts)
 
-    def _asks(self, seq: Sequence) -> bool:
+    def _asks(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Whether seq's chunk that samples asks the workers' draft model for drafts."""
-        return self._speculate and seq.proposer is not None and seq.proposer.asks
+        return (self._speculate and seq.proposer is not None and seq.proposer.asks
+                and self._rows_free(out))
+
+    def _rows_free(self, out: SchedulerOutput) -> bool:
+        """Whether a draft still has a logits row in this step (max_num_seqs in all): where
+        none has, a speculating sequence decodes as usual, never sitting out for drafts."""
+        return len(self.running) + out.num_drafts < self.max_num_seqs
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for n more tokens of seq, preempting from the back of the running list."""
