@@ -467,7 +467,8 @@ def test_speculation_overlapped(max_batch: int, seed: int) -> None:
     """Drafts, some wrong, verified in the overlapped order: every sequence emits the model's
     tokens, reads no stale K/V and never writes past its blocks. With speculative_max_batch,
     arrivals and finishes move the batch across it, so drafting turns off while verify steps
-    are in flight: such a sequence is not fed (its step returns 1 to k + 1 tokens)."""
+    are in flight: such a sequence is not fed (its step returns 1 to k + 1 tokens). A full
+    batch (max_num_seqs running: no row for a draft) decodes as usual too, fed."""
     rng = random.Random(seed)
     s = Scheduler(PagePool(96, 4), 8, 32, 64, eos_token_ids=(EOS,), prefix_caching=False,
                   num_speculative_tokens=3, speculative_max_batch=max_batch)
@@ -481,4 +482,5 @@ def test_speculation_overlapped(max_batch: int, seed: int) -> None:
     emitted = drive(engine(s), [g], arrivals)
     check_tokens(g, emitted)
     assert s.num_draft_tokens > s.num_accepted_tokens > 0
-    assert any(d.feed for d in g.deltas) == bool(max_batch)  # drafts off: fed
+    if max_batch:
+        assert any(d.feed for d in g.deltas)  # drafts off: fed
