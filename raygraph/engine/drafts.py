@@ -17,7 +17,9 @@ class ModelDrafts:
         self.drafts: list[int] = []
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Its new tokens: nothing to index (the draft model holds its own context)."""
+        """Its new tokens: a proposal follows only the token it came back with, so one kept
+        from before them is stale (the proposal that comes with them is offered next)."""
+        self.drafts = []
 
     def offer(self, drafts: list[int]) -> None:
         """The proposal that came back with its newest token."""
