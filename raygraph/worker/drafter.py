@@ -18,6 +18,7 @@ rank that samples drafts: its proposals return with the step's tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 
 import numpy as np
 import torch
@@ -79,10 +80,15 @@ class Drafter:
         self.pass_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # over a step's decode rows
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         # host staging of a proposal's inputs, pinned on a GPU (a copy from pageable memory
-        # would wait for the step's forward), two so one fills while the other uploads
-        size = n * (4 + self.k + self.width) + 3 * (self.max_rows + n)
-        self._host = [torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
-                      for _ in range(2)]
+        # would wait for the step's forward), two so one fills while the other uploads; the
+        # tables' mirror keeps what earlier proposals wrote past each row's used part (valid
+        # blocks that no query reaches), so a proposal writes only the blocks it uses
+        pinned = device.type == "cuda"
+        size = n * (4 + self.k) + 3 * (self.max_rows + n)
+        self._host = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._host_tables = [torch.zeros(n, self.width, dtype=torch.int32, pin_memory=pinned)
+                             for _ in range(2)]
+        self._lookahead_rows = np.arange(self.lookahead, dtype=np.int32)
         self._turn = 0
         self._step: tuple[int, AttentionMetadata, bool] | None = None  # catch_up's rows
 
@@ -156,6 +162,8 @@ class Drafter:
         scratch = self.first_lookahead - 1
         sizes = sorted({self._bucket(r) for r in range(1, self.max_seqs + 1)})
         self.tables.fill_(scratch)
+        for mirror in self._host_tables:
+            mirror.fill_(scratch)
         self.tokens.zero_()
         self.positions.zero_()
         for n in sizes:
@@ -170,9 +178,9 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor | None,
-                targets: torch.Tensor | None) -> torch.Tensor | None:
-        """[D, k] greedy drafts after the newest token of each chunk that asks for them
-        (`SeqChunk.propose`), in order; None when none asks. Called after every step's
+                targets: torch.Tensor | None) -> tuple[list[int], torch.Tensor] | None:
+        """(the chunks that ask for drafts: `SeqChunk.propose`, [D, k] greedy drafts after
+        each one's newest token, in order); None when none asks. Called after every step's
         samples (a drafter that passes over the step's rows then does so). `chunks`: the
         step's sampling chunks; `tokens` [S]: their sampled tokens (None: none samples);
         `targets`: the target's token at every logits row where a chunk verified drafts
@@ -188,7 +196,7 @@ class Drafter:
         n = self._bucket(d) if self.graphed else d
         k = max(chunks[i].verify for i in asks) if targets is not None else 0
         extra = self._extra(chunks, asks)
-        staged = self._stage(chunks, asks, n, k, extra)
+        staged = self._stage(chunks, asks, n, k, extra)  # and the tables, into self.tables
         ask, first, start, verifies = staged[: 4 * d].view(4, d)
         drafts = staged[4 * d: (4 + k) * d].view(d, k)
         newest, pos, kept = tokens[ask], first, None
@@ -198,25 +206,23 @@ class Drafter:
             kept = (drafts == targets[at]).long().cumprod(1).sum(1)  # padding -1 never equal
             newest = torch.where(verifies > 0, targets[start + kept], newest)
             pos = pos + kept
-        tables_end = (4 + k) * d + n * self.width
         self.tokens[:d].copy_(newest)
         self.positions[:d].copy_(pos)
-        self.tables[:n].copy_(staged[(4 + k) * d: tables_end].view(n, self.width))
         if n > d:  # padding rows: position 0 of the scratch block
             self.tokens[d:n].zero_()
             self.positions[d:n].zero_()
-        self._before_loop(staged[tables_end:], d, n, tokens, kept)
+        self._before_loop(staged[(4 + k) * d:], d, n, tokens, kept)
         if not self.graphed:
             self._loop(n)
         elif n in self.graphs:
             self.graphs[n].replay()
         else:
             self.graphs[n] = self._capture(lambda: self._loop(n))
-        return self.drafts[:d]
+        return asks, self.drafts[:d]
 
-    def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> list[int]:
+    def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> np.ndarray:
         """More host inputs the subclass stages with the proposal's (`_before_loop`)."""
-        return []
+        return np.zeros(0, dtype=np.int64)
 
     def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor | None,
                      kept: torch.Tensor | None) -> None:
@@ -231,13 +237,15 @@ class Drafter:
         return min(1 << (rows - 1).bit_length(), self.max_seqs)
 
     def _stage(self, chunks: list[SeqChunk], asks: list[int], n: int, k: int,
-               extra: list[int]) -> torch.Tensor:
+               extra: np.ndarray) -> torch.Tensor:
         """The proposal's host inputs on the device in one copy: [asks | their newest
         token's position before any kept draft | their first logits row | drafts verified |
-        the drafts (-1 padded) | the tables (n rows; past its blocks a sequence's own
-        lookahead blocks, then the scratch block) | `extra`]."""
-        d, w = len(asks), self.width
-        host = self._host[self._turn]
+        the drafts (-1 padded) | `extra`]; and the first n rows of the tables in another
+        (a sequence's blocks, then its own lookahead blocks; padding rows the scratch
+        block)."""
+        d = len(asks)
+        host, tables = self._host[self._turn], self._host_tables[self._turn]
+        mirror = tables.numpy()
         self._turn ^= 1
         rows, row = [], 0
         for c in chunks:
@@ -249,19 +257,26 @@ class Drafter:
         if k:
             heads += [t for c in cs
                       for t in c.token_ids[len(c.token_ids) - c.verify:] + [-1] * (k - c.verify)]
-        scratch = self.first_lookahead - 1  # the target's scratch block: never read
-        tables: list[int] = []
-        for j, c in enumerate(cs):
-            first = self.first_lookahead + j * self.lookahead
-            tables += c.block_table
-            tables += range(first, first + self.lookahead)
-            tables += [scratch] * (w - len(c.block_table) - self.lookahead)
-        tables += [scratch] * ((n - d) * w)
-        size = len(heads) + len(tables) + len(extra)
+        if d:  # every row's blocks, then its lookahead blocks, in one scatter
+            la = self.lookahead
+            lens = np.array([len(c.block_table) for c in cs], dtype=np.int64)
+            blocks = np.fromiter(chain.from_iterable(c.block_table for c in cs), np.int32,
+                                 int(lens.sum()))
+            row = np.repeat(np.arange(d), lens)
+            col = np.arange(len(blocks)) - np.repeat(np.cumsum(lens) - lens, lens)
+            flat = mirror.reshape(-1)
+            flat[row * self.width + col] = blocks
+            ahead = (lens[:, None] + np.arange(d)[:, None] * self.width
+                     + self._lookahead_rows[None, :])
+            flat[ahead] = (self.first_lookahead + np.arange(d)[:, None] * la
+                           + self._lookahead_rows[None, :])
+        mirror[d:n, 0] = self.first_lookahead - 1  # the target's scratch block: never read
+        if n:
+            self.tables[:n].copy_(tables[:n], non_blocking=True)
+        size = len(heads) + len(extra)
         view = host[:size].numpy()
         view[: len(heads)] = heads
-        view[len(heads): len(heads) + len(tables)] = tables
-        view[len(heads) + len(tables):] = extra
+        view[len(heads):] = extra
         return host[:size].to(self.device, non_blocking=True)
 
     def _loop_metadata(self, n: int, p: torch.Tensor) -> AttentionMetadata:
@@ -354,7 +369,7 @@ class Eagle3Drafter(Drafter):
         self.step_ids[:n].copy_(
             feed_tokens(self.bufs.input_ids[:n], self.bufs.feed[:n], prev_tokens))
         shift, row, self._sample_rows = np.arange(1, n + 1, dtype=np.int64), 0, []
-        self._known: list[tuple[int, int]] = []  # (a chunk's last row, the token after it)
+        self._known = []
         for c in plan.seqs:
             row += len(c.token_ids)
             shift[row - 1] = row - 1  # a chunk's last row: the sampled or known token
@@ -365,13 +380,13 @@ class Eagle3Drafter(Drafter):
         shift[num_tokens:] = np.arange(num_tokens, n)
         self._shift = shift
 
-    def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> list[int]:
+    def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> np.ndarray:
         """[each row's next row | each sampling chunk's last row | each asking chunk's
         anchor before any kept draft | the rows whose next token is known | those tokens]."""
         last = self._sample_rows
         anchors = [last[i] - chunks[i].verify for i in asks]
         known = [r for r, _ in self._known] + [t for _, t in self._known]
-        return [*self._shift, *last, *anchors, *known]
+        return np.concatenate([self._shift, np.array(last + anchors + known, dtype=np.int64)])
 
     def _before_loop(self, extra: torch.Tensor, d: int, n: int, tokens: torch.Tensor | None,
                      kept: torch.Tensor | None) -> None:

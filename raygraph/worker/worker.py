@@ -552,15 +552,14 @@ class Worker:
         if tokens is not None and (self.samples or guided):
             pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
             pending.tokens.copy_(tokens, non_blocking=True)
-        sampling = [s for s in plan.seqs if s.sample]
         if targets is not None and self.samples:
-            pending.verify = verify_rows(sampling)
+            pending.verify = verify_rows([s for s in plan.seqs if s.sample])
             pending.targets = self._host_targets[delta.step_id % 2][: len(targets)]
             pending.targets.copy_(targets, non_blocking=True)
         if self.drafter is not None:
-            drafts = self.drafter.propose(sampling, tokens, targets)
-            if drafts is not None:
-                pending.proposing = [i for i, c in enumerate(sampling) if c.propose]
+            proposal = self.drafter.propose([s for s in plan.seqs if s.sample], tokens, targets)
+            if proposal is not None:
+                pending.proposing, drafts = proposal
                 host = self._host_proposals[delta.step_id % 2][: drafts.numel()]
                 pending.drafts = host.view(drafts.shape).copy_(drafts, non_blocking=True)
         if cuda and guided and not self.samples:
