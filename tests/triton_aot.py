@@ -45,6 +45,9 @@ def aligned(sig: dict[str, str]) -> dict[tuple[int], list]:
 
 def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int,
                    types: dict[str, str] | None = None, num_stages: int = 3):
+    pdl = any(p.name == "PDL" for p in fn.params)
+    if pdl:  # as a GPU launches them: with programmatic dependent launch
+        constexprs = {"PDL": True} | constexprs
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for {missing}")
@@ -52,7 +55,8 @@ def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int,
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                                     attrs=aligned(sig)),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   "launch_pdl": pdl})
 
 
 def attention_cases() -> list[Case]:

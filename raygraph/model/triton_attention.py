@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.triton_ops import to_cache
+from raygraph.model.triton_pdl import await_inputs, pdl
 
 TILE = 64
 # verify chunks: rows a program attends for at most, and its warps (a tile of up to 32
@@ -63,8 +64,9 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
     CASCADE: tl.constexpr, TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
     ROPE: tl.constexpr, VERIFY: tl.constexpr, CHUNKS: tl.constexpr, CH: tl.constexpr,
-    CR: tl.constexpr,
+    CR: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     if CHUNKS:
         _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verify_ptr,
                     out_ptr, cos_ptr, sin_ptr, scale, tl.program_id(0), tl.program_id(1),
@@ -385,7 +387,8 @@ def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, co
 def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_ot, stride_oh,
                          D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                          TILE: tl.constexpr, WINDOW: tl.constexpr, CASCADE: tl.constexpr,
-                         PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr):
+                         PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, TOTAL)  # the sequence's own splits, then (cascade) the prefix's
@@ -531,6 +534,8 @@ def paged_decode_attention(
                 NUM_HEADS=num_heads, ROWS=PREFIX_ROWS, PRECISION=precision, STAGES=stages,
                 ROPE=rope is not None, num_warps=PREFIX_WARPS,
             )
+    # the cascade's kernels (two streams) keep plain stream order
+    launch = pdl(q, num_seqs, allowed=not cascade)
     verify = store and verify_row is not None
     # one split, no cascade or window: each chunk's rows attend in one program
     chunks = verify and splits == 1 and not cascade and window == 0
@@ -546,7 +551,7 @@ def paged_decode_attention(
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
         PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total,
         PREFIX_SPLITS=p_splits, ROPE=rope is not None, VERIFY=verify, CHUNKS=chunks, CH=ch,
-        CR=max(16, ch * gp), num_warps=CHUNK_WARPS if chunks else warps,
+        CR=max(16, ch * gp), num_warps=CHUNK_WARPS if chunks else warps, **launch,
     )
     if side is not None:
         main.wait_stream(side)
@@ -554,7 +559,7 @@ def paged_decode_attention(
         _decode_merge_kernel[(num_seqs, num_heads)](
             ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim,
             SPLITS=splits, NUM_HEADS=num_heads, TILE=tile, WINDOW=window, CASCADE=cascade,
-            PREFIX_SPLITS=p_splits, TOTAL=total, num_warps=1,
+            PREFIX_SPLITS=p_splits, TOTAL=total, num_warps=1, **launch,
         )
     return out
 

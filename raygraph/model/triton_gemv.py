@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
+from raygraph.model.triton_pdl import await_inputs, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
@@ -68,12 +69,34 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
+def _tile(acc, acc_up, x, w, w_rows, s_rows, nmask, k0, stride_wn, stride_ws, N: tl.constexpr,
+          K: tl.constexpr, EPILOGUE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """Adds one K tile's products to acc (and, SILU_MUL, its up rows' to acc_up); a grouped
+    FP8 tile's scaled as it is added."""
+    if FP8 and GROUP < K:
+        s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+    if EPILOGUE == 1:  # up row n + N next to gate row n
+        w_up = tl.load(w_rows + N * stride_wn + k0).to(x.dtype)
+        if FP8 and GROUP < K:
+            s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP)
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION) * s_up[None, :]
+        else:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_ws, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
     weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
@@ -97,21 +120,17 @@ def _gemv_kernel(
     s_rows = ws_ptr + rows.to(tl.int64) * stride_ws
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
+    # the first weight tile loads before the inputs are ready (PDL); the rest pipelined
+    w = tl.load(w_rows, mask=nmask[:, None], other=0.0)
+    await_inputs(PDL)
+    x = tl.load(x_rows, mask=mmask[:, None], other=0.0)
+    acc, acc_up = _tile(acc, acc_up, x, w, w_rows, s_rows, nmask, 0, stride_wn, stride_ws, N,
+                        K, EPILOGUE, FP8, GROUP, PRECISION)
+    for k0 in range(BK, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
-        if FP8 and GROUP < K:
-            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-        if EPILOGUE == 1:  # up row n + N next to gate row n
-            w_up = tl.load(w_rows + N * stride_wn + k0).to(x.dtype)
-            if FP8 and GROUP < K:
-                s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP)
-                acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION) * s_up[None, :]
-            else:
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        acc, acc_up = _tile(acc, acc_up, x, w, w_rows, s_rows, nmask, k0, stride_wn,
+                            stride_ws, N, K, EPILOGUE, FP8, GROUP, PRECISION)
     if FP8 and GROUP == K:
         acc *= tl.load(s_rows, mask=nmask, other=0.0)[None, :]
         if EPILOGUE == 1:
@@ -158,7 +177,7 @@ def _gemv1_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
@@ -181,13 +200,23 @@ def _gemv1_kernel(
     s_b = ws_ptr + partner.to(tl.int64) * stride_ws
     acc = tl.zeros([rows.shape[0], BK], tl.float32)
     acc_b = tl.zeros([rows.shape[0], BK], tl.float32)
+    # the first tiles load before the input is ready (PDL), each next one ahead of its use
+    w = tl.load(w_a, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+    wb = w
+    if EPILOGUE != 0:
+        wb = tl.load(w_b, eviction_policy="evict_first")
+    await_inputs(PDL)
     for k0 in range(0, K, BK):
+        more = k0 + BK < K
         x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
-        w = tl.load(w_a + k0, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+        w_next = tl.load(w_a + k0 + BK, mask=nmask[:, None] & more, other=0.0,
+                         eviction_policy="evict_first")
         acc += _row_products(x, w, s_a, k0, FP8, GROUP, K, BK)
+        w = w_next
         if EPILOGUE != 0:
-            wb = tl.load(w_b + k0, eviction_policy="evict_first")
+            wb_next = tl.load(w_b + k0 + BK, mask=more, other=0.0, eviction_policy="evict_first")
             acc_b += _row_products(x, wb, s_b, k0, FP8, GROUP, K, BK)
+            wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if FP8 and GROUP == K:
@@ -315,7 +344,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     fixed = dict(N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
                  ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, BN=cfg.block_n,
                  BK=_block_k(cfg.block_k, o, x.shape[0]), num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages)
+                 num_stages=cfg.num_stages, **pdl(x, x.shape[0]))
     b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:
         _gemv1_kernel[(programs,)](

@@ -7,14 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
+from raygraph.model.triton_pdl import await_inputs, pdl
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    await_inputs(PDL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
     # as HF: cast to the activation dtype, then scale by the weight
     y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
@@ -23,16 +27,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
     total = x + r  # in the activation dtype, as torch adds
     tl.store(sum_ptr + row * n + cols, total, mask=mask)
     t = total.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
     y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -53,12 +58,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     total = torch.empty_like(out)
     _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0),
                                          r2.stride(0), n, eps,
-                                         BLOCK=triton.next_power_of_2(n), num_warps=4)
+                                         BLOCK=triton.next_power_of_2(n), num_warps=4,
+                                         **pdl(x, x2.shape[0]))
     return out.view(x.shape), total.view(x.shape)
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, stride, n, BLOCK: tl.constexpr):
+def _argmax_kernel(x_ptr, out_ptr, stride, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -78,7 +85,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     took 10 us for one 32000-wide row inside the decode graph."""
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     block = min(triton.next_power_of_2(x.shape[1]), 16384)
-    _argmax_kernel[(x.shape[0],)](x, out, x.stride(0), x.shape[1], BLOCK=block, num_warps=16)
+    _argmax_kernel[(x.shape[0],)](x, out, x.stride(0), x.shape[1], BLOCK=block, num_warps=16,
+                                   **pdl(x, x.shape[0]))
     return out
 
 
@@ -87,7 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x2.shape[1]
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps,
-                                     BLOCK=triton.next_power_of_2(n), num_warps=4)
+                                     BLOCK=triton.next_power_of_2(n), num_warps=4,
+                                     **pdl(x, x2.shape[0]))
     return out.view(x.shape)
 
 
