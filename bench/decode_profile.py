@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from bench.checkpoints import PRESETS, bench_model
 from bench.decode_step import decode_plan, make_worker
 from raygraph.graph.inputs import host_inputs
-from raygraph.model.quant import Fp8Weight
+from raygraph.model.quant import DECODE_ROWS, Fp8Weight
 from raygraph.worker.worker import Worker
 
 
@@ -166,10 +166,32 @@ def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
     return fn
 
 
+def _fp8_call(x: torch.Tensor, ws: list[Fp8Weight], kernel: str, cfg=None):
+    """fn(i): x quantized per token, then x @ W^T on FP8 weight copy i through
+    torch._scaled_mm or the Triton FP8 GEMM (cfg: its tiles, "auto" its own choice)."""
+    from raygraph.model import triton_fp8_gemm
+    from raygraph.model.ops import quantize_activations
+
+    own = None if cfg in (None, "auto") else triton_fp8_gemm.Fp8GemmConfig(*cfg)
+
+    def fn(i: int) -> torch.Tensor:
+        w = ws[i % len(ws)]
+        xq, xs = quantize_activations(x, None)
+        if kernel == "scaled_mm":
+            return torch._scaled_mm(xq, w.data.t(), scale_a=xs, scale_b=w.scale.view(1, -1),
+                                    out_dtype=x.dtype)
+        return triton_fp8_gemm.fp8_gemm(xq, xs, w.data, w.scale, x.dtype, cfg=own)
+
+    return fn
+
+
 def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
-              ms: tuple[int, ...] = (1, 8), fp8: bool = False) -> None:
+              ms: tuple[int, ...] = (1, 8), fp8: bool = False,
+              fp8_configs: list[tuple[str, tuple[int, ...]]] = ()) -> None:
     """cuBLAS on bf16 weights against the Triton configs, on bf16 weights or (fp8) the same
-    weights quantized per row: microseconds and the weight bytes' GB/s."""
+    weights quantized per row: microseconds and the weight bytes' GB/s. Past 8 rows FP8
+    also times the W8A8 GEMMs: _scaled_mm and the Triton FP8 GEMM (its own tiles and
+    `fp8_configs`)."""
     from raygraph.model.quant import quantize
     from raygraph.model.triton_gemv import GemvConfig
 
@@ -184,12 +206,12 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
         t = time_graph(_gemm_call(name, x, ws))
         row = {"gemm": name, "n": n, "k": k, "m": m, "fp8": fp8, "cublas_us": round(1e6 * t, 2),
                "cublas_GBps": round(n * k * 2 / t / 1e9)}
-        if fp8 and m > 8:  # what serves these rows: x quantized per token, then _scaled_mm
-            from raygraph.model.ops import fp8_gemm
-
-            t = time_graph(lambda i, x=x: fp8_gemm(x, own_ws[i % len(own_ws)]))
-            row["scaled_mm_us"] = [round(1e6 * t, 2), round(size / t / 1e9)]
-        for cfg in configs:
+        if fp8 and m > 8:  # W8A8: x quantized per token, then _scaled_mm or the Triton GEMM
+            for kernel, cfg in [("scaled_mm", None), ("triton_fp8", "auto"), *fp8_configs]:
+                t = time_graph(_fp8_call(x, own_ws, kernel, cfg))
+                key = f"{kernel}_us" if cfg in (None, "auto") else f"triton_fp8{cfg}"
+                row[key] = [round(1e6 * t, 2), round(size / t / 1e9)]
+        for cfg in configs if m <= (DECODE_ROWS if fp8 else 8) else []:  # what they serve
             try:
                 own = cfg if cfg == "auto" else GemvConfig(*cfg)
                 t = time_graph(_gemm_call(name, x, own_ws, own))
@@ -210,11 +232,12 @@ def gemm_shapes(preset: str) -> dict[str, tuple[int, int]]:
 
 
 def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8),
-               preset: str = "llama-1b", fp8: bool = False) -> None:
+               preset: str = "llama-1b", fp8: bool = False,
+               fp8_configs: list[tuple[str, tuple[int, ...]]] = ()) -> None:
     for name, (n, k) in gemm_shapes(preset).items():
         if fp8 and name == "lm_head":
             continue  # stays in the model's dtype
-        gemm_rows(name, n, k, configs, ms, fp8)
+        gemm_rows(name, n, k, configs, ms, fp8, fp8_configs)
         torch.cuda.empty_cache()
 
 
@@ -278,6 +301,9 @@ def main() -> None:
     p.add_argument("--gemm-configs", nargs="+", default=None,
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages, "
                         "or auto (the kernels' own choice for the rows)")
+    p.add_argument("--fp8-gemm-configs", nargs="+", default=[],
+                   help="with --gemm-fp8, past 8 rows: Triton FP8 GEMM tiles to time, each "
+                        "block_m,block_n,block_k,num_warps,num_stages")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")
@@ -306,7 +332,9 @@ def main() -> None:
                     for c in a.gemm_configs]
                    if a.gemm_configs else ["auto", (16, 256, 4, 4), (16, 512, 4, 3),
                                            (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6)])
-        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8)
+        fp8_configs = [("triton_fp8", tuple(int(v) for v in c.split(",")))
+                       for c in a.fp8_gemm_configs]
+        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8, fp8_configs)
     if a.gemm_only:
         return
     model = bench_model(a.preset, a.load_format)

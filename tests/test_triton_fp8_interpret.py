@@ -156,3 +156,43 @@ def test_quantize_rows_equals_the_reference(exact_e4m3, interpreted, static):
     q, s = ops_kernels.quantize_rows(x, scale)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(s, want_s)
+
+
+@pytest.mark.parametrize("m, n, bias", [(1, 128, False), (17, 128, True), (70, 256, False)])
+def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias):
+    """The Triton W8A8 GEMM (rows past the decode kernels): x already e4m3 with a scale a
+    row, W e4m3 with a scale a row. Row tiles of 64 (so 70 rows are two, the second masked),
+    columns in runs of 16-64, K in tiles of 128: equal to (xq * x_scale) @ (Wq * w_scale)^T
+    in float32 (every product of two e4m3 values is exact there; sums in another order), then
+    rounded once to the output dtype, bias added after as _scaled_mm's caller adds it.
+    Each case runs its own tiles (m <= 64: 32 columns) and 64-column tiles."""
+    g = interpreted("triton_fp8_gemm")
+    torch.manual_seed(m + n)
+    w = fp8_weight(n, K, "dynamic", seed=n)
+    xq, xs = quantize(tokens(m, m).float(), K)
+    b = torch.randn(n).to(DT) if bias else None
+    want = (xq.float() * xs) @ (w.data.float() * w.scale).t()
+    for dtype, cfg in [(torch.float32, None), (DT, None), (DT, g.Fp8GemmConfig(64, 64, 128, 4, 6))]:
+        got = g.fp8_gemm(xq, xs, w.data, w.scale, dtype, b, cfg)
+        assert got.shape == (m, n) and got.dtype == dtype
+        expect = want.to(dtype)
+        if b is not None:
+            expect = (expect.float() + b.float()).to(dtype)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got.float(), expect.float(), rtol=ULPS * eps,
+                                   atol=ULPS * eps * want.abs().max().item())
+
+
+def test_w8a8_gemm_tiles_and_where_it_serves():
+    """Up to 64 rows, columns a program so an 8B GEMM has ~100-220 programs; more rows, 64.
+    cuBLASLt keeps what its full tiles do at least as fast (gate|up past 64 rows, anything
+    past 256) and what the kernel cannot tile."""
+    from raygraph.model.triton_fp8_gemm import config, preferred
+
+    assert [config(64, n, 4096).block_n for n in (4096, 6144, 28672)] == [32, 64, 128]
+    assert config(256, 4096, 14336) == (64, 64, 128, 4, 6)
+    assert config(16, 28672, 4096).num_stages == 4
+    assert preferred(17, 28672, 4096) and preferred(64, 28672, 4096)
+    assert not preferred(65, 28672, 4096) and preferred(128, 6144, 4096)
+    assert preferred(256, 4096, 14336) and not preferred(256, 6144, 4096)
+    assert not preferred(257, 4096, 4096) and not preferred(32, 4160, 4096)

@@ -106,7 +106,9 @@ def attention_cases() -> list[Case]:
 
 
 def other_cases() -> list[Case]:
-    """The elementwise, skinny-GEMM and LoRA kernels at llama-1b's decode shapes."""
+    """The elementwise, skinny-GEMM, FP8 GEMM and LoRA kernels at llama-1b's decode shapes
+    (the FP8 GEMM at the 8B's)."""
+    from raygraph.model import triton_fp8_gemm as fg
     from raygraph.model import triton_gemv as gv
     from raygraph.model import triton_lora as lr
     from raygraph.model import triton_ops as op
@@ -145,6 +147,9 @@ def other_cases() -> list[Case]:
         ("row gemv fp8 128-groups + rotary", gv._gemv1_kernel,
          row | fp8 | dict(GROUP=128, EPILOGUE=gv.ROTARY, HAS_BIAS=False, BN=4, BK=2048), 4,
          e4m3),
+        ("W8A8 FP8 GEMM", fg._fp8_gemm_kernel,
+         dict(N=4096, K=4096, HAS_BIAS=True, BM=64, BN=32, BK=128), 4,
+         {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}),
         ("lora shrink", lr._shrink_kernel, dict(R=16, K=2048, P0=0, P1=2, P2=2, BM=lr.BM,
                                                 BN=16, BK=512, PRECISION="tf32"), 4, slots),
         ("lora expand", lr._expand_kernel, dict(N0=2048, N1=512, N2=0, C0=0, C1=2560, C2=2560,

@@ -69,11 +69,16 @@ def quantize_activations(x: torch.Tensor, static: torch.Tensor | None
 
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
              ) -> torch.Tensor | None:
-    """x @ W^T (+ bias) of an FP8 weight through torch._scaled_mm (x quantized per token, or
-    by the static input scale), or None where it does not apply."""
+    """x @ W^T (+ bias) of an FP8 weight, x quantized per token (or by the static input
+    scale): through the Triton FP8 GEMM where it beats cuBLASLt (triton_fp8_gemm.preferred),
+    else torch._scaled_mm; None where neither applies."""
     if not _scaled_mm_applies(x, w):
         return None
     xq, x_scale = quantize_activations(x, w.input_scale if w.activations == "static" else None)
+    from raygraph.model import triton_fp8_gemm
+
+    if triton_fp8_gemm.preferred(xq.shape[0], w.shape[0], w.shape[1]):
+        return triton_fp8_gemm.fp8_gemm(xq, x_scale, w.data, w.scale, x.dtype, bias)
     y = torch._scaled_mm(xq, w.data.t(), scale_a=x_scale,
                          scale_b=w.scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)

@@ -1,7 +1,7 @@
-"""GPU: FP8 linear layers. torch._scaled_mm (rows > 8, W8A8 per-channel) against the float32
-reference path; decode rows (the FP8 weight streamed by the skinny kernels, never
-dequantized); both inside a captured graph; and a whole FP8 checkpoint's logits on the GPU
-against the CPU's."""
+"""GPU: FP8 linear layers. The W8A8 GEMMs past the decode rows (Triton's or
+torch._scaled_mm, per-channel) against the float32 reference path; decode rows (the FP8
+weight streamed by the skinny kernels, never dequantized); both inside a captured graph;
+and a whole FP8 checkpoint's logits on the GPU against the CPU's."""
 
 from __future__ import annotations
 
@@ -44,14 +44,19 @@ def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -
 
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
-@pytest.mark.parametrize("rows", [DECODE_ROWS + 1, 64, 300])
-@pytest.mark.parametrize("n, k", [(256, 512), (768, 256)])
-def test_scaled_mm_matches_the_reference_path(activations, rows, n, k) -> None:
+@pytest.mark.parametrize("rows", [DECODE_ROWS + 1, 64, 200, 300])
+@pytest.mark.parametrize("n, k", [(256, 512), (768, 256), (4096, 1024)])
+def test_w8a8_gemms_match_the_reference_path(activations, rows, n, k) -> None:
+    """Past the decode rows: the Triton FP8 GEMM (up to 256 rows of these widths) or
+    _scaled_mm (300 rows), both against the float32 math."""
+    from raygraph.model.triton_fp8_gemm import preferred
+
     torch.manual_seed(rows + n)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w, bias = weight(n, k, activations), torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    assert preferred(rows, n, k) == (rows <= 256)
     got = ops.fp8_gemm(x, w, bias)
-    assert got is not None and got.dtype == torch.bfloat16  # _scaled_mm took it
+    assert got is not None and got.dtype == torch.bfloat16  # a W8A8 GEMM took it
     want = reference(x, w, bias)
     # float32 accumulation in both; the output rounded to bf16 once (+ the bias add)
     torch.testing.assert_close(got.float(), want, rtol=2 * BF16_EPS,
@@ -116,7 +121,7 @@ def test_decode_rows_read_the_fp8_weight(monkeypatch, activations, rows, group) 
                                atol=8 * BF16_EPS * qkv_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 4, 32])
+@pytest.mark.parametrize("rows", [1, 4, 32, 300])
 def test_fp8_linears_capture_and_replay(rows) -> None:
     """No host sync on either path: replay gives the eager result bitwise."""
     torch.manual_seed(rows)

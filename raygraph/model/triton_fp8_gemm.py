@@ -1,0 +1,102 @@
+"""W8A8 FP8 GEMMs of tens to a few hundred token rows, for the weights cuBLASLt tiles badly
+(GPU only; imported lazily by model/ops.py).
+
+x arrives quantized per token (e4m3 and a float32 scale a row), the weight per output row;
+y = (xq @ Wq^T) * x_scale * w_scale (+ bias), in x's dtype, as torch._scaled_mm computes
+it. cuBLASLt's FP8 kernels tile the output 128 x 128: a projection to 4096 columns at 64
+rows is 32 tiles for 132 SMs, and streams its weight at a fraction of the bandwidth. Here a
+program owns 64 rows by a narrow run of columns (32 to 128), so such a GEMM has ~100 to
+220 programs, each streaming its weight rows through a deep shared-memory pipeline into the
+FP8 tensor cores (float32 accumulation). Where cuBLASLt's tiles are full (more rows, or
+wide weights past 64 rows), `preferred` sends the GEMM back to it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Fp8GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am, stride_bn,
+                     stride_cm, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # the row tiles of one column run are neighbours: its weight rows are read from HBM once
+    m_tiles = tl.cdiv(M, BM)
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid % m_tiles, pid // m_tiles
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    mmask = rm < M
+    a = a_ptr + rm[:, None] * stride_am + rk[None, :]
+    b = b_ptr + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(a + k0, mask=mmask[:, None], other=0.0)
+        w = tl.load(b + k0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    acc *= tl.load(as_ptr + rm, mask=mmask, other=0.0)[:, None]
+    acc *= tl.load(bs_ptr + rn)[None, :]
+    if HAS_BIAS:  # added to the output as it is stored, as _scaled_mm's caller adds it
+        y = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    else:
+        y = acc
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], y.to(c_ptr.dtype.element_ty),
+             mask=mmask[:, None])
+
+
+def config(m: int, n: int, k: int) -> Fp8GemmConfig:
+    """Tiles for m rows of an [n, k] weight, from a sweep of nine on the 8B shapes (H200,
+    bench/RESULTS.md "FP8 GEMMs of 16 to 512 rows"): 64 rows a program; up to 64 rows,
+    columns so the programs number ~100-220 (32 up to 4096 columns, 64 up to 8192, else
+    128); more rows, 64 columns. Six pipeline stages, four at 128 columns."""
+    block_n = 64
+    if m <= 64:
+        block_n = 32 if n <= 4096 else 64 if n <= 8192 else 128
+    return Fp8GemmConfig(64, block_n, 128, 4, 4 if block_n == 128 else 6)
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    """Shapes the kernel takes: whole column runs and K tiles (any number of rows)."""
+    return n % 128 == 0 and k % 128 == 0
+
+
+def preferred(m: int, n: int, k: int) -> bool:
+    """Whether m rows of an [n, k] weight go here rather than to cuBLASLt (_scaled_mm):
+    where the sweep found it faster. Up to 64 rows every 8B GEMM (gate|up 37 us against 47
+    at 64 rows, down 33 against 44); up to 128 rows those of 8192 columns or fewer; up to
+    256 those of 4096 (o, down: 15.5 and 42 us against 18 and 46). Past that cuBLASLt's
+    128 x 128 tiles are full and at least level."""
+    if not supports(m, n, k):
+        return False
+    return m <= 64 or (m <= 128 and n <= 8192) or (m <= 256 and n <= 4096)
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+             cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """(xq @ w^T) * x_scale * w_scale (+ bias): xq [M, K] and w [N, K] e4m3, x_scale [M, 1]
+    and w_scale [N, 1] float32; [M, N] in out_dtype."""
+    m, k = xq.shape
+    n = w.shape[0]
+    cfg = cfg or config(m, n, k)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    grid = (triton.cdiv(m, cfg.block_m) * (n // cfg.block_n),)
+    _fp8_gemm_kernel[grid](
+        xq, w, x_scale, w_scale, bias if bias is not None else w_scale, out, m, xq.stride(0),
+        w.stride(0), out.stride(0), N=n, K=k, HAS_BIAS=bias is not None, BM=cfg.block_m,
+        BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
