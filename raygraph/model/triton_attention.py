@@ -431,13 +431,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 DecodeTiles = tuple[int, int, int]  # keys per tile, warps, pipeline stages
 DECODE_TILES: DecodeTiles = (TILE, 2, 3)  # bench.decode_profile --attention, H200
+# an FP8 cache's tiles are half the bytes: two more stages keep as many in flight (H200,
+# 128-wide heads: 64 x 1024 keys 54.3 -> 48.6 us, 256 x 1024 197.4 -> 181.9)
+DECODE_TILES_FP8: DecodeTiles = (TILE, 2, 5)
 
 
-def decode_tiles(head_dim: int) -> DecodeTiles:
-    """Head sizes up to 128: DECODE_TILES, measured at 64 (no spill on sm_90 up to 128).
-    Wider: 32 keys at 4 warps, since at DECODE_TILES a 256-wide head spills (ptxas: 255
-    registers and 280 B of stack a thread; (32, 4, 3): 141, none). Not yet timed."""
-    return DECODE_TILES if head_dim <= 128 else (32, 4, 3)
+def decode_tiles(head_dim: int, fp8: bool = False) -> DecodeTiles:
+    """Head sizes up to 128: DECODE_TILES (an FP8 cache: DECODE_TILES_FP8), measured at 64
+    and 128 (no spill on sm_90 up to 128). Wider: 32 keys at 4 warps, since at DECODE_TILES
+    a 256-wide head spills (ptxas: 255 registers and 280 B of stack a thread; (32, 4, 3):
+    141, none). Not yet timed."""
+    if head_dim > 128:
+        return (32, 4, 3)
+    return DECODE_TILES_FP8 if fp8 else DECODE_TILES
 
 
 FILL_PROGRAMS = 256  # about two split programs per SM of an H100: small batches split finer
@@ -489,7 +495,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    tile, warps, stages = tiles or decode_tiles(head_dim)
+    tile, warps, stages = tiles or decode_tiles(head_dim, k_cache.dtype == torch.float8_e4m3fn)
     cascade = shared_len is not None and window == 0
     splits = splits or num_splits(block_tables.shape[1] * block_size, num_seqs, num_kv_heads,
                                   tile, cascade)
