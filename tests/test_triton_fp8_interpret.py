@@ -158,6 +158,28 @@ def test_quantize_rows_equals_the_reference(exact_e4m3, interpreted, static):
     assert torch.equal(s, want_s)
 
 
+def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted):
+    """rms_norm, add_rms_norm and silu_and_mul asked to quantize (their output feeds an FP8
+    GEMM): the output is unchanged, and the e4m3 rows and scales equal quantize_rows of it,
+    byte for byte (a width that is not a power of two, an all-zero row, a whole 1100-wide
+    SwiGLU row in one program)."""
+    k_ops = interpreted("triton_ops")
+    torch.manual_seed(5)
+    x, r = (torch.randn(2, 6, 300) * torch.logspace(-2, 1, 6).view(-1, 1)).to(DT)
+    x[3], r[3] = 0, 0
+    w = (torch.rand(300) + 0.5).to(DT)
+    gu = torch.randn(4, 2 * 1100).to(DT)
+    runs = [(k_ops.rms_norm(x, w, 1e-6, True), k_ops.rms_norm(x, w, 1e-6)[0]),
+            (k_ops.add_rms_norm(x, r, w, 1e-6, True)[::2],
+             k_ops.add_rms_norm(x, r, w, 1e-6)[0]),
+            (k_ops.silu_and_mul(gu, True), k_ops.silu_and_mul(gu)[0])]
+    for (out, (q, s)), plain in runs:
+        assert torch.equal(out, plain)
+        want_q, want_s = k_ops.quantize_rows(out)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s, want_s)
+
+
 @pytest.mark.parametrize("m, n, bias", [(1, 128, False), (17, 128, True), (70, 256, False)])
 def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias):
     """The Triton W8A8 GEMM (rows past the decode kernels): x already e4m3 with a scale a

@@ -123,12 +123,18 @@ def other_cases() -> list[Case]:
     fp8 = dict(FP8=True)
     e4m3 = rope | {"w_ptr": "*fp8e4nv"}
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
+    quantized = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "fp8_max": "fp32", "inv_max": "fp32",
+                 "min_scale": "fp32"}
     return [
-        ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048), 4, {}),
-        ("add_rms_norm", op._add_rms_norm_kernel, dict(BLOCK=2048), 4, {}),
+        ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048, QUANT=False), 4, {}),
+        ("add_rms_norm", op._add_rms_norm_kernel, dict(BLOCK=2048, QUANT=False), 4, {}),
+        ("add_rms_norm + e4m3 rows", op._add_rms_norm_kernel, dict(BLOCK=4096, QUANT=True), 4,
+         quantized),
         ("argmax", op._argmax_kernel, dict(BLOCK=16384), 16, {"out_ptr": "*i64"}),
         ("rotary", op._rotary_kernel, dict(HQ=32, HK=8, HQ_PAD=32, HK_PAD=8, HALF=32), 1, rope),
-        ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024), 4, {}),
+        ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=False), 4, {}),
+        ("silu_and_mul + e4m3 rows", op._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=True),
+         16, quantized),
         ("store_kv", op._store_kv_kernel, dict(N=512, BLOCK=512), 1, {"slots_ptr": "*i64"}),
         ("quantize rows to e4m3", op._quantize_rows_kernel, dict(STATIC=False, BLOCK=8192), 8,
          {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "fp8_max": "fp32",

@@ -30,12 +30,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+        feeds: ops.Weight | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual). `feeds`: the
+        weight of the GEMM that takes the result (an FP8 one may get it quantized here)."""
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, feeds)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, feeds)
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,7 +118,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if lora_active(self.gate_up_proj.lora):  # the delta comes before the activation
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.base_weight))
+        return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.base_weight,
+                                                      self.down_proj.base_weight))
 
 
 # layer index -> that layer's feed-forward block (MoE models swap the dense MLP for it)
@@ -136,12 +139,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it): the residual add
         happens inside the next norm, as in HF (x = residual + sublayer(norm(residual)))."""
+        qkv = self.self_attn.qkv_proj.base_weight
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm(x, feeds=qkv)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, qkv)
         h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
+        gate_up = getattr(self.mlp, "gate_up_proj", None)  # a dense MLP's (not MoE's)
+        h, residual = self.post_attention_layernorm(
+            h, residual, gate_up.base_weight if gate_up is not None else None)
         return self.mlp(h), residual
 
 

@@ -67,6 +67,25 @@ def quantize_activations(x: torch.Tensor, static: torch.Tensor | None
     return quantize_with(x, static, 1), static.expand(x.shape[0], 1).contiguous()
 
 
+# the attribute an activation tensor carries when the op that made it also stored it in
+# e4m3 per token (rms_norm, add_rms_norm, silu_and_mul with `feeds`): its (e4m3 rows, scales)
+QUANTIZED = "raygraph_fp8_rows"
+
+
+def _quantizes_for(x: torch.Tensor, feeds: Weight | None) -> bool:
+    """Whether the op making x [T, K] also stores it in e4m3 per token: x feeds an FP8 GEMM
+    that will quantize it so (dynamic activations, through fp8_gemm), which then skips its
+    own quantization launch."""
+    return (isinstance(feeds, Fp8Weight) and feeds.activations == "dynamic"
+            and _scaled_mm_applies(x, feeds))
+
+
+def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
+    if quantized is not None:
+        setattr(x, QUANTIZED, quantized)
+    return x
+
+
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
              ) -> torch.Tensor | None:
     """x @ W^T (+ bias) of an FP8 weight, x quantized per token (or by the static input
@@ -74,7 +93,12 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     else torch._scaled_mm; None where neither applies."""
     if not _scaled_mm_applies(x, w):
         return None
-    xq, x_scale = quantize_activations(x, w.input_scale if w.activations == "static" else None)
+    made = getattr(x, QUANTIZED, None) if w.activations == "dynamic" else None
+    if made is not None and made[0].shape == x.shape:
+        xq, x_scale = made  # stored by the op that made x
+    else:
+        xq, x_scale = quantize_activations(x, w.input_scale if w.activations == "static"
+                                           else None)
     from raygraph.model import triton_fp8_gemm
 
     if triton_fp8_gemm.preferred(xq.shape[0], w.shape[0], w.shape[1]):
@@ -122,12 +146,14 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight)) with weight = [gate | up] on its rows."""
+def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Weight | None = None
+                        ) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight)) with weight = [gate | up] on its rows; `feeds`: the
+    weight that takes the result (see silu_and_mul)."""
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight)
         if y is not None:
-            return silu_and_mul(y)
+            return silu_and_mul(y, feeds)
     # tiles of 16+ columns
     x, weight, fused = _skinny_operands(x, weight, (weight.shape[0] // 2) % 16 == 0)
     if fused:
@@ -192,12 +218,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: Weight | None = None
+             ) -> torch.Tensor:
+    """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight.
+    `feeds`: the weight of the GEMM that takes the result; where that GEMM quantizes it per
+    token (FP8), the kernel stores it so too and the GEMM skips a launch."""
     if kernels(x):
         from raygraph.model.triton_ops import rms_norm as fused
 
-        return fused(x, weight, eps)
+        return _with_quantized(*fused(x, weight, eps, _quantizes_for(x, feeds)))
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -205,23 +234,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    feeds: Weight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the residual add fused into the next norm."""
+    """(rms_norm(x + residual), x + residual): the residual add fused into the next norm;
+    `feeds` as rms_norm's."""
     if kernels(x):
         from raygraph.model.triton_ops import add_rms_norm as fused
 
-        return fused(x, residual, weight, eps)
+        out, total, quantized = fused(x, residual, weight, eps, _quantizes_for(x, feeds))
+        return _with_quantized(out, quantized), total
     total = x + residual
     return rms_norm(total, weight, eps), total
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: x = [gate | up] on the last dim -> silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, feeds: Weight | None = None) -> torch.Tensor:
+    """SwiGLU's activation: x = [gate | up] on the last dim -> silu(gate) * up. `feeds` as
+    rms_norm's."""
     if kernels(x):
         from raygraph.model.triton_ops import silu_and_mul as fused
 
-        return fused(x)
+        half = x[:, : x.shape[1] // 2] if x.dim() == 2 else x
+        return _with_quantized(*fused(x, _quantizes_for(half, feeds)))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -11,23 +11,47 @@ from raygraph.model.triton_pdl import await_inputs, pdl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_scale):
+    """Stores row `row` of y (float32) in e4m3 with its per-token scale, as quant.quantize
+    computes them: the largest magnitude maps to 448, y / scale rounded as torch divides."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_max, min_scale)
+    q = tl.clamp(tl.math.div_rn(y, tl.zeros_like(y) + scale), -fp8_max, fp8_max)
+    tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
+                  min_scale, QUANT: tl.constexpr):
+    """RMSNorm of row t (float32) as HF computes it: normalised, cast to the activation
+    dtype, scaled by the weight, cast again. QUANT: the stored row also in e4m3 per token
+    (what an FP8 GEMM taking it would compute from it)."""
+    dtype = out_ptr.dtype.element_ty
+    normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
+    y = (normed.to(dtype).to(tl.float32) * w).to(dtype)
+    tl.store(out_ptr + row * n + cols, y, mask=mask)
+    if QUANT:
+        _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
+                      min_scale)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, n, eps, fp8_max, inv_max,
+                     min_scale, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-    # as HF: cast to the activation dtype, then scale by the weight
-    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed(x, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
+                  min_scale, QUANT)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, stride_x,
+                         stride_r, n, eps, fp8_max, inv_max, min_scale, BLOCK: tl.constexpr,
+                         QUANT: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -37,10 +61,26 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
     total = x + r  # in the activation dtype, as torch adds
     tl.store(sum_ptr + row * n + cols, total, mask=mask)
-    t = total.to(tl.float32)
-    normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
-    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed(total.to(tl.float32), w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps,
+                  fp8_max, inv_max, min_scale, QUANT)
+
+
+# (e4m3 rows [T, K], float32 scales [T, 1]): activations quantized per token for an FP8 GEMM
+Quantized = tuple[torch.Tensor, torch.Tensor]
+
+
+def _quantized_out(rows: int, n: int, device: torch.device, quantize: bool
+                   ) -> tuple[Quantized | None, tuple]:
+    """(the e4m3 rows and scales a fused kernel fills, or None; its q_ptr, s_ptr and the
+    quantization constants)."""
+    from raygraph.model.quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
+
+    if not quantize:
+        dummy = torch.empty(0, device=device)
+        return None, (dummy, dummy, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
+    q = torch.empty(rows, n, dtype=FP8, device=device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=device)
+    return (q, scales), (q, scales, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -50,17 +90,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quantize: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, Quantized | None]:
+    """(rms_norm(x + residual), x + residual, and with `quantize` the normed rows in e4m3
+    per token) in one launch."""
     x2, r2 = _rows(x), _rows(residual)
-    n = x2.shape[1]
+    t, n = x2.shape
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out)
-    _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0),
-                                         r2.stride(0), n, eps,
-                                         BLOCK=triton.next_power_of_2(n), num_warps=4,
-                                         **pdl(x, x2.shape[0]))
-    return out.view(x.shape), total.view(x.shape)
+    quantized, qargs = _quantized_out(t, n, x.device, quantize)
+    _add_rms_norm_kernel[(t,)](x2, r2, weight, out, total, *qargs[:2], x2.stride(0),
+                               r2.stride(0), n, eps, *qargs[2:],
+                               BLOCK=triton.next_power_of_2(n), QUANT=quantize, num_warps=4,
+                               **pdl(x, t))
+    return out.view(x.shape), total.view(x.shape), quantized
 
 
 @triton.jit
@@ -90,14 +134,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+             ) -> tuple[torch.Tensor, Quantized | None]:
+    """(rms_norm(x), and with `quantize` its rows in e4m3 per token) in one launch."""
     x2 = _rows(x)
-    n = x2.shape[1]
+    t, n = x2.shape
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps,
-                                     BLOCK=triton.next_power_of_2(n), num_warps=4,
-                                     **pdl(x, x2.shape[0]))
-    return out.view(x.shape)
+    quantized, qargs = _quantized_out(t, n, x.device, quantize)
+    _rms_norm_kernel[(t,)](x2, weight, out, *qargs[:2], x2.stride(0), n, eps, *qargs[2:],
+                           BLOCK=triton.next_power_of_2(n), QUANT=quantize, num_warps=4,
+                           **pdl(x, t))
+    return out.view(x.shape), quantized
 
 
 @triton.jit
@@ -138,24 +185,35 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, n, fp8_max, inv_max,
+                         min_scale, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+    """QUANT: one program a whole row (BLOCK >= n), which it also stores in e4m3 per token."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
     # as torch: silu in the activation dtype, then the product
-    act = (gate * tl.sigmoid(gate)).to(up.dtype)
-    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+    y = (gate * tl.sigmoid(gate)).to(up.dtype) * up
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if QUANT:
+        _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
+                      min_scale)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, quantize: bool = False
+                 ) -> tuple[torch.Tensor, Quantized | None]:
+    """(silu(gate) * up of x = [gate | up], and with `quantize` its rows in e4m3 per token)
+    in one launch."""
     num_tokens, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
-    block = 1024
+    quantized, qargs = _quantized_out(num_tokens, n, x.device, quantize)
+    block = triton.next_power_of_2(n) if quantize else 1024
+    warps = 16 if block >= 8192 else 4
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
-    return out
+        x, out, *qargs[:2], x.stride(0), out.stride(0), n, *qargs[2:], BLOCK=block,
+        QUANT=quantize, num_warps=warps)
+    return out, quantized
 
 
 @triton.jit
@@ -199,12 +257,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, fp8_max,
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.load(static_ptr)
+        # x / scale rounded as torch divides (not x times 1 / scale)
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -fp8_max, fp8_max)
+        tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_max, min_scale)
-    # x / scale rounded as torch divides (not x times 1 / scale)
-    q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -fp8_max, fp8_max)
-    tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
+        _quantize_row(x, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_scale)
 
 
 def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None

@@ -80,6 +80,28 @@ def test_quantize_rows_equals_torchs(static) -> None:
     assert torch.equal(s, want_s)
 
 
+def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows() -> None:
+    """An add_rms_norm or SwiGLU whose result feeds a dynamic FP8 GEMM stores it in e4m3
+    too, and the GEMM takes those rows: its output equals the one from the same result
+    quantized by the GEMM itself, bit for bit; fewer rows than the W8A8 GEMMs take, nothing
+    is attached."""
+    from raygraph.model.triton_ops import quantize_rows
+
+    torch.manual_seed(11)
+    x, r = torch.randn(2, 64, 1024, device="cuda", dtype=torch.bfloat16)
+    nw = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    w = weight(512, 1024, "dynamic")
+    gu = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    for made in (ops.add_rms_norm(x, r, nw, 1e-6, feeds=w)[0], ops.silu_and_mul(gu, w)):
+        q, s = getattr(made, ops.QUANTIZED)
+        want_q, want_s = quantize_rows(made)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s, want_s)
+        assert torch.equal(ops.fp8_gemm(made, w), ops.fp8_gemm(made.clone(), w))
+    small = ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw, 1e-6, feeds=w)[0]
+    assert not hasattr(small, ops.QUANTIZED)
+
+
 @pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("rows", [1, 4, DECODE_ROWS])
 @pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
