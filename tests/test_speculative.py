@@ -392,6 +392,40 @@ def test_a_draft_model_that_cannot_draft_for_the_target_is_refused(random_draft,
             SpeculativeConfig(method=method, model=model)
 
 
+def test_a_damaged_draft_checkpoint_is_refused_before_any_worker(eagle3_head, random_draft,
+                                                                 tmp_path):
+    """The draft model's and the head's files are checked at start-up, tensor by tensor, as
+    the target's: a head without `fc` or a draft model with a misshapen projection fails in
+    the driver, naming the file and the tensor, not as a worker that died loading it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from raygraph.client.connect import check_startup
+    from raygraph.config import ServeConfig, SpeculativeConfig
+    from raygraph.model.checkpoint import CheckpointError
+
+    def start(method: str, model: str) -> None:
+        check_startup(ServeConfig(speculative=SpeculativeConfig(method=method, model=model)))
+
+    start("eagle3", eagle3_head)
+    start("draft", random_draft)
+    for method, source, damage, says in [
+            ("eagle3", eagle3_head, lambda t: t.pop("fc.weight"),
+             r"lacks tensors: \['fc.weight'\]"),
+            ("draft", random_draft,
+             lambda t: t.update({k: t[k][:-1] for k in t if k.endswith("o_proj.weight")}),
+             "o_proj.weight")]:
+        broken = tmp_path / method
+        shutil.copytree(source, broken)
+        for f in broken.glob("*.safetensors"):
+            tensors = load_file(f)
+            damage(tensors)
+            save_file(tensors, f)
+        with pytest.raises(CheckpointError, match=says):
+            start(method, str(broken))
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampled_requests_speculate_reproducibly(method):
     """Seeded sampled requests with drafts (rejection sampling on the workers): drafts

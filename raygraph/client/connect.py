@@ -108,18 +108,22 @@ def get_coordinator(name: str = "raygraph-coordinator", namespace: str = "raygra
 
 def check_startup(cfg: ServeConfig) -> ModelConfig:
     """The checks that need no worker, run in the driver: a bad model path, config.json,
-    layout or checkpoint file (damaged, a tensor missing or of the wrong shape or dtype) is
-    reported at once, by name, not as an actor that died. Dummy weights read no file but
+    layout or checkpoint file (damaged, a tensor missing or of the wrong shape or dtype),
+    the target's or a draft model's, is reported at once, by name, not as an actor that
+    died. Dummy weights read no file but
     config.json."""
     model = cfg.model_cfg()
     cfg.parallel.check_model(model)
-    cfg.draft_cfg()  # a draft model that cannot draft for this one
+    draft = cfg.draft_cfg()  # a draft model that cannot draft for this one
     if cfg.load_format == "dummy":
         return model
     headers = read_headers(cfg.model)  # a damaged file fails before torch is imported
+    draft_headers = read_headers(draft.path) if draft is not None else None
     from raygraph.model.loader import check_checkpoint  # torch: not for every client
 
     check_checkpoint(model, headers)
+    if draft is not None:  # the draft model's or EAGLE-3 head's files, as the target's
+        check_checkpoint(draft, draft_headers)
     return model
 
 
