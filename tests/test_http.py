@@ -533,7 +533,8 @@ def test_keep_alive_requests_are_not_held_by_nagle(server):
         assert r.status == 200 and json.loads(r.read()) == {"is_sleeping": False}
         seconds.append(time.perf_counter() - t0)
     conn.close()
-    assert statistics.median(seconds[5:]) < 0.010, seconds
+    # half the delayed ACK: a busy 2-core machine's noise (up to ~11 ms seen) stays under it
+    assert statistics.median(seconds[5:]) < 0.020, seconds
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server):

@@ -103,8 +103,9 @@ def test_a_detached_coordinator_whose_process_died_starts_itself_again(ray_sessi
             psutil.Process(pid).wait(30)
         reasons = set()
         t0 = time.monotonic()
-        while True:
-            assert time.monotonic() - t0 < 90, reasons
+        while True:  # the restart loads the model and captures again: past 90 s on two
+            # busy cores (the full suite's load), so the bound only guards against a hang
+            assert time.monotonic() - t0 < 240, reasons
             try:
                 stats = ray_session.get(handle.stats.remote(), timeout=10)
             except Exception as e:  # the call met the dying process

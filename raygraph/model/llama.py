@@ -20,6 +20,7 @@ from raygraph.model.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from raygraph.model.quant import Fp8Layout
 from raygraph.model.rope import rope_tables
 
 
@@ -31,10 +32,10 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None,
-        feeds: ops.Weight | None = None,
+        feeds: Fp8Layout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual). `feeds`: the
-        weight of the GEMM that takes the result (an FP8 one may get it quantized here)."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual). `feeds`: the FP8
+        layout of the layer that takes the result (its GEMM may get it quantized here)."""
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps, feeds)
         return ops.add_rms_norm(x, residual, self.weight, self.eps, feeds)
@@ -119,7 +120,7 @@ class MLP(nn.Module):
         if lora_active(self.gate_up_proj.lora):  # the delta comes before the activation
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(ops.linear_silu_and_mul(x, self.gate_up_proj.base_weight,
-                                                      self.down_proj.base_weight))
+                                                      self.down_proj.fp8))
 
 
 # layer index -> that layer's feed-forward block (MoE models swap the dense MLP for it)
@@ -139,7 +140,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it): the residual add
         happens inside the next norm, as in HF (x = residual + sublayer(norm(residual)))."""
-        qkv = self.self_attn.qkv_proj.base_weight
+        qkv = self.self_attn.qkv_proj.fp8  # FP8 layouts: the layers' weights are not read here
         if residual is None:
             residual, h = x, self.input_layernorm(x, feeds=qkv)
         else:
@@ -147,7 +148,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(positions, h)
         gate_up = getattr(self.mlp, "gate_up_proj", None)  # a dense MLP's (not MoE's)
         h, residual = self.post_attention_layernorm(
-            h, residual, gate_up.base_weight if gate_up is not None else None)
+            h, residual, gate_up.fp8 if gate_up is not None else None)
         return self.mlp(h), residual
 
 

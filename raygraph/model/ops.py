@@ -13,6 +13,7 @@ from raygraph.model.context import AttentionMetadata, get_forward_context
 from raygraph.model.quant import (
     DECODE_ROWS,
     FP8,
+    Fp8Layout,
     Fp8Weight,
     activations_as_quantized,
     quantize,
@@ -72,12 +73,15 @@ def quantize_activations(x: torch.Tensor, static: torch.Tensor | None
 QUANTIZED = "raygraph_fp8_rows"
 
 
-def _quantizes_for(x: torch.Tensor, feeds: Weight | None) -> bool:
+def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None) -> bool:
     """Whether the op making x [T, K] also stores it in e4m3 per token: x feeds an FP8 GEMM
-    that will quantize it so (dynamic activations, through fp8_gemm), which then skips its
-    own quantization launch."""
-    return (isinstance(feeds, Fp8Weight) and feeds.activations == "dynamic"
-            and _scaled_mm_applies(x, feeds))
+    (`feeds`: its layout, read off the layer, not its weight, which an offloaded model
+    fetches only in its turn) that quantizes it so: dynamic activations, one weight scale a
+    row, past the decode rows (fp8_gemm), which then skips its own quantization launch."""
+    return (feeds is not None and feeds.activations == "dynamic" and x.is_cuda
+            and x.dim() == 2 and x.shape[0] >= SCALED_MM_MIN_ROWS
+            and x.dtype == torch.bfloat16 and feeds.group == x.shape[1]
+            and x.shape[1] % 16 == 0)
 
 
 def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
@@ -146,10 +150,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Weight | None = None
+def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Fp8Layout | None = None
                         ) -> torch.Tensor:
     """silu_and_mul(linear(x, weight)) with weight = [gate | up] on its rows; `feeds`: the
-    weight that takes the result (see silu_and_mul)."""
+    FP8 layout of the layer that takes the result (see rms_norm)."""
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight)
         if y is not None:
@@ -218,11 +222,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: Weight | None = None
-             ) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             feeds: Fp8Layout | None = None) -> torch.Tensor:
     """RMSNorm as HF computes it: normalise in fp32, cast back, scale by the weight.
-    `feeds`: the weight of the GEMM that takes the result; where that GEMM quantizes it per
-    token (FP8), the kernel stores it so too and the GEMM skips a launch."""
+    `feeds`: the FP8 layout of the layer whose GEMM takes the result; where that GEMM
+    quantizes it per token, the kernel stores it so too and the GEMM skips a launch."""
     if kernels(x):
         from raygraph.model.triton_ops import rms_norm as fused
 
@@ -235,7 +239,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: Weight | 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    feeds: Weight | None = None,
+    feeds: Fp8Layout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the residual add fused into the next norm;
     `feeds` as rms_norm's."""
@@ -248,7 +252,7 @@ def add_rms_norm(
     return rms_norm(total, weight, eps), total
 
 
-def silu_and_mul(x: torch.Tensor, feeds: Weight | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, feeds: Fp8Layout | None = None) -> torch.Tensor:
     """SwiGLU's activation: x = [gate | up] on the last dim -> silu(gate) * up. `feeds` as
     rms_norm's."""
     if kernels(x):

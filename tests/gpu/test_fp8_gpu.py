@@ -17,7 +17,13 @@ from raygraph.model import ops
 from raygraph.model.context import forward_context
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
-from raygraph.model.quant import DECODE_ROWS, Fp8Weight, activations_as_quantized, quantize
+from raygraph.model.quant import (
+    DECODE_ROWS,
+    Fp8Layout,
+    Fp8Weight,
+    activations_as_quantized,
+    quantize,
+)
 from raygraph.protocol import SeqChunk, StepPlan
 from tests.fp8_checkpoints import FORMATS, write_fp8
 
@@ -92,13 +98,15 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows() -> None:
     nw = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
     w = weight(512, 1024, "dynamic")
     gu = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
-    for made in (ops.add_rms_norm(x, r, nw, 1e-6, feeds=w)[0], ops.silu_and_mul(gu, w)):
+    layout = Fp8Layout(1024, "dynamic")  # w's: one scale a row, per-token activations
+    for made in (ops.add_rms_norm(x, r, nw, 1e-6, feeds=layout)[0],
+                 ops.silu_and_mul(gu, layout)):
         q, s = getattr(made, ops.QUANTIZED)
         want_q, want_s = quantize_rows(made)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s, want_s)
         assert torch.equal(ops.fp8_gemm(made, w), ops.fp8_gemm(made.clone(), w))
-    small = ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw, 1e-6, feeds=w)[0]
+    small = ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw, 1e-6, feeds=layout)[0]
     assert not hasattr(small, ops.QUANTIZED)
 
 
