@@ -218,3 +218,15 @@ def test_w8a8_gemm_tiles_and_where_it_serves():
     assert not preferred(65, 28672, 4096) and preferred(128, 6144, 4096)
     assert preferred(256, 4096, 14336) and not preferred(256, 6144, 4096)
     assert not preferred(257, 4096, 4096) and not preferred(32, 4160, 4096)
+
+
+def test_w8a8_gemm_refuses_what_it_cannot_tile(interpreted):
+    """Tiles that do not divide the weight, or strided rows, are an error, not columns
+    silently left unwritten."""
+    g = interpreted("triton_fp8_gemm")
+    w = fp8_weight(192, K, "dynamic", seed=1)
+    xq, xs = quantize(tokens(3, 3).float(), K)
+    with pytest.raises(ValueError, match="does not tile"):
+        g.fp8_gemm(xq, xs, w.data, w.scale, DT, cfg=g.Fp8GemmConfig(64, 128, 128, 4, 4))
+    with pytest.raises(ValueError, match="unit stride"):
+        g.fp8_gemm(xq.t().contiguous().t(), xs, w.data, w.scale, DT)

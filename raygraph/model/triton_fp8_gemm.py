@@ -93,6 +93,11 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     m, k = xq.shape
     n = w.shape[0]
     cfg = cfg or config(m, n, k)
+    if n % cfg.block_n or k % cfg.block_k or w.shape[1] != k:
+        raise ValueError(f"an [{n}, {w.shape[1]}] weight at {m} x {k} does not tile by {cfg}")
+    if xq.stride(1) != 1 or w.stride(1) != 1 or not (x_scale.is_contiguous()
+                                                      and w_scale.is_contiguous()):
+        raise ValueError("the FP8 GEMM takes rows of unit stride and contiguous scales")
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(m, cfg.block_m) * (n // cfg.block_n),)
     _fp8_gemm_kernel[grid](

@@ -6,8 +6,10 @@ while its input comes from the kernel before. Launched in order, every boundary 
 launch, a ramp-up of fresh loads and the previous kernel's tail. Launched with PDL, a
 kernel may start while the one before still runs: it issues its first weight loads, then
 `await_inputs` waits for the previous kernel's completion (and its writes), then lets the
-next kernel start in turn. Weights are never written inside a step, so only the loads
-before the wait may run early; every write and every read of an activation comes after it.
+next kernel start in turn. Weights are not written inside a step (a worker with weight
+offload, which copies them in during the step, turns PDL off: `set_enabled`), so only weight
+loads may run before the wait; every write and every read of an activation comes after it.
+A caller at one row must pass weights no kernel of the same stream has just written.
 
 Only one-token steps launch this way (`pdl`). Each kernel launched with PDL calls
 `await_inputs` in every program before it writes or reads an activation, so completion stays
@@ -42,6 +44,17 @@ def await_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+_enabled = True  # this process's switch (set_enabled)
+
+
+def set_enabled(on: bool) -> None:
+    """PDL on or off for this process's launches from now on (the worker's choice: off when
+    weights are copied into device slots inside a step, weight offload, since a kernel's
+    first weight loads may run before the copy is done)."""
+    global _enabled
+    _enabled = on
+
+
 @functools.cache
 def _supported(device: int) -> bool:
     return (gdc_wait is not None and os.environ.get("RAYGRAPH_PDL", "1") != "0"
@@ -56,6 +69,6 @@ def pdl(x: torch.Tensor, rows: int, allowed: bool = True) -> dict:
     early dependent takes room they need (an 8B step at 8 rows on an H200: 4.64 ms with PDL,
     4.44 in order).
     Off on the CPU (Triton's interpreter has no grid dependency control)."""
-    if allowed and rows == 1 and x.is_cuda and _supported(x.device.index or 0):
+    if allowed and _enabled and rows == 1 and x.is_cuda and _supported(x.device.index or 0):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

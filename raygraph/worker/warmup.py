@@ -30,7 +30,9 @@ def start_triton_warmup(device: torch.device) -> threading.Thread | None:
             torch.cuda.set_device(device)
             from raygraph.model.ops import rms_norm
 
-            x = torch.ones(1, 64, device=device)
+            # two rows: launched in stream order (at one row the kernel would read its
+            # weight before waiting for the fill that writes it)
+            x = torch.ones(2, 64, device=device)
             rms_norm(x, torch.ones(64, device=device), 1e-6)
             torch.cuda.synchronize(device)
         except Exception as e:  # only a head start: the first forward pays it instead

@@ -218,6 +218,10 @@ class Worker:
             if self.cfg.graph.mode == "graph" and not self.cfg.uses_graphs:
                 log.warning("rank %d: offload mode %r moves weights between steps; running "
                             "every step eagerly (no graphs)", self.rank, self.cfg.offload.mode)
+        if self.device.type == "cuda":  # offload copies weights in during a step
+            from raygraph.model import triton_pdl
+
+            triton_pdl.set_enabled(self.offload is None)
         draft = self.cfg.draft_cfg() if self.samples else None
         if draft is not None:  # before the KV cache is sized around what is in use
             self.drafter = make_drafter(self.cfg, draft, self.model, self.dtype, self.device)

@@ -86,11 +86,11 @@ def test_quantize_rows_equals_torchs(static) -> None:
     assert torch.equal(s, want_s)
 
 
-def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows() -> None:
+def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -> None:
     """An add_rms_norm or SwiGLU whose result feeds a dynamic FP8 GEMM stores it in e4m3
-    too, and the GEMM takes those rows: its output equals the one from the same result
-    quantized by the GEMM itself, bit for bit; fewer rows than the W8A8 GEMMs take, nothing
-    is attached."""
+    too, and the GEMM takes those rows (it launches no quantization of its own): its output
+    equals the one from the same result quantized by the GEMM itself, bit for bit; fewer
+    rows than the W8A8 GEMMs take, nothing is attached."""
     from raygraph.model.triton_ops import quantize_rows
 
     torch.manual_seed(11)
@@ -105,7 +105,11 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows() -> None:
         want_q, want_s = quantize_rows(made)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s, want_s)
-        assert torch.equal(ops.fp8_gemm(made, w), ops.fp8_gemm(made.clone(), w))
+        want = ops.fp8_gemm(made.clone(), w)  # quantized by the GEMM
+        with monkeypatch.context() as m:
+            m.setattr(ops, "quantize_activations", None)  # called: a TypeError
+            got = ops.fp8_gemm(made, w)
+        assert torch.equal(got, want)
     small = ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw, 1e-6, feeds=layout)[0]
     assert not hasattr(small, ops.QUANTIZED)
 
