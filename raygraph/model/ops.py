@@ -73,15 +73,16 @@ def quantize_activations(x: torch.Tensor, static: torch.Tensor | None
 QUANTIZED = "raygraph_fp8_rows"
 
 
-def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None) -> bool:
-    """Whether the op making x [T, K] also stores it in e4m3 per token: x feeds an FP8 GEMM
-    (`feeds`: its layout, read off the layer, not its weight, which an offloaded model
-    fetches only in its turn) that quantizes it so: dynamic activations, one weight scale a
-    row, past the decode rows (fp8_gemm), which then skips its own quantization launch."""
+def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int | None = None) -> bool:
+    """Whether the op making [T, k] from x [T, *] (k: x's width unless given) also stores
+    it in e4m3 per token: the result feeds an FP8 GEMM (`feeds`: its layout, read off the
+    layer, not its weight, which an offloaded model fetches only in its turn) that
+    quantizes it so: dynamic activations, one weight scale a row, past the decode rows
+    (fp8_gemm), which then skips its own quantization launch."""
+    k = x.shape[-1] if k is None else k
     return (feeds is not None and feeds.activations == "dynamic" and x.is_cuda
             and x.dim() == 2 and x.shape[0] >= SCALED_MM_MIN_ROWS
-            and x.dtype == torch.bfloat16 and feeds.group == x.shape[1]
-            and x.shape[1] % 16 == 0)
+            and x.dtype == torch.bfloat16 and feeds.group == k and k % 16 == 0)
 
 
 def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
@@ -258,8 +259,7 @@ def silu_and_mul(x: torch.Tensor, feeds: Fp8Layout | None = None) -> torch.Tenso
     if kernels(x):
         from raygraph.model.triton_ops import silu_and_mul as fused
 
-        half = x[:, : x.shape[1] // 2] if x.dim() == 2 else x
-        return _with_quantized(*fused(x, _quantizes_for(half, feeds)))
+        return _with_quantized(*fused(x, _quantizes_for(x, feeds, x.shape[-1] // 2)))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

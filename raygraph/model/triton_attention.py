@@ -431,9 +431,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 DecodeTiles = tuple[int, int, int]  # keys per tile, warps, pipeline stages
 DECODE_TILES: DecodeTiles = (TILE, 2, 3)  # bench.decode_profile --attention, H200
-# an FP8 cache's tiles are half the bytes: two more stages keep as many in flight (H200,
-# 128-wide heads, 5 stages against 3: 64 x 1024 keys 48.6 against 54.3 us, 256 x 1024
-# 181.9 against 197.4)
+# an FP8 cache's tiles are half the bytes: two more stages keep as many in flight
+# (bench/RESULTS.md, "FP8 served": the FP8 cache's own tiles)
 DECODE_TILES_FP8: DecodeTiles = (TILE, 2, 5)
 
 

@@ -59,8 +59,8 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am
 
 
 def config(m: int, n: int, k: int) -> Fp8GemmConfig:
-    """Tiles for m rows of an [n, k] weight, from a sweep of nine on the 8B shapes (H200,
-    bench/RESULTS.md "FP8 GEMMs of 16 to 512 rows"): 64 rows a program; up to 64 rows,
+    """Tiles for m rows of an [n, k] weight, from a sweep of nine on the 8B shapes
+    (bench/RESULTS.md, "FP8 GEMMs of 16 to 512 rows"): 64 rows a program; up to 64 rows,
     columns so the programs number ~100-220 (32 up to 4096 columns, 64 up to 8192, else
     128); more rows, 64 columns. Six pipeline stages, four at 128 columns."""
     block_n = 64
@@ -76,10 +76,9 @@ def supports(m: int, n: int, k: int) -> bool:
 
 def preferred(m: int, n: int, k: int) -> bool:
     """Whether m rows of an [n, k] weight go here rather than to cuBLASLt (_scaled_mm):
-    where the sweep found it faster. Up to 64 rows every 8B GEMM (gate|up 37 us against 47
-    at 64 rows, down 33 against 44); up to 128 rows those of 8192 columns or fewer; up to
-    256 those of 4096 (o, down: 15.5 and 42 us against 18 and 46). Past that cuBLASLt's
-    128 x 128 tiles are full and at least level."""
+    where the same sweep found it faster: up to 64 rows every 8B GEMM; up to 128 rows
+    those of 8192 columns or fewer; up to 256 those of 4096 (o, down). Past that
+    cuBLASLt's 128 x 128 tiles are full and at least level."""
     if not supports(m, n, k):
         return False
     return m <= 64 or (m <= 128 and n <= 8192) or (m <= 256 and n <= 4096)

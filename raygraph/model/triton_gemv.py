@@ -69,34 +69,12 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def _tile(acc, acc_up, x, w, w_rows, s_rows, nmask, k0, stride_wn, stride_ws, N: tl.constexpr,
-          K: tl.constexpr, EPILOGUE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """Adds one K tile's products to acc (and, SILU_MUL, its up rows' to acc_up); a grouped
-    FP8 tile's scaled as it is added."""
-    if FP8 and GROUP < K:
-        s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
-    else:
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-    if EPILOGUE == 1:  # up row n + N next to gate row n
-        w_up = tl.load(w_rows + N * stride_wn + k0).to(x.dtype)
-        if FP8 and GROUP < K:
-            s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP)
-            acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION) * s_up[None, :]
-        else:
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    return acc, acc_up
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_ws, stride_om, stride_c,
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
     weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
@@ -120,17 +98,21 @@ def _gemv_kernel(
     s_rows = ws_ptr + rows.to(tl.int64) * stride_ws
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    # the first weight tile loads before the inputs are ready (PDL); the rest pipelined
-    w = tl.load(w_rows, mask=nmask[:, None], other=0.0)
-    await_inputs(PDL)
-    x = tl.load(x_rows, mask=mmask[:, None], other=0.0)
-    acc, acc_up = _tile(acc, acc_up, x, w, w_rows, s_rows, nmask, 0, stride_wn, stride_ws, N,
-                        K, EPILOGUE, FP8, GROUP, PRECISION)
-    for k0 in range(BK, K, BK):
+    for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
-        acc, acc_up = _tile(acc, acc_up, x, w, w_rows, s_rows, nmask, k0, stride_wn,
-                            stride_ws, N, K, EPILOGUE, FP8, GROUP, PRECISION)
+        if FP8 and GROUP < K:
+            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+        if EPILOGUE == 1:  # up row n + N next to gate row n
+            w_up = tl.load(w_rows + N * stride_wn + k0).to(x.dtype)
+            if FP8 and GROUP < K:
+                s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP)
+                acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION) * s_up[None, :]
+            else:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
     if FP8 and GROUP == K:
         acc *= tl.load(s_rows, mask=nmask, other=0.0)[None, :]
         if EPILOGUE == 1:
@@ -344,12 +326,12 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     fixed = dict(N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
                  ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, BN=cfg.block_n,
                  BK=_block_k(cfg.block_k, o, x.shape[0]), num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages, **pdl(x, x.shape[0]))
+                 num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
-    if x.shape[0] == 1 and x.dtype != torch.float32:
+    if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), **fixed)
+            o.scales.stride(0), cos.stride(0), **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,

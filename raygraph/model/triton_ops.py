@@ -69,17 +69,16 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, st
 Quantized = tuple[torch.Tensor, torch.Tensor]
 
 
-def _quantized_out(rows: int, n: int, device: torch.device, quantize: bool
-                   ) -> tuple[Quantized | None, tuple]:
-    """(the e4m3 rows and scales a fused kernel fills, or None; its q_ptr, s_ptr and the
-    quantization constants)."""
+def _quantized_out(out: torch.Tensor, quantize: bool) -> tuple[Quantized | None, tuple]:
+    """(the e4m3 rows and scales a fused kernel fills for its output `out` [T, n], or None;
+    its q_ptr, s_ptr and the quantization constants; not quantizing, `out` stands in for
+    the pointers, which the kernel then never reads)."""
     from raygraph.model.quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
     if not quantize:
-        dummy = torch.empty(0, device=device)
-        return None, (dummy, dummy, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
-    q = torch.empty(rows, n, dtype=FP8, device=device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=device)
+        return None, (out, out, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
+    q = torch.empty(out.shape, dtype=FP8, device=out.device)
+    scales = torch.empty(out.shape[0], 1, dtype=torch.float32, device=out.device)
     return (q, scales), (q, scales, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
 
 
@@ -99,7 +98,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     t, n = x2.shape
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out)
-    quantized, qargs = _quantized_out(t, n, x.device, quantize)
+    quantized, qargs = _quantized_out(out, quantize)
     _add_rms_norm_kernel[(t,)](x2, r2, weight, out, total, *qargs[:2], x2.stride(0),
                                r2.stride(0), n, eps, *qargs[2:],
                                BLOCK=triton.next_power_of_2(n), QUANT=quantize, num_warps=4,
@@ -140,7 +139,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool =
     x2 = _rows(x)
     t, n = x2.shape
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    quantized, qargs = _quantized_out(t, n, x.device, quantize)
+    quantized, qargs = _quantized_out(out, quantize)
     _rms_norm_kernel[(t,)](x2, weight, out, *qargs[:2], x2.stride(0), n, eps, *qargs[2:],
                            BLOCK=triton.next_power_of_2(n), QUANT=quantize, num_warps=4,
                            **pdl(x, t))
@@ -207,7 +206,7 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False
     in one launch."""
     num_tokens, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
-    quantized, qargs = _quantized_out(num_tokens, n, x.device, quantize)
+    quantized, qargs = _quantized_out(out, quantize)
     block = triton.next_power_of_2(n) if quantize else 1024
     warps = 16 if block >= 8192 else 4
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](

@@ -66,8 +66,8 @@ def pdl(x: torch.Tensor, rows: int, allowed: bool = True) -> dict:
     (`rows` == 1) where the GPU and Triton support it (and `allowed`): their kernels have
     many light programs, so one launched early finds room beside the running one. At more
     rows the tensor-core GEMVs run one or two programs an SM, heavy on shared memory, and an
-    early dependent takes room they need (an 8B step at 8 rows on an H200: 4.64 ms with PDL,
-    4.44 in order).
+    early dependent takes room they need: such steps measured slower with PDL
+    (bench/RESULTS.md, "One-token steps with programmatic dependent launch").
     Off on the CPU (Triton's interpreter has no grid dependency control)."""
     if allowed and _enabled and rows == 1 and x.is_cuda and _supported(x.device.index or 0):
         return {"PDL": True, "launch_pdl": True}

@@ -556,12 +556,15 @@ class Worker:
         if tokens is not None and (self.samples or guided):
             pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
             pending.tokens.copy_(tokens, non_blocking=True)
-        if targets is not None and self.samples:
-            pending.verify = verify_rows([s for s in plan.seqs if s.sample])
+        verifying = targets is not None and self.samples
+        sampling = ([s for s in plan.seqs if s.sample]
+                    if verifying or self.drafter is not None else [])
+        if verifying:
+            pending.verify = verify_rows(sampling)
             pending.targets = self._host_targets[delta.step_id % 2][: len(targets)]
             pending.targets.copy_(targets, non_blocking=True)
         if self.drafter is not None:
-            proposal = self.drafter.propose([s for s in plan.seqs if s.sample], tokens, targets)
+            proposal = self.drafter.propose(sampling, tokens, targets)
             if proposal is not None:
                 pending.proposing, drafts = proposal
                 host = self._host_proposals[delta.step_id % 2][: drafts.numel()]
