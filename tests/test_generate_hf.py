@@ -59,7 +59,8 @@ def test_greedy_matches_hf_tp1_and_tp2(ray_session, ckpt: str, request: pytest.F
 
 @pytest.mark.parametrize("kv_heads, tp, mode", [
     (1, 2, "graph"), pytest.param(2, 4, "graph", marks=pytest.mark.slow),
-    pytest.param(1, 4, "graph", marks=pytest.mark.slow), (1, 4, "eager")])
+    pytest.param(1, 4, "graph", marks=pytest.mark.slow),
+    pytest.param(1, 4, "eager", marks=pytest.mark.slow)])
 def test_kv_heads_replicated_when_tp_exceeds_them(ray_session, tmp_path, kv_heads, tp, mode):
     """TP above the KV head count: each rank keeps the KV head its query heads read (the
     loader slices K/V by shard, the cache and kernels size from the per-rank count)."""

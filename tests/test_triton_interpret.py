@@ -81,7 +81,8 @@ def test_decode_kernel_stores_and_attends(interpreted, dtype, d, splits):
 
 
 @pytest.mark.parametrize("shared_len,dtype,prefix_splits,splits", [
-    (0, torch.float16, 2, 2), (64, torch.float32, 2, 2), (80, torch.float16, 1, 2),
+    pytest.param(0, torch.float16, 2, 2, marks=SLOW), (64, torch.float32, 2, 2),
+    pytest.param(80, torch.float16, 1, 2, marks=SLOW),
     pytest.param(160, torch.float32, 1, 2, marks=SLOW),
     pytest.param(176, torch.float16, 4, 2, marks=SLOW), (176, torch.float32, 4, 1),
     (80, torch.float16, 2, 1), pytest.param(0, torch.float32, 2, 1, marks=SLOW)])

@@ -50,7 +50,8 @@ class Coordinator:
             # a detached service whose process died: Ray restarted it, nobody calls start()
             self._reason = "the coordinator's process died; starting it again"
             log.error(self._reason)
-            ray.get_runtime_context().current_actor.recover.remote()  # runs after __init__
+            # an async actor's __init__ runs on its event loop: the task starts after it
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
         else:
             self._reason = "not started"
 
@@ -63,7 +64,7 @@ class Coordinator:
         self.autoscaler.start()
         return await self.describe()
 
-    async def recover(self) -> None:
+    async def _recover(self) -> None:
         """`start` after Ray restarted this actor; a failure stays in /health and the log."""
         try:
             await self.start()

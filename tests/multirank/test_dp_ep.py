@@ -81,8 +81,9 @@ def mixtral_coordinator(coords: dict, ckpts: dict, layout: tuple[int, int, int])
 
 
 # the shared layouts last, so that no more than two coordinators run at once
-@pytest.mark.parametrize("arch,tp,dp,ep", [("qwen2_moe", 1, 2, 2), ("qwen2_moe", 2, 1, 2),
-                                           ("mixtral", 1, 2, 2), ("mixtral", 2, 1, 1)])
+@pytest.mark.parametrize("arch,tp,dp,ep", [
+    ("qwen2_moe", 1, 2, 2), pytest.param("qwen2_moe", 2, 1, 2, marks=pytest.mark.slow),
+    ("mixtral", 1, 2, 2), ("mixtral", 2, 1, 1)])
 def test_moe_layouts_generate_hf_greedy_tokens(ray_session, ckpts, mixtral, arch, tp, dp, ep):
     shared = arch == "mixtral"
     coord = (mixtral_coordinator(mixtral, ckpts, (tp, dp, ep)) if shared else
