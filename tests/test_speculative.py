@@ -5,6 +5,7 @@ emits tokens distributed as the target's own samples (chi-square, small vocabula
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -154,12 +155,12 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
 def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
            temperature: float = 0.0, device: str = "cpu", draft: str = "",
            record: dict | None = None, texts: list[str] | None = None,
-           max_num_seqs: int = 8):
+           max_num_seqs: int = 8, worker=None):
     """The built-in model through the served loop's logic (EngineCore over an in-process
     worker: tokens fed on the device, replies a step late), speculation off, n-gram (True),
     or by the draft model or EAGLE-3 head at `draft` ("draft", "eagle3"). `record`: gets the
     worker, the steps sent and every proposal with the sequence's tokens it followed.
-    `texts`: the prompts (TEXTS)."""
+    `texts`: the prompts (TEXTS). `worker`: one a call before built (and left awake)."""
     from raygraph.config import (
         DEFAULT_MODEL,
         CacheConfig,
@@ -182,7 +183,7 @@ def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos:
                                                 max_num_batched_tokens=64),
                       graph=GraphConfig(mode=mode),
                       speculative=SpeculativeConfig(method=method, model=draft))
-    worker = loaded_worker(cfg, blocks, capture=True)
+    worker = worker or loaded_worker(cfg, blocks, capture=True)
     core = EngineCore.from_config(cfg, worker.model_cfg, blocks)
     seqs = []
     for i, text in enumerate(texts or TEXTS):
@@ -271,6 +272,58 @@ def test_a_model_drafting_for_itself_keeps_nearly_every_draft():
     assert sched.num_draft_tokens >= len(TEXTS) * 40 // 2  # most tokens came as drafts
     assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
     assert sum(s.num_preemptions for s in spec) > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux")
+def test_a_drafting_worker_sleeps_with_its_draft_model_and_drafts_as_well_after_wake():
+    """Sleep (level 2) releases the draft model's KV cache and weights with the target's:
+    their memfd files shrink to nothing. After wake the greedy tokens equal those before,
+    and the draft model, drafting for itself, still has nearly every draft kept: its weights
+    came back as they were."""
+    from raygraph.config import DEFAULT_MODEL
+
+    record: dict = {}
+    before, _ = served("draft", draft=DEFAULT_MODEL, record=record)
+    worker = record["worker"]
+    mem, drafter = worker.sleep_memory, worker.drafter
+    stats = worker.sleep(2)
+    assert stats.kv_cache_bytes >= worker.kv_cache_bytes  # the target's and the drafter's
+    assert stats.weight_bytes >= worker.weight_bytes + drafter.weight_bytes
+    assert mem.draft_kv.pool.backend.file_bytes() == 0
+    assert mem.draft_weights.pool.backend.file_bytes() == 0
+    kv = drafter.model.attention_layers()[0].k_cache
+    assert mem.draft_kv.base <= kv.data_ptr() < mem.draft_kv.base + mem.draft_kv.used_bytes
+    woke = worker.wake_up()
+    assert woke.weight_bytes >= worker.weight_bytes + drafter.weight_bytes
+    after, sched = served("draft", draft=DEFAULT_MODEL, worker=worker)
+    assert [s.output_token_ids for s in after] == [s.output_token_ids for s in before]
+    assert sched.num_draft_tokens >= len(TEXTS) * 40 // 2
+    assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux")
+def test_an_eagle3_head_sleeps_in_its_own_arena_and_the_embedding_it_shares_in_the_targets(
+        eagle3_head):
+    """The head reads the target's embedding (TP = 1): that stays in the target's weight
+    arena (one copy); the head's own weights are in its arena, and come back at wake."""
+    record: dict = {}
+    before, _ = served("eagle3", draft=eagle3_head, record=record)
+    worker = record["worker"]
+    mem, head = worker.sleep_memory, worker.drafter.model
+
+    def held(arena, t: torch.Tensor) -> bool:
+        return arena.base <= t.data_ptr() < arena.base + arena.used_bytes
+
+    assert head.embed_tokens is worker.model.model.embed_tokens
+    assert held(mem.weights, head.embed_tokens.weight)
+    assert held(mem.draft_weights, head.fc.weight) and not held(mem.weights, head.fc.weight)
+    fc = head.fc.weight.clone()
+    worker.sleep(2)
+    assert mem.draft_weights.pool.backend.file_bytes() == 0
+    worker.wake_up()
+    assert torch.equal(head.fc.weight, fc)
+    after, _ = served("eagle3", draft=eagle3_head, worker=worker)
+    assert [s.output_token_ids for s in after] == [s.output_token_ids for s in before]
 
 
 @pytest.mark.parametrize("mode,blocks", [("eager", 128), ("graph", 12)])

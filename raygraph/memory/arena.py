@@ -117,12 +117,15 @@ class VmmArena:
             pass
 
 
-def move_parameters(model: nn.Module, backend: VmmBackend) -> VmmArena:
+def move_parameters(model: nn.Module, backend: VmmBackend,
+                    skip: nn.Module | None = None) -> VmmArena:
     """Re-home every parameter (tied ones once) in an arena that keeps its contents, before
-    anything captures their addresses. The old storage goes as each is moved (on a GPU the
-    caching allocator's segments are emptied as the arena maps new chunks), so the peak is
-    the weights plus about one chunk."""
-    params = list(model.parameters())
+    anything captures their addresses; those `skip` holds stay where they are (another
+    arena's). The old storage goes as each is moved (on a GPU the caching allocator's
+    segments are emptied as the arena maps new chunks), so the peak is the weights plus
+    about one chunk."""
+    held = {id(p) for p in skip.parameters()} if skip is not None else set()
+    params = [p for p in model.parameters() if id(p) not in held]
     arena = VmmArena(backend, sum(tensor_bytes(p.shape, p.dtype) for p in params), keep=True)
     chunks = 0
     for p in params:

@@ -102,19 +102,40 @@ class Drafter:
         return (2 * len(self.model.attention_layers()) * self.block_size * m.num_kv_heads
                 * m.head_dim * elem)
 
-    def bind_kv(self, num_blocks: int) -> int:
-        """A cache of the target's `num_blocks` (and its scratch block), then the lookahead
-        blocks; returns its bytes."""
+    def kv_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """One layer's K (or V) cache beside the target's `num_blocks`: those blocks, its
+        scratch block, then the lookahead blocks."""
         m = self.model_cfg
+        total = num_blocks + 1 + self.max_seqs * self.lookahead
+        return total, self.block_size, m.num_kv_heads, m.head_dim
+
+    def bind_kv(self, num_blocks: int,
+                pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """A cache of the target's `num_blocks` (`kv_shape`): `pairs` (k, v) per attention
+        layer, zeroed, where the worker's sleep memory holds them, else new tensors; returns
+        its bytes."""
         self.first_lookahead = num_blocks + 1
-        total = self.first_lookahead + self.max_seqs * self.lookahead
-        shape = (total, self.block_size, m.num_kv_heads, m.head_dim)
-        for layer in self.model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.graphs.clear()  # they captured the old cache's addresses
+        shape = self.kv_shape(num_blocks)
+        layers = self.model.attention_layers()
+        if pairs is None:
+            pairs = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                      torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in layers]
+        for layer, (k, v) in zip(layers, pairs, strict=True):
+            layer.k_cache, layer.v_cache = k, v
+        self.release_graphs()  # they captured the old cache's addresses
+        return shape[0] * self.bytes_per_block()
+
+    def release_graphs(self) -> int:
+        """Drop every graph; their pool's memory goes back to the device (the bytes freed
+        are returned). `capture_all` captures them again."""
+        if not self.graphs and not self.pass_graphs:
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        self.graphs.clear()
         self.pass_graphs.clear()
-        return total * self.bytes_per_block()
+        self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.empty_cache()
+        return max(0, before - torch.cuda.memory_reserved(self.device))
 
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, prev_tokens: torch.Tensor) -> None:

@@ -6,6 +6,11 @@ coordinator drained the requests and empties its prefix cache). Level 2: the wei
 same addresses the captured graphs hold: no recapture. The eager executor sleeps too; it has
 no graph pool. A staged wake (CacheConfig.staged_wake) maps only the KV cache's first blocks
 before it returns and the rest on a thread meanwhile (memory/kv_arena.py).
+
+A drafter (speculative decoding with a draft model or an EAGLE-3 head) sleeps alongside: its
+KV cache and weights live in arenas of their own (its cache is mapped whole at wake), and
+its few small graphs, in a torch pool that cannot unmap, are dropped at sleep and captured
+again at wake.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from raygraph.graph.executor import Executor
 from raygraph.memory.arena import VmmArena, move_parameters, vmm_backend
 from raygraph.memory.kv_arena import KVArena, KVMapper, kv_arena
 from raygraph.memory.stats import KVMapError, SleepStats
+from raygraph.worker.drafter import Drafter
 from raygraph.worker.state import StateError
 
 
@@ -32,12 +38,34 @@ class SleepMemory:
         self.num_kv_blocks = 0  # usable blocks (the scratch block aside), VMM or not
         self.level = 0  # 0 awake
         self._mapper: KVMapper | None = None  # a staged wake's background mapping
+        self.drafter: Drafter | None = None
+        self.draft_weights: VmmArena | None = None
+        self.draft_kv: KVArena | None = None
 
     def take_weights(self, model: nn.Module) -> None:
         """Move the model's parameters into an arena (before any capture)."""
         backend = vmm_backend(self.device)
         if backend is not None:
             self.weights = move_parameters(model, backend)
+
+    def take_drafter(self, drafter: Drafter, target: nn.Module) -> None:
+        """Move the drafter's parameters into an arena of their own (one it shares with the
+        target, an EAGLE-3 head's embedding, stays in the target's), before any capture."""
+        self.drafter = drafter
+        backend = vmm_backend(self.device)
+        if backend is not None and self.weights is not None:
+            self.draft_weights = move_parameters(drafter.model, backend, skip=target)
+
+    def draft_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The drafter's zeroed (k_cache, v_cache) per layer beside the target's `num_blocks`,
+        in an arena (None: no VMM backend here)."""
+        backend = vmm_backend(self.device)
+        if backend is None:
+            return None
+        d = self.drafter
+        self.draft_kv, pairs = kv_arena(backend, d.kv_shape(num_blocks), d.dtype,
+                                        len(d.model.attention_layers()))
+        return pairs
 
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype,
                  layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -72,6 +100,11 @@ class SleepMemory:
             graph = executor.sleep()  # first: a pool that cannot sleep refuses here
             kv = self.kv.sleep()
             weights = self.weights.sleep() if level == 2 else 0
+            if self.drafter is not None:
+                graph += self.drafter.release_graphs()
+                kv += self.draft_kv.sleep() if self.draft_kv is not None else 0
+                if level == 2 and self.draft_weights is not None:
+                    weights += self.draft_weights.sleep()
         except BaseException:
             self.level = level
             self.wake_up(executor)  # what was released comes back; the rank serves on
@@ -96,6 +129,10 @@ class SleepMemory:
         weights = self.weights.wake_up() if self.weights and self.weights.asleep else 0
         kv = self.kv.wake_up(first) if self.kv.asleep else 0
         graph = executor.wake_up()
+        if self.drafter is not None:
+            weights += _wake(self.draft_weights)
+            kv += _wake(self.draft_kv)
+            graph += self._recapture_drafter(executor)
         self._sync()
         self.level = 0
         if self.kv.chunks_left:
@@ -124,6 +161,14 @@ class SleepMemory:
             self._mapper.stop()
             self._mapper = None
 
+    def _recapture_drafter(self, executor: Executor) -> int:
+        """The drafter's graphs captured again; the bytes their pool took."""
+        if not self.drafter.graphed:
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        self.drafter.capture_all(executor.prev_tokens)
+        return max(0, torch.cuda.memory_reserved(self.device) - before)
+
     def _sync(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -134,3 +179,7 @@ class SleepMemory:
         return {"sleep_level": self.level,
                 "kv_cache_vmm": self.kv.stats() if self.kv is not None else None,
                 "weight_vmm": self.weights.stats() if self.weights is not None else None}
+
+
+def _wake(arena: VmmArena | None) -> int:
+    return arena.wake_up() if arena is not None and arena.asleep else 0

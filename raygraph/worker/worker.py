@@ -225,6 +225,7 @@ class Worker:
         draft = self.cfg.draft_cfg() if self.samples else None
         if draft is not None:  # before the KV cache is sized around what is in use
             self.drafter = make_drafter(self.cfg, draft, self.model, self.dtype, self.device)
+            self.sleep_memory.take_drafter(self.drafter, self.model)
             k = self.cfg.speculative.num_speculative_tokens
             self._host_proposals = [torch.zeros(self.cfg.scheduler.max_num_seqs * k,
                                                 dtype=torch.long,
@@ -345,7 +346,7 @@ class Worker:
             for layer, (k, v) in zip(layers, pairs):
                 layer.k_cache, layer.v_cache = k, v
         if self.drafter is not None:
-            self.drafter.bind_kv(num_blocks)
+            self.drafter.bind_kv(num_blocks, self.sleep_memory.draft_kv_cache(num_blocks))
         t1 = time.perf_counter()
         self.executor = self._make_executor(self.graph_budget)
         t2 = time.perf_counter()
@@ -391,11 +392,13 @@ class Worker:
 
     def sleep(self, level: int = 1) -> SleepStats:
         """Release the graph pool and the KV cache (level 1), and the weights (level 2, kept
-        in host memory); graphs stay captured. No step may be in flight or sent until wake."""
+        in host memory); graphs stay captured (a drafter's are dropped: worker/sleep.py). No
+        step may be in flight or sent until wake."""
         return self.sleep_memory.sleep(level, self.executor)
 
     def wake_up(self) -> SleepStats:
-        """Map fresh physical memory at the same addresses: graphs replay, no recapture.
+        """Map fresh physical memory at the same addresses: graphs replay, no recapture
+        (but a drafter's few graphs).
         A staged wake (cache.staged_wake) maps the KV cache's first blocks only (the reply's
         kv_blocks_ready) and the rest in the background: no step may use a block past
         kv_blocks_ready()."""

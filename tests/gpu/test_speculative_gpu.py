@@ -42,6 +42,26 @@ def test_a_model_drafting_for_itself_keeps_nearly_every_draft(mode):
     assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens
 
 
+def test_a_drafting_worker_sleeps_and_captures_its_drafters_graphs_again():
+    """Sleep drops the draft model's graphs (their torch pool's memory goes back); wake
+    captures as many again; tokens as before sleep, nearly every draft still kept."""
+    from raygraph.config import DEFAULT_MODEL
+
+    record: dict = {}
+    before, _ = served("draft", device="cuda", draft=DEFAULT_MODEL, record=record)
+    worker = record["worker"]
+    drafter = worker.drafter
+    graphs = len(drafter.graphs) + len(drafter.pass_graphs)
+    assert graphs > 0
+    stats = worker.sleep(1)
+    assert not drafter.graphs and not drafter.pass_graphs and stats.graph_bytes > 0
+    woke = worker.wake_up()
+    assert len(drafter.graphs) + len(drafter.pass_graphs) == graphs and woke.graph_bytes > 0
+    after, sched = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker)
+    assert [s.output_token_ids for s in after] == [s.output_token_ids for s in before]
+    assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampled_requests_speculate_reproducibly(method):
     from raygraph.config import DEFAULT_MODEL
