@@ -296,6 +296,7 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
     counts: list[int] = []
     # sampling row -> the draft model's proposal after that row's last token (SeqChunk.propose)
     drafts: dict[int, list[int]] = {}
+    draft_s: float = 0.0  # the drafter's part of forward_s (its passes and proposal loop)
 
 
 class StepResult(msgspec.Struct, frozen=True):

@@ -535,6 +535,10 @@ def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_
     assert engine["spec_decode_num_drafts"] > 0 and len(per_pos) == 4
     assert sum(per_pos) == engine["spec_decode_num_accepted_tokens"]
     assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the ones before
+    # the time of the steps that verified: part of all steps' time; the drafter's: its own
+    steps_s = engine["worker_step_ms"] * engine["steps"] / 1e3
+    assert 0 < engine["spec_decode_verify_s"] <= steps_s + 1e-3
+    assert (engine["spec_decode_draft_s"] > 0) == (method != "ngram")
     if "replicas" in stats:  # as /metrics shows them
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -547,6 +551,8 @@ def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_
                 == engine["spec_decode_num_drafts"])
         assert [samples["raygraph:spec_decode_num_accepted_tokens_per_pos_total", str(i)]
                 for i in range(4)] == per_pos
+        assert (samples["raygraph:spec_decode_draft_time_seconds_total", None]
+                == engine["spec_decode_draft_s"])
     if method == "draft":  # the model's own greedy tokens: nearly all kept
         assert (engine["spec_decode_num_accepted_tokens"]
                 >= 0.9 * engine["spec_decode_num_draft_tokens"])

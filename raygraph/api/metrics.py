@@ -85,6 +85,13 @@ class CoordinatorCollector:
         yield self._family(C, "spec_decode_num_drafts", "Verify chunks: one sequence's drafts "
                            "of a step (mean accepted length: 1 + accepted / drafts).",
                            s.get("spec_decode_num_drafts", 0))
+        yield self._family(C, "spec_decode_draft_time_seconds", "Time the drafter took on "
+                           "the device (a draft model's or EAGLE-3 head's passes and proposal "
+                           "loops; the first DP group's sampling rank).",
+                           s.get("spec_decode_draft_s", 0.0))
+        yield self._family(C, "spec_decode_verify_time_seconds", "Time of the steps that "
+                           "verified drafts, their drafting included (the first DP group's "
+                           "rank 0).", s.get("spec_decode_verify_s", 0.0))
         per_pos = C("raygraph:spec_decode_num_accepted_tokens_per_pos", "Draft tokens the "
                     "target kept, by their place among a step's drafts.",
                     labels=["model_name", "replica", "position"])

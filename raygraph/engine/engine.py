@@ -114,6 +114,8 @@ class Engine:
         self.tokens_generated = 0
         self.forward_s = 0.0  # rank 0's time per step in the worker, summed over steps
         self.idle_s = 0.0  # rank 0's device waiting for the next step, summed
+        self.draft_s = 0.0  # rank 0's drafter time (speculative decoding), summed
+        self.verify_s = 0.0  # rank 0's time in steps that verified drafts, summed
         self.wait_s = 0.0  # the step thread waiting for the workers' replies, summed
         self.loop_s = 0.0  # the step thread's time in steps, waits included
         self.capture: Capture | None = None  # with the worker group
@@ -227,6 +229,8 @@ class Engine:
             "spec_decode_num_drafts": sum(s.num_drafts for s in ss),
             "spec_decode_num_accepted_tokens_per_pos": [sum(p) for p in zip(
                 *(s.accepted_per_pos for s in ss))],
+            "spec_decode_draft_s": round(self.draft_s, 6),
+            "spec_decode_verify_s": round(self.verify_s, 6),
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
             # where a served step's time goes: the device idle between steps (rank 0), and
             # the step thread's own host time (its time in steps less waiting for replies)
@@ -661,6 +665,9 @@ class Engine:
         if out.step_id >= 0:
             self.steps += 1
             self.forward_s += out.forward_s
+            self.draft_s += out.draft_s
+            if out.counts:  # a row verified drafts
+                self.verify_s += out.forward_s
             if out.forward_s > 0.05:
                 log.warning("step %d took %.1f ms on rank 0", out.step_id, 1e3 * out.forward_s)
             if out.step_id > self.core.resumed_at:  # not the first step after the loop idled

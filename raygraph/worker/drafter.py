@@ -17,7 +17,9 @@ rank that samples drafts: its proposals return with the step's tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import chain
 
 import numpy as np
@@ -33,6 +35,34 @@ from raygraph.model.context import AttentionMetadata, ForwardContext, forward_co
 from raygraph.model.loader import build_model, dummy_tensor
 from raygraph.model.parallel import Comm, VocabParallelEmbedding
 from raygraph.protocol import SeqChunk, StepPlan
+
+
+class Spans:
+    """Stretches of one step's work (the drafter's), timed where they run: CUDA events around
+    each on a GPU, read once the step is done; the host clock on a CPU, where the work is
+    done as it is called."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_s = 0.0
+
+    @contextmanager
+    def span(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host_s += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        """Their total; on a GPU only once the step's last event has completed."""
+        return self.host_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
 
 
 def make_drafter(cfg: ServeConfig, draft: ModelConfig, target: nn.Module, dtype: torch.dtype,

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,7 +53,7 @@ from raygraph.protocol import (
     WorkerCall,
     WorkerInfo,
 )
-from raygraph.worker.drafter import Drafter, make_drafter
+from raygraph.worker.drafter import Drafter, Spans, make_drafter
 from raygraph.worker.guides import Guides
 from raygraph.worker.sampler import (
     SamplingRows,
@@ -122,6 +123,7 @@ class _Pending:
     targets: torch.Tensor | None = None  # pinned host copy: the greedy token of each row
     drafts: torch.Tensor | None = None  # pinned host copy: the draft model's proposals [D, k]
     proposing: list[int] | None = None  # the sampling rows they follow
+    draft: Spans | None = None  # the drafter's work in the step
 
 
 DELTA = msgspec.msgpack.Decoder(StepDelta)
@@ -461,7 +463,8 @@ class Worker:
             self.offload.note_step(time.perf_counter() - t0)
         return StepResult(plan.step_id, out, time.perf_counter() - t0) if self.samples else None
 
-    def _launch(self, plan: StepPlan, before_masks: Callable[[], None] | None = None
+    def _launch(self, plan: StepPlan, before_masks: Callable[[], None] | None = None,
+                draft: Spans | None = None
                 ) -> tuple[torch.Tensor | None, Logprobs | None, list[tuple[int, int]],
                            torch.Tensor | None]:
         """Queue one step on the device; its sampled tokens [S] stay there, in the buffer the
@@ -471,11 +474,13 @@ class Worker:
         under a grammar sample within its mask, filled once the forward is queued, after
         `before_masks` (which reads the previous step's tokens: worker/guides.py); their
         (row, seq id) come back third. Fourth, when a chunk verifies drafts: the greedy
-        token of every logits row (worker/speculative.py); None otherwise."""
+        token of every logits row (worker/speculative.py); None otherwise. `draft` times the
+        drafter's pass before the step."""
         self.sleep_memory.check_awake()
         if self.drafter is not None:  # ahead of the step: it reads the tokens fed, and its
             # inputs' upload is then ordered before the step's (the next one need not wait)
-            self.drafter.catch_up(plan, self.executor.prev_tokens)
+            with draft.span() if draft is not None else nullcontext():
+                self.drafter.catch_up(plan, self.executor.prev_tokens)
         try:
             logits, greedy = self.executor.step(plan)
         except KeyMismatch as e:
@@ -553,8 +558,10 @@ class Worker:
         plan = self.state.apply(delta)
         self.guides.apply(delta)
         early: list[bytes | None] = []  # the previous step's reply, read before the masks
+        if self.drafter is not None:
+            pending.draft = Spans(cuda)
         tokens, logprobs, guided, targets = self._launch(
-            plan, lambda: early.append(self._collect(loads)))
+            plan, lambda: early.append(self._collect(loads)), pending.draft)
         pending.guided = guided
         if tokens is not None and (self.samples or guided):
             pending.tokens = self._host_tokens[delta.step_id % 2][: len(tokens)]
@@ -567,7 +574,8 @@ class Worker:
             pending.targets = self._host_targets[delta.step_id % 2][: len(targets)]
             pending.targets.copy_(targets, non_blocking=True)
         if self.drafter is not None:
-            proposal = self.drafter.propose(sampling, tokens, targets)
+            with pending.draft.span():
+                proposal = self.drafter.propose(sampling, tokens, targets)
             if proposal is not None:
                 pending.proposing, drafts = proposal
                 host = self._host_proposals[delta.step_id % 2][: drafts.numel()]
@@ -619,8 +627,9 @@ class Worker:
         if p.verify:
             tokens, counts = emitted(tokens, p.targets.tolist(), p.verify)
         drafts = dict(zip(p.proposing, p.drafts.tolist())) if p.proposing else {}
+        draft_s = p.draft.seconds() if p.draft is not None else 0.0
         return OUTPUT.encode(StepOutput(p.step_id, tokens, p.seconds, p.idle, logprobs,
-                                        loads or [], counts, drafts))
+                                        loads or [], counts, drafts, draft_s))
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """This rank's float32 logits for a plan, on the CPU: for checks across ranks/modes."""
