@@ -16,6 +16,10 @@ import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray starts its workers at nice 15: any busy process outside Ray (this one, a subprocess,
+# another job on the machine) then takes nearly all of the CPU from the actors under test,
+# and a 10 s start-up becomes minutes. At 0 they share it fairly.
+os.environ.setdefault("RAY_worker_niceness", "0")
 if not torch.cuda.is_available():
     # Triton kernels can run only in its interpreter here; it is chosen when triton is first
     # imported (triton.language's own helpers are made then). Nothing else here runs them.
