@@ -5,6 +5,7 @@ running. Its keywords build the ServeConfig the CLI's flags build."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -133,6 +134,18 @@ def test_the_readme_block_starts_a_private_ray_and_stops_it(llm):
     assert p.returncode == 0, f"{block}\n{p.stderr[-4000:]}"
     assert all(f" {ids}\n" in p.stdout for ids in want), p.stdout
     assert p.stdout.split("\n")[-2:] == ["False", ""]
+
+
+def test_a_private_ray_runs_its_actors_at_normal_priority():
+    """Not at Ray's default nice 15, where any busy process outside Ray starves them."""
+    script = ("import os, ray\nfrom raygraph.client.connect import connect\n"
+              "connect(None, num_cpus=1)\n"
+              "print(ray.get(ray.remote(lambda: os.nice(0)).remote()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["0"]
 
 
 def cli_config(*flags: str):

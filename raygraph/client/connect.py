@@ -24,7 +24,10 @@ from raygraph.protocol import StartupProgress
 # Call arguments up to 1 MiB travel inside the call, not through the object store: a burst
 # of 64 prompts of 1,088 tokens (278 KB packed) reached the coordinator in 2.2 ms instead of
 # 3.3 on a 2-core VM (Ray's default puts arguments over 100 KiB in the store).
-SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20}
+# worker_niceness: Ray starts its workers at nice 15 by default, so any busy process on the
+# machine outside Ray (a client, a tokenizer, a monitoring agent) would take the CPU from the
+# engines' step loops; a server's actors run at normal priority
+SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20, "worker_niceness": 0}
 
 
 class ClusterError(RuntimeError):
