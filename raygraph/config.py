@@ -559,8 +559,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Speculative decoding (vLLM's --speculative-config). method "ngram": prompt lookup
     proposes up to `num_speculative_tokens` drafts a step from the sequence's own tokens
     (engine/ngram.py); method "draft": a small model of the target's tokenizer (`model`, a
-    checkpoint directory) proposes them greedily on the workers (worker/drafter.py). The
-    target verifies them in one step and keeps the ones its greedy argmax agrees with (a
+    checkpoint directory) proposes them greedily on the workers (worker/drafter.py); method
+    "eagle3": an EAGLE-3 head (`model`) over the target's hidden states does (model/eagle3.py).
+    The target verifies them in one step and keeps the ones its greedy argmax agrees with (a
     sampled request: rejection sampling, so its tokens follow the target's distribution).
     Constrained and logprob requests decode as usual; a
     speculating sequence runs in every other step of the overlapped
