@@ -673,3 +673,20 @@ def test_verify_rows_live_in_the_buffers_only_with_speculation():
     off = InputBuffers(16, 8, 4, cpu)
     assert off.verify_row is None and off.metadata(8, 8, 2, 1, 14, True).verify_row is None
     assert off.nbytes == bufs.nbytes - 16 * 8  # one int64 row of max_tokens fewer
+
+
+def test_draft_spans_time_a_step_and_start_over_for_the_next():
+    """The drafter's time in a step: its stretches summed, none of a previous step's."""
+    import time
+
+    from raygraph.worker.drafter import Spans
+
+    spans = Spans(cuda=False)
+    for _ in range(2):
+        with spans.span():
+            time.sleep(0.1)
+    assert spans.seconds() >= 0.2
+    assert spans.reset().seconds() == 0.0
+    with spans.span():
+        time.sleep(0.01)
+    assert 0.01 <= spans.seconds() < 0.2

@@ -11,13 +11,20 @@ from raygraph.model.triton_pdl import await_inputs, pdl
 
 
 @triton.jit
-def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_scale):
-    """Stores row `row` of y (float32) in e4m3 with its per-token scale, as quant.quantize
-    computes them: the largest magnitude maps to 448, y / scale rounded as torch divides."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_max, min_scale)
+def _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max):
+    """Stores row `row` of y (float32) in e4m3 at `scale`, y / scale rounded as torch
+    divides (not y times 1 / scale), and the scale."""
     q = tl.clamp(tl.math.div_rn(y, tl.zeros_like(y) + scale), -fp8_max, fp8_max)
     tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_scale):
+    """Stores row `row` of y (float32) in e4m3 with its per-token scale, as quant.quantize
+    computes them: the largest magnitude maps to 448."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_max, min_scale)
+    _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
 
 
 @triton.jit
@@ -255,11 +262,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, n, fp8_max,
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if STATIC:
-        scale = tl.load(static_ptr)
-        # x / scale rounded as torch divides (not x times 1 / scale)
-        q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -fp8_max, fp8_max)
-        tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row, scale)
+        _store_e4m3(x, tl.load(static_ptr), cols, mask, q_ptr, s_ptr, row, n, fp8_max)
     else:
         _quantize_row(x, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_scale)
 

@@ -38,23 +38,29 @@ from raygraph.protocol import SeqChunk, StepPlan
 
 
 class Spans:
-    """Stretches of one step's work (the drafter's), timed where they run: CUDA events around
-    each on a GPU, read once the step is done; the host clock on a CPU, where the work is
-    done as it is called."""
+    """Up to `most` stretches of one step's work (the drafter's), timed where they run: CUDA
+    events around each on a GPU (made once, recorded again every step it times), read once
+    the step is done; the host clock on a CPU, where the work is done as it is called."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    def __init__(self, cuda: bool, most: int = 2) -> None:
+        self.pairs = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+                      for _ in range(most)] if cuda else []
+        self.used = 0  # pairs recorded this step
         self.host_s = 0.0
+
+    def reset(self) -> Spans:
+        """Ready for a new step."""
+        self.used, self.host_s = 0, 0.0
+        return self
 
     @contextmanager
     def span(self) -> Iterator[None]:
-        if self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        if self.pairs:
+            start, end = self.pairs[self.used]
+            self.used += 1
             start.record()
             yield
             end.record()
-            self.events.append((start, end))
         else:
             t0 = time.perf_counter()
             yield
@@ -62,7 +68,7 @@ class Spans:
 
     def seconds(self) -> float:
         """Their total; on a GPU only once the step's last event has completed."""
-        return self.host_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return self.host_s + sum(a.elapsed_time(b) for a, b in self.pairs[: self.used]) / 1e3
 
 
 def make_drafter(cfg: ServeConfig, draft: ModelConfig, target: nn.Module, dtype: torch.dtype,

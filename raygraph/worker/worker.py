@@ -228,6 +228,8 @@ class Worker:
         if draft is not None:  # before the KV cache is sized around what is in use
             self.drafter = make_drafter(self.cfg, draft, self.model, self.dtype, self.device)
             self.sleep_memory.take_drafter(self.drafter, self.model)
+            # the drafter's time in a step (catch-up, proposal): two, as for the host copies
+            self._draft_spans = [Spans(self.device.type == "cuda") for _ in range(2)]
             k = self.cfg.speculative.num_speculative_tokens
             self._host_proposals = [torch.zeros(self.cfg.scheduler.max_num_seqs * k,
                                                 dtype=torch.long,
@@ -559,7 +561,7 @@ class Worker:
         self.guides.apply(delta)
         early: list[bytes | None] = []  # the previous step's reply, read before the masks
         if self.drafter is not None:
-            pending.draft = Spans(cuda)
+            pending.draft = self._draft_spans[delta.step_id % 2].reset()
         tokens, logprobs, guided, targets = self._launch(
             plan, lambda: early.append(self._collect(loads)), pending.draft)
         pending.guided = guided
