@@ -76,25 +76,27 @@ def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     return F.linear(activations_as_quantized(x, w).float(), w32, b32)
 
 
-def row_cfg(gemv, m: int):
-    """M = 1: tiles of 256 columns (two groups, two tiles over K); else the defaults."""
-    return gemv.GemvConfig(4, 256, 4, 1) if m == 1 else None
+def row_cfg(gemv, m: int, sum_each: bool = False):
+    """M = 1: tiles of 256 columns (two groups, two tiles over K), whole or each tile summed
+    as it is read; else the defaults."""
+    return gemv.GemvConfig(4, 256, 4, 1, sum_each) if m == 1 else None
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m, sum_each", [(1, False), (1, True), (3, False), (8, False)])
 @pytest.mark.parametrize("activations", ["none", "dynamic"])
 @pytest.mark.parametrize("group", [K, 128])
-def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m):
+def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m, sum_each):
     gemv = exact_e4m3
+    cfg = row_cfg(gemv, m, sum_each)
     seed = m + group + len(activations)
     x = tokens(m, seed)
     w = fp8_weight(96, group, activations, seed)  # 96: not a multiple of the tile
     bias = torch.randn(96).to(DT)
     assert gemv.supports(x, w)
-    check(gemv.gemv(x, w, bias, row_cfg(gemv, m)), reference(x, w, bias))
+    check(gemv.gemv(x, w, bias, cfg), reference(x, w, bias))
 
     gu = fp8_weight(2 * 64, group, activations, seed + 1)
-    check(gemv.gemv_silu_mul(x, gu, row_cfg(gemv, m)), ops.silu_and_mul(reference(x, gu)))
+    check(gemv.gemv_silu_mul(x, gu, cfg), ops.silu_and_mul(reference(x, gu)))
 
     qkv = fp8_weight((HQ + 2 * HK) * D, group, activations, seed + 2)
     cos, sin = rope_tables(D, 64, 10000.0)
@@ -105,7 +107,7 @@ def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m)
         q, k = ops.rotary(q.view(m, HQ, D), k.view(m, HK, D), cos, sin, pos)
         return torch.cat([q.flatten(1), k.flatten(1), v], 1)
 
-    got = gemv.gemv_rotary(x, qkv, None, pos, cos, sin, D, HQ + HK, row_cfg(gemv, m))
+    got = gemv.gemv_rotary(x, qkv, None, pos, cos, sin, D, HQ + HK, cfg)
     check(got, rotated(reference(x, qkv)))
 
 

@@ -51,6 +51,7 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    sum_each: bool = False  # the row kernel: reduce each tile at once (fewer registers)
 
 
 @triton.jit
@@ -155,11 +156,20 @@ def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
+def _reduced(p, SUM_EACH: tl.constexpr):
+    """A tile's products as the row kernel accumulates them: whole, or summed per row."""
+    if SUM_EACH:
+        p = tl.sum(p, axis=1, keep_dims=True)
+    return p
+
+
+@triton.jit
 def _gemv1_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
@@ -180,8 +190,11 @@ def _gemv1_kernel(
     # FP8 scale rows (a masked-off row reads row 0's)
     s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
     s_b = ws_ptr + partner.to(tl.int64) * stride_ws
-    acc = tl.zeros([rows.shape[0], BK], tl.float32)
-    acc_b = tl.zeros([rows.shape[0], BK], tl.float32)
+    # SUM_EACH: [rows] sums, each tile reduced as it is read, so the registers hold the
+    # weight tiles in flight rather than [rows, BK] partial products
+    width: tl.constexpr = 1 if SUM_EACH else BK
+    acc = tl.zeros([rows.shape[0], width], tl.float32)
+    acc_b = tl.zeros([rows.shape[0], width], tl.float32)
     # the first tiles load before the input is ready (PDL), each next one ahead of its use
     w = tl.load(w_a, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
     wb = w
@@ -193,11 +206,11 @@ def _gemv1_kernel(
         x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
         w_next = tl.load(w_a + k0 + BK, mask=nmask[:, None] & more, other=0.0,
                          eviction_policy="evict_first")
-        acc += _row_products(x, w, s_a, k0, FP8, GROUP, K, BK)
+        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
         w = w_next
         if EPILOGUE != 0:
             wb_next = tl.load(w_b + k0 + BK, mask=more, other=0.0, eviction_policy="evict_first")
-            acc_b += _row_products(x, wb, s_b, k0, FP8, GROUP, K, BK)
+            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
             wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
@@ -231,14 +244,20 @@ def _longest(k: int, runs: tuple[int, ...]) -> int:
 
 
 def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
-    """M = 1 (the row kernel): narrow tiles, long K runs. Chosen from bench/decode_profile.py
-    on an H100 (llama-1b shapes): up to 4096 columns, 4 a program over K runs of 2048;
-    above, 2 a program over runs of 1024. FP8 rows are half the bytes: above 4096 columns,
-    runs of 4096 at 4 warps (bench/RESULTS.md, FP8 weights)."""
+    """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
+    on an H200 at the 8B shapes (bench/RESULTS.md, FP8 weights at one token). FP8 rows are
+    half the bytes: 4 rows a program over runs of 4096, each tile summed as it is read so
+    the registers hold more weight in flight (an over-long K, a down projection: 8 rows over
+    runs of 1024). bf16: up to 4096 columns 4 a program (summed each tile where K is short),
+    above 2 a program over runs of 1024."""
+    if fp8 and k > 8192:
+        return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
+    if fp8:
+        return GemvConfig(4, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1, True)
+    if n <= 4096 and k <= 4096:
+        return GemvConfig(4, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if n <= 4096:
         return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1)
-    if fp8:
-        return GemvConfig(2, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1)
     return GemvConfig(2, _longest(k, (1024, 512, 256, 128)), 2, 1)
 
 
@@ -331,7 +350,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), **fixed, **pdl(x, 1))
+            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
