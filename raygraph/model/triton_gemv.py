@@ -245,7 +245,7 @@ def _longest(k: int, runs: tuple[int, ...]) -> int:
 
 def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
-    on an H200 at the 8B shapes (bench/RESULTS.md, FP8 weights at one token). FP8 rows are
+    on an H200 at the 8B shapes (bench/RESULTS.md, one-token GEMVs). FP8 rows are
     half the bytes: 4 rows a program over runs of 4096, each tile summed as it is read so
     the registers hold more weight in flight (an over-long K, a down projection: 8 rows over
     runs of 1024). bf16: up to 4096 columns 4 a program (summed each tile where K is short),
