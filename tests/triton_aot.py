@@ -117,11 +117,11 @@ def other_cases() -> list[Case]:
     rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
                 ROT_ROWS=2560, FP8=False, GROUP=2048, BM=gv.BM, BN=32, BK=128,
-                PRECISION="tf32", WIDEN=gv.AS_X)
+                PRECISION="tf32", F16=False)
     row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP")}
     # FP8 weights: one scale a row, or one a row and 128 columns
     fp8 = dict(FP8=True)
-    fp8_dot = fp8 | dict(WIDEN=gv.FP8_WIDEN)
+    fp8_dot = fp8 | dict(F16=True)
     e4m3 = rope | {"w_ptr": "*fp8e4nv"}
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
     quantized = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "fp8_max": "fp32", "inv_max": "fp32",
@@ -144,19 +144,18 @@ def other_cases() -> list[Case]:
         ("skinny gemm + silu*mul", gv._gemv_kernel,
          gemv | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, rope),
         ("row gemv + bias", gv._gemv1_kernel,
-         row | dict(EPILOGUE=gv.PLAIN, HAS_BIAS=True, BN=4, BK=2048, SUM_EACH=False,
-                    SHIFT=False), 4, rope),
+         row | dict(EPILOGUE=gv.PLAIN, HAS_BIAS=True, BN=4, BK=2048, SUM_EACH=False), 4, rope),
         ("skinny gemm fp8 + silu*mul", gv._gemv_kernel,
          gemv | fp8_dot | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, e4m3),
         ("skinny gemm fp8 128-groups + rotary", gv._gemv_kernel,
-         gemv | fp8_dot | dict(GROUP=128), 4, e4m3),
+         gemv | fp8 | dict(GROUP=128), 4, e4m3),
         ("row gemv fp8 + silu*mul", gv._gemv1_kernel,
          row | fp8 | dict(N=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False, BN=2, BK=1024,
-                             SUM_EACH=True, SHIFT=True), 2,
+                             SUM_EACH=True), 2,
          e4m3),
         ("row gemv fp8 128-groups + rotary", gv._gemv1_kernel,
          row | fp8 | dict(GROUP=128, EPILOGUE=gv.ROTARY, HAS_BIAS=False, BN=4, BK=2048,
-                             SUM_EACH=False, SHIFT=True), 4,
+                             SUM_EACH=False), 4,
          e4m3),
         ("W8A8 FP8 GEMM", fg._fp8_gemm_kernel,
          dict(N=4096, K=4096, HAS_BIAS=True, BM=64, BN=32, BK=128), 4,

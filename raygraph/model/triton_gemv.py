@@ -45,11 +45,6 @@ BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked sto
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
 
-# how the tensor-core kernel meets e4m3 tiles with x: converted to x's dtype (AS_X), both
-# in float16 (AS_F16), or bit-shifted into x's dtype (SHIFTED)
-AS_X, AS_F16, SHIFTED = 0, 1, 2
-FP8_WIDEN = SHIFTED
-
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -68,39 +63,13 @@ def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _dot_operand(x, WIDEN: tl.constexpr):
-    """x as the tensor-core dot takes it: as loaded, or (AS_F16) in float16, clamped to its
+def _dot_operand(x, F16: tl.constexpr):
+    """x as the tensor-core dot takes it: as loaded, or (F16) in float16, clamped to its
     range (a bfloat16 x keeps all its bits there unless it is below float16's normal
     range)."""
-    if WIDEN == 1 and x.dtype != tl.float16:
+    if F16 and x.dtype != tl.float16:
         x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return x
-
-
-@triton.jit
-def _widened(w, dtype: tl.constexpr, WIDEN: tl.constexpr):
-    """A weight tile in the dot's dtype. SHIFTED (e4m3 tiles): each byte's exponent and
-    mantissa bits moved into the low exponent and high mantissa bits of a bfloat16 (the
-    value times 2^-120, exactly, subnormals and zero included) or a float16 (times 2^-8);
-    the scales carry the factor back (`_shift`). Integer shifts, where a conversion to
-    bfloat16 takes three instructions a pair of values."""
-    if WIDEN == 2:
-        b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
-        if dtype == tl.float16:
-            w = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-        else:
-            w = (((b & 0x7F) << 4) | ((b & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
-    return w.to(dtype)
-
-
-@triton.jit
-def _shift(dtype: tl.constexpr, WIDEN: tl.constexpr):
-    """What a SHIFTED tile's scale is multiplied by (1: any other tile)."""
-    if WIDEN == 2:
-        if dtype == tl.float16:
-            return 256.0
-        return 2.0**120
-    return 1.0
 
 
 @triton.jit
@@ -117,12 +86,12 @@ def _gemv_kernel(
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    WIDEN: tl.constexpr,
+    F16: tl.constexpr,
 ):
     """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
     weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
-    added. WIDEN: how e4m3 tiles meet x (`FP8_WIDEN`): at a few rows the widening, not the
-    bytes, can bound the kernel."""
+    added. F16: the dot runs in float16 (`_dot_operand`; e4m3 is exact there): e4m3 widens
+    to float16 in one conversion a pair of values, to bfloat16 in three."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
@@ -142,26 +111,25 @@ def _gemv_kernel(
     s_rows = ws_ptr + rows.to(tl.int64) * stride_ws
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    shift = _shift(x_ptr.dtype.element_ty, WIDEN)
     for k0 in range(0, K, BK):
-        x = _dot_operand(tl.load(x_rows + k0, mask=mmask[:, None], other=0.0), WIDEN)
-        w = _widened(tl.load(w_rows + k0, mask=nmask[:, None], other=0.0), x.dtype, WIDEN)
+        x = _dot_operand(tl.load(x_rows + k0, mask=mmask[:, None], other=0.0), F16)
+        w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
         if FP8 and GROUP < K:
-            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0) * shift
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION) * s[None, :]
+            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
         else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
         if EPILOGUE == 1:  # up row n + N next to gate row n
-            w_up = _widened(tl.load(w_rows + N * stride_wn + k0), x.dtype, WIDEN)
+            w_up = tl.load(w_rows + N * stride_wn + k0).to(x.dtype)
             if FP8 and GROUP < K:
-                s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP) * shift
+                s_up = tl.load(s_rows + N * stride_ws + k0 // GROUP)
                 acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION) * s_up[None, :]
             else:
                 acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
     if FP8 and GROUP == K:
-        acc *= tl.load(s_rows, mask=nmask, other=0.0)[None, :] * shift
+        acc *= tl.load(s_rows, mask=nmask, other=0.0)[None, :]
         if EPILOGUE == 1:
-            acc_up *= tl.load(s_rows + N * stride_ws)[None, :] * shift
+            acc_up *= tl.load(s_rows + N * stride_ws)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -188,21 +156,13 @@ def _gemv_kernel(
 
 @triton.jit
 def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
-                  K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr):
+                  K: tl.constexpr, BK: tl.constexpr):
     """[rows, BK] the row kernel's products of x [1, BK] (float32) and a weight tile; a
-    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups). SHIFT: an
-    e4m3 tile's bits moved into float32's low exponent and high mantissa bits (the value
-    times 2^-120, exactly), its scales times 2^120."""
-    if SHIFT:
-        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
-        p = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * x
-    else:
-        p = w.to(tl.float32) * x
+    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups)."""
+    p = w.to(tl.float32) * x
     if FP8 and GROUP < K:
         groups: tl.constexpr = BK // GROUP
         s = tl.load(ws_rows[:, None] + k0 // GROUP + tl.arange(0, groups)[None, :])
-        if SHIFT:
-            s = s * 2.0**120
         p = tl.reshape(tl.reshape(p, (p.shape[0], groups, GROUP)) * s[:, :, None], p.shape)
     return p
 
@@ -221,7 +181,7 @@ def _gemv1_kernel(
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
     GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
-    SHIFT: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
@@ -258,19 +218,18 @@ def _gemv1_kernel(
         x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
         w_next = tl.load(w_a + k0 + BK, mask=nmask[:, None] & more, other=0.0,
                          eviction_policy="evict_first")
-        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK, SHIFT), SUM_EACH)
+        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
         w = w_next
         if EPILOGUE != 0:
             wb_next = tl.load(w_b + k0 + BK, mask=more, other=0.0, eviction_policy="evict_first")
-            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK, SHIFT), SUM_EACH)
+            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
             wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if FP8 and GROUP == K:
-        shift: tl.constexpr = 2.0**120 if SHIFT else 1.0
-        y *= tl.load(s_a) * shift
+        y *= tl.load(s_a)
         if EPILOGUE != 0:
-            y_b *= tl.load(s_b) * shift
+            y_b *= tl.load(s_b)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
         if EPILOGUE == 2:
@@ -389,11 +348,13 @@ def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
     return max(block_k, ops.group) if rows == 1 else ops.group
 
 
-def _widen(o: _Operands, dtype: torch.dtype) -> int:
-    """The tensor-core kernel's WIDEN for these operands."""
-    if not o.fp8 or dtype == torch.float32:
-        return AS_X
-    return FP8_WIDEN
+def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> bool:
+    """Whether the tensor-core kernel meets e4m3 tiles with x in float16 rather than
+    bfloat16. Each warp converts all of x's tile but only its share of the weight's, so it
+    pays where a program streams two weight rows a column (gate and up: 20% faster at 2-16
+    rows on an H200) and costs elsewhere (q/k/v, o, down 5-15% slower; bench/RESULTS.md,
+    one-token GEMVs)."""
+    return o.fp8 and dtype == torch.bfloat16 and epilogue == SILU_MUL
 
 
 def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Tensor,
@@ -410,14 +371,13 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each,
-            SHIFT=o.fp8 and FP8_WIDEN == SHIFTED, **fixed, **pdl(x, 1))
+            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
         cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
-        WIDEN=_widen(o, x.dtype),
+        F16=_f16_dot(o, x.dtype, epilogue),
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
     return out
