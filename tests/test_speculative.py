@@ -152,38 +152,48 @@ def test_sampled_verify_rows_emit_the_targets_distribution():
     assert torch.equal(*draws)
 
 
-def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
-           temperature: float = 0.0, device: str = "cpu", draft: str = "",
-           record: dict | None = None, texts: list[str] | None = None,
-           max_num_seqs: int = 8, worker=None):
-    """The built-in model through the served loop's logic (EngineCore over an in-process
-    worker: tokens fed on the device, replies a step late), speculation off, n-gram (True),
-    or by the draft model or EAGLE-3 head at `draft` ("draft", "eagle3"). `record`: gets the
-    worker, the steps sent and every proposal with the sequence's tokens it followed.
-    `texts`: the prompts (TEXTS). `worker`: one a call before built (and left awake)."""
+def spec_config(spec: bool | str, mode: str = "graph", blocks: int = 128, device: str = "cpu",
+                draft: str = "", max_num_seqs: int = 8, capture: str = "auto"):
+    """The built-in model's ServeConfig for `served`, speculation off, n-gram (True), or by
+    the draft model or EAGLE-3 head at `draft` ("draft", "eagle3")."""
     from raygraph.config import (
-        DEFAULT_MODEL,
         CacheConfig,
         GraphConfig,
         SchedulerConfig,
         ServeConfig,
         SpeculativeConfig,
     )
+
+    method = {False: "", True: "ngram"}.get(spec, spec)
+    return ServeConfig(device=device, dtype="float32",
+                       cache=CacheConfig(block_size=16, num_blocks=blocks),
+                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                 max_num_batched_tokens=64),
+                       graph=GraphConfig(mode=mode, capture=capture),
+                       speculative=SpeculativeConfig(method=method, model=draft))
+
+
+def served(spec: bool | str, mode: str = "graph", blocks: int = 128, ignore_eos: bool = True,
+           temperature: float = 0.0, device: str = "cpu", draft: str = "",
+           record: dict | None = None, texts: list[str] | None = None,
+           max_num_seqs: int = 8, worker=None, capture: str = "auto"):
+    """The built-in model through the served loop's logic (EngineCore over an in-process
+    worker: tokens fed on the device, replies a step late), configured by `spec_config`.
+    `record`: gets the worker, the steps sent and every proposal with the sequence's tokens
+    it followed. `texts`: the prompts (TEXTS). `worker`: one a call before built (and left
+    awake). `capture`: GraphConfig.capture ("background": the worker captures nothing at
+    start)."""
+    from raygraph.config import DEFAULT_MODEL
     from raygraph.engine.core import EngineCore, local_dispatch, run_to_completion
     from raygraph.engine.sequence import Sequence
     from raygraph.protocol import SamplingParams
     from raygraph.tokenizer import load_tokenizer
     from tests.conftest import loaded_worker
 
-    method = {False: "", True: "ngram"}.get(spec, spec)
+    cfg = spec_config(spec, mode, blocks, device, draft, max_num_seqs, capture)
+    method = cfg.speculative.method
     tok = load_tokenizer(DEFAULT_MODEL)
-    cfg = ServeConfig(device=device, dtype="float32",
-                      cache=CacheConfig(block_size=16, num_blocks=blocks),
-                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                max_num_batched_tokens=64),
-                      graph=GraphConfig(mode=mode),
-                      speculative=SpeculativeConfig(method=method, model=draft))
-    worker = worker or loaded_worker(cfg, blocks, capture=True)
+    worker = worker or loaded_worker(cfg, blocks, capture=capture != "background")
     core = EngineCore.from_config(cfg, worker.model_cfg, blocks)
     seqs = []
     for i, text in enumerate(texts or TEXTS):

@@ -114,6 +114,9 @@ class Drafter:
         self.graphed = device.type == "cuda" and cfg.uses_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the loop's, by rows
         self.pass_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # over a step's decode rows
+        # a size without its graphs is captured when first used (True), or runs eagerly
+        # until `capture_upto` reaches it (background capture: no step waits for one)
+        self.capture_on_use = True
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         # host staging of a proposal's inputs, pinned on a GPU (a copy from pageable memory
         # would wait for the step's forward), two so one fills while the other uploads; the
@@ -202,36 +205,48 @@ class Drafter:
     def _run_pass(self, prev_tokens: torch.Tensor) -> None:
         """The pass over the step's rows: eager, or its graph (by rows) where decode-shaped."""
         n, md, graphed = self._step
-        if not graphed:
-            self._pass(n, md, prev_tokens)()
-        elif n in self.pass_graphs:
+        if graphed and n in self.pass_graphs:
             self.pass_graphs[n].replay()
-        else:
+        elif graphed and self.capture_on_use:
             self.pass_graphs[n] = self._capture(self._pass(n, md, prev_tokens))
+        else:
+            self._pass(n, md, prev_tokens)()
 
     @torch.inference_mode()
     def capture_all(self, prev_tokens: torch.Tensor) -> int:
-        """Every graph a step may replay, captured now (at start-up: no step waits for a
-        capture) over padding rows in the scratch block; returns how many. `prev_tokens`:
-        the buffer the target's fed tokens read."""
+        """Every graph a step may replay, captured now (at start-up or wake: no step waits
+        for a capture); returns how many there are. `prev_tokens`: the buffer the target's
+        fed tokens read."""
+        self.capture_upto(self.max_seqs, prev_tokens)
+        return len(self.graphs) + len(self.pass_graphs)
+
+    def capture_upto(self, rows: int, prev_tokens: torch.Tensor) -> int:
+        """The graphs of every size up to `rows` rows not captured yet (a size's pass and
+        loop together), over padding rows in the scratch block (each proposal stages the
+        loop's buffers again); returns how many were captured. Background capture calls
+        it with each decode key, so every rank captures the same sizes in lockstep."""
         if not self.graphed:
             return 0
+        top = self._bucket(min(rows, self.max_seqs))
+        sizes = sorted(n for n in {self._bucket(r) for r in range(1, self.max_seqs + 1)}
+                       if n <= top and n not in self.graphs)
+        if not sizes:
+            return 0
         scratch = self.first_lookahead - 1
-        sizes = sorted({self._bucket(r) for r in range(1, self.max_seqs + 1)})
         self.tables.fill_(scratch)
         for mirror in self._host_tables:
             mirror.fill_(scratch)
         self.tokens.zero_()
         self.positions.zero_()
+        before = len(self.graphs) + len(self.pass_graphs)
         for n in sizes:
             h = padding_inputs(n, scratch)
             self.bufs.fill(h, n, n)
             run = self._pass(n, self.bufs.metadata(n, n, n, 1, 1, True), prev_tokens)
             if run is not None and n not in self.pass_graphs:
                 self.pass_graphs[n] = self._capture(run)
-            if n not in self.graphs:
-                self.graphs[n] = self._capture(lambda n=n: self._loop(n))
-        return len(self.graphs) + len(self.pass_graphs)
+            self.graphs[n] = self._capture(lambda n=n: self._loop(n))
+        return len(self.graphs) + len(self.pass_graphs) - before
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor | None,
@@ -269,12 +284,12 @@ class Drafter:
             self.tokens[d:n].zero_()
             self.positions[d:n].zero_()
         self._before_loop(staged[(4 + k) * d:], d, n, tokens, kept)
-        if not self.graphed:
-            self._loop(n)
-        elif n in self.graphs:
+        if self.graphed and n in self.graphs:
             self.graphs[n].replay()
-        else:
+        elif self.graphed and self.capture_on_use:
             self.graphs[n] = self._capture(lambda: self._loop(n))
+        else:
+            self._loop(n)
         return asks, self.drafts[:d]
 
     def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> np.ndarray:

@@ -359,7 +359,9 @@ class Worker:
         # few-row steps pay the compile instead
         if isinstance(self.executor, GraphExecutor) and self.offload is None:
             self.executor.warm_logits()
-        if self.drafter is not None:  # its graphs, before any step could wait for one
+        if self.drafter is not None and self.cfg.graph.capture == "background":
+            self.drafter.capture_on_use = False  # its graphs come with the decode keys'
+        elif self.drafter is not None:  # its graphs, before any step could wait for one
             t3 = time.perf_counter()
             n = self.drafter.capture_all(self.executor.prev_tokens)
             if n:
@@ -419,7 +421,10 @@ class Worker:
     def capture_all(self) -> list[CaptureRecord]:
         """Capture the whole schedule alone, for in-process use (benchmarks, one GPU).
         Served workers capture key by key in lockstep (`prepare_capture`, `capture`)."""
-        return self.executor.capture_all()
+        records = self.executor.capture_all()
+        if self.drafter is not None:
+            self.drafter.capture_all(self.executor.prev_tokens)
+        return records
 
     def prepare_capture(self, key: BucketKey) -> None:
         """The barrier before a lockstep capture: refuse a key outside this rank's own
@@ -430,10 +435,14 @@ class Worker:
             raise KeyMismatch(f"rank {self.rank}: {key} is not in this rank's capture schedule")
 
     def capture(self, key: BucketKey) -> CaptureRecord:
-        """Capture one key; every rank of the group is capturing the same key right now."""
+        """Capture one key; every rank of the group is capturing the same key right now. A
+        decode key brings the drafter's graphs of as many rows along."""
         self._maybe_fault("capture", key)
         self.sleep_memory.check_awake()
-        return self.executor.capture(key)
+        record = self.executor.capture(key)
+        if self.drafter is not None and key.phase == "decode":
+            self.drafter.capture_upto(key.num_tokens, self.executor.prev_tokens)
+        return record
 
     def inject_fault(self, kind: str, phase: str = "capture", key: BucketKey | None = None) -> None:
         """Fault injection for tests and drills: at `phase` ("prepare" | "capture" of `key`,

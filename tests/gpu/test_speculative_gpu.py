@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_speculative import served
+from tests.test_speculative import served, spec_config
 
 pytestmark = pytest.mark.gpu
 
@@ -59,6 +59,38 @@ def test_a_drafting_worker_sleeps_and_captures_its_drafters_graphs_again():
     assert len(drafter.graphs) + len(drafter.pass_graphs) == graphs and woke.graph_bytes > 0
     after, sched = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker)
     assert [s.output_token_ids for s in after] == [s.output_token_ids for s in before]
+    assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens > 0
+
+
+def test_in_background_capture_the_drafter_runs_eagerly_until_the_decode_keys_bring_its_graphs():
+    """Background capture: a drafting worker serves at once, its drafter eagerly (no graph
+    captured on use); capturing the decode keys captures the drafter's graphs, as many as
+    at start-up capture; tokens the same all along, nearly every draft kept."""
+    from raygraph.config import DEFAULT_MODEL
+    from tests.conftest import loaded_worker
+
+    record: dict = {}
+    reference, _ = served("draft", device="cuda", draft=DEFAULT_MODEL, record=record)
+    at_start = record["worker"].drafter
+    graphs = (len(at_start.graphs), len(at_start.pass_graphs))
+    assert graphs[0] > 0
+
+    record = {}
+    eager, _ = served("draft", device="cuda", draft=DEFAULT_MODEL, record=record,
+                      capture="background")
+    drafter = record["worker"].drafter
+    assert not drafter.graphs and not drafter.pass_graphs  # nothing captured on use
+    assert [s.output_token_ids for s in eager] == [s.output_token_ids for s in reference]
+
+    worker = loaded_worker(spec_config("draft", device="cuda", draft=DEFAULT_MODEL,
+                                       capture="background"), 128)
+    for key in worker.executor.schedule():
+        worker.capture(key)
+    drafter = worker.drafter
+    assert (len(drafter.graphs), len(drafter.pass_graphs)) == graphs
+    after, sched = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker,
+                          capture="background")
+    assert [s.output_token_ids for s in after] == [s.output_token_ids for s in reference]
     assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens > 0
 
 
