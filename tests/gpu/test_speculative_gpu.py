@@ -75,21 +75,23 @@ def test_in_background_capture_the_drafter_runs_eagerly_until_the_decode_keys_br
     graphs = (len(at_start.graphs), len(at_start.pass_graphs))
     assert graphs[0] > 0
 
-    record = {}
-    eager, _ = served("draft", device="cuda", draft=DEFAULT_MODEL, record=record,
-                      capture="background")
-    drafter = record["worker"].drafter
+    def background_worker():
+        cfg = spec_config("draft", device="cuda", draft=DEFAULT_MODEL, capture="background")
+        return loaded_worker(cfg, 128)
+
+    worker = background_worker()
+    worker.executor.capture_all()  # the target's keys only, as if captured before the drafter
+    eager, _ = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker)
+    drafter = worker.drafter
     assert not drafter.graphs and not drafter.pass_graphs  # nothing captured on use
     assert [s.output_token_ids for s in eager] == [s.output_token_ids for s in reference]
 
-    worker = loaded_worker(spec_config("draft", device="cuda", draft=DEFAULT_MODEL,
-                                       capture="background"), 128)
+    worker = background_worker()
     for key in worker.executor.schedule():
         worker.capture(key)
     drafter = worker.drafter
     assert (len(drafter.graphs), len(drafter.pass_graphs)) == graphs
-    after, sched = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker,
-                          capture="background")
+    after, sched = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker)
     assert [s.output_token_ids for s in after] == [s.output_token_ids for s in reference]
     assert sched.num_accepted_tokens >= 0.9 * sched.num_draft_tokens > 0
 
