@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from raygraph.model import ops
-from raygraph.model.quant import Fp8Weight, activations_as_quantized, quantize, rounds_activations
+from raygraph.model.quant import (
+    Fp8Weight,
+    activations_as_quantized,
+    dequantize,
+    quantize,
+    rounds_activations,
+)
 from tests.test_triton_ops_interpret import rope_tables
 
 K, HQ, HK, D = 512, 2, 1, 32
@@ -182,20 +188,24 @@ def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted):
         assert torch.equal(s, want_s)
 
 
-@pytest.mark.parametrize("m, n, bias", [(1, 128, False), (17, 128, True), (70, 256, False)])
-def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias):
+@pytest.mark.parametrize("m, n, bias, group", [(1, 128, False, K), (17, 128, True, K),
+                                               (70, 256, False, K), (17, 128, True, 128),
+                                               (70, 256, False, 64)])
+def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias, group):
     """The Triton W8A8 GEMM (rows past the decode kernels): x already e4m3 with a scale a
-    row, W e4m3 with a scale a row. Row tiles of 64 (so 70 rows are two, the second masked),
-    columns in runs of 16-64, K in tiles of 128: equal to (xq * x_scale) @ (Wq * w_scale)^T
-    in float32 (every product of two e4m3 values is exact there; sums in another order), then
-    rounded once to the output dtype, bias added after as _scaled_mm's caller adds it.
-    Each case runs its own tiles (m <= 64: 32 columns) and 64-column tiles."""
+    row, W e4m3 with a scale a row (group = K), or both with a scale a row and `group`
+    columns (block weights; the K tiles are the groups). Row tiles of 64 (so 70 rows are
+    two, the second masked), columns in runs of 16-64: equal to (xq * x_scale) @
+    (Wq * w_scale)^T in float32 (every product of two e4m3 values is exact there; sums in
+    another order), then rounded once to the output dtype, bias added after as _scaled_mm's
+    caller adds it. Each case runs its own tiles (m <= 64: 32 columns) and 64-column
+    tiles."""
     g = interpreted("triton_fp8_gemm")
     torch.manual_seed(m + n)
-    w = fp8_weight(n, K, "dynamic", seed=n)
-    xq, xs = quantize(tokens(m, m).float(), K)
+    w = fp8_weight(n, group, "dynamic", seed=n)
+    xq, xs = quantize(tokens(m, m).float(), group)
     b = torch.randn(n).to(DT) if bias else None
-    want = (xq.float() * xs) @ (w.data.float() * w.scale).t()
+    want = dequantize(xq, xs, group) @ w.dequantize(torch.float32).t()
     for dtype, cfg in [(torch.float32, None), (DT, None), (DT, g.Fp8GemmConfig(64, 64, 128, 4, 6))]:
         got = g.fp8_gemm(xq, xs, w.data, w.scale, dtype, b, cfg)
         assert got.shape == (m, n) and got.dtype == dtype
@@ -222,6 +232,32 @@ def test_w8a8_gemm_tiles_and_where_it_serves():
     assert not preferred(257, 4096, 4096) and not preferred(32, 4160, 4096)
 
 
+def test_ops_run_block_weights_past_the_decode_rows_through_the_block_gemm(interpreted,
+                                                                          monkeypatch):
+    """Past the decode rows on the kernels' device, a weight with a scale a row and 128
+    columns meets x quantized per token and group in the Triton GEMM, without a dequantized
+    copy of the weight: the reference path's math (x rounded to e4m3 per group, times the
+    dequantized weight) within the output's rounding."""
+    interpreted("triton_fp8_gemm")
+    x = tokens(20, 7)
+    w = fp8_weight(256, 128, "dynamic", 8)
+    bias = torch.randn(256).to(DT)
+    xq, xs = quantize(x.float(), 128)
+    want = dequantize(xq, xs, 128) @ w.dequantize(torch.float32).t()
+    want_bias = (want.to(DT).float() + bias.float())
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the FP8 weight was dequantized")
+
+    monkeypatch.setattr(Fp8Weight, "dequantize", no_copy)
+    monkeypatch.setattr(ops, "kernels", lambda t: True)
+    check(ops.linear(x, w), want)
+    check(ops.linear(x, w, bias), want_bias)
+    static = Fp8Weight(w.data, w.scale, w.group, "static", torch.tensor([0.01]))
+    with pytest.raises(AssertionError, match="dequantized"):  # not this kernel's scheme
+        ops.linear(x, static)
+
+
 def test_w8a8_gemm_refuses_what_it_cannot_tile(interpreted):
     """Tiles that do not divide the weight, or strided rows, are an error, not columns
     silently left unwritten."""
@@ -232,3 +268,6 @@ def test_w8a8_gemm_refuses_what_it_cannot_tile(interpreted):
         g.fp8_gemm(xq, xs, w.data, w.scale, DT, cfg=g.Fp8GemmConfig(64, 128, 128, 4, 4))
     with pytest.raises(ValueError, match="unit stride"):
         g.fp8_gemm(xq.t().contiguous().t(), xs, w.data, w.scale, DT)
+    blocks = fp8_weight(192, 128, "dynamic", seed=2)
+    with pytest.raises(ValueError, match="not the kernel's K tiles"):  # x scaled per token
+        g.fp8_gemm(xq, xs, blocks.data, blocks.scale, DT)

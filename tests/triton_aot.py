@@ -124,6 +124,7 @@ def other_cases() -> list[Case]:
     fp8_dot = fp8 | dict(F16=True)
     e4m3 = rope | {"w_ptr": "*fp8e4nv"}
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
+    w8a8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
     quantized = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "fp8_max": "fp32", "inv_max": "fp32",
                  "min_scale": "fp32"}
     return [
@@ -158,8 +159,9 @@ def other_cases() -> list[Case]:
                              SUM_EACH=False), 4,
          e4m3),
         ("W8A8 FP8 GEMM", fg._fp8_gemm_kernel,
-         dict(N=4096, K=4096, HAS_BIAS=True, BM=64, BN=32, BK=128), 4,
-         {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}),
+         dict(N=4096, K=4096, HAS_BIAS=True, BM=64, BN=32, BK=128, GROUPS=1), 4, w8a8),
+        ("W8A8 FP8 GEMM, 128 x 128 blocks", fg._fp8_gemm_kernel,
+         dict(N=4096, K=4096, HAS_BIAS=False, BM=64, BN=64, BK=128, GROUPS=32), 4, w8a8),
         ("lora shrink", lr._shrink_kernel, dict(R=16, K=2048, P0=0, P1=2, P2=2, BM=lr.BM,
                                                 BN=16, BK=512, PRECISION="tf32"), 4, slots),
         ("lora expand", lr._expand_kernel, dict(N0=2048, N1=512, N2=0, C0=0, C1=2560, C2=2560,

@@ -91,11 +91,29 @@ def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
     return x
 
 
+def _block_gemm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """The Triton FP8 GEMM with a scale a row and group of columns on both sides computes
+    it: on the kernels' device past the decode rows, a block-quantized weight whose x is
+    quantized per token and group (dynamic activations), the groups its K tiles."""
+    (n, k), groups = w.shape, w.scale.shape[1]
+    return (groups > 1 and w.activations == "dynamic" and kernels(x) and x.dim() == 2
+            and x.shape[0] >= SCALED_MM_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            # triton_fp8_gemm.supports: K tiles of 32 to 256, whole runs of columns
+            and w.group in (32, 64, 128, 256) and groups * w.group == k
+            and n % 128 == 0 and k % 128 == 0)
+
+
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
              ) -> torch.Tensor | None:
     """x @ W^T (+ bias) of an FP8 weight, x quantized per token (or by the static input
-    scale): through the Triton FP8 GEMM where it beats cuBLASLt (triton_fp8_gemm.preferred),
-    else torch._scaled_mm; None where neither applies."""
+    scale): through the Triton FP8 GEMM where it beats cuBLASLt (triton_fp8_gemm.preferred)
+    or where the weight's scales are per block, else torch._scaled_mm; None where neither
+    applies."""
+    if _block_gemm_applies(x, w):
+        from raygraph.model import triton_fp8_gemm
+
+        xq, x_scale = quantize(x, w.group)  # per token and group: the reference's rounding
+        return triton_fp8_gemm.fp8_gemm(xq, x_scale, w.data, w.scale, x.dtype, bias)
     if not _scaled_mm_applies(x, w):
         return None
     made = getattr(x, QUANTIZED, None) if w.activations == "dynamic" else None

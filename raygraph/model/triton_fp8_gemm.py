@@ -3,7 +3,12 @@
 
 x arrives quantized per token (e4m3 and a float32 scale a row), the weight per output row;
 y = (xq @ Wq^T) * x_scale * w_scale (+ bias), in x's dtype, as torch._scaled_mm computes
-it. cuBLASLt's FP8 kernels tile the output 128 x 128: a projection to 4096 columns at 64
+it. Block-quantized weights (a scale a row and 128 columns: the 128 x 128 blocks of
+DeepSeek-style checkpoints) meet x quantized per token and group of 128: each K tile is one
+group, its product scaled by the two sides' scales as it is added, which _scaled_mm's
+row-wise scales cannot express.
+
+cuBLASLt's FP8 kernels tile the output 128 x 128: a projection to 4096 columns at 64
 rows is 32 tiles for 132 SMs, and streams its weight at a fraction of the bandwidth. Here a
 program owns 64 rows by a narrow run of columns (32 to 128), so such a GEMM has ~100 to
 220 programs, each streaming its weight rows through a deep shared-memory pipeline into the
@@ -31,7 +36,10 @@ class Fp8GemmConfig(NamedTuple):
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am, stride_bn,
                      stride_cm, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUPS: tl.constexpr):
+    """GROUPS: scale columns a row on both sides, [M, GROUPS] and [N, GROUPS] (1: one a
+    row, applied at the end; else one a row and K tile)."""
     # the row tiles of one column run are neighbours: its weight rows are read from HBM once
     m_tiles = tl.cdiv(M, BM)
     pid = tl.program_id(0)
@@ -46,9 +54,15 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am
     for k0 in range(0, K, BK):
         x = tl.load(a + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(b + k0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    acc *= tl.load(as_ptr + rm, mask=mmask, other=0.0)[:, None]
-    acc *= tl.load(bs_ptr + rn)[None, :]
+        if GROUPS == 1:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            xs = tl.load(as_ptr + rm * GROUPS + k0 // BK, mask=mmask, other=0.0)
+            ws = tl.load(bs_ptr + rn * GROUPS + k0 // BK)
+            acc += tl.dot(x, tl.trans(w)) * xs[:, None] * ws[None, :]
+    if GROUPS == 1:
+        acc *= tl.load(as_ptr + rm, mask=mmask, other=0.0)[:, None]
+        acc *= tl.load(bs_ptr + rn)[None, :]
     if HAS_BIAS:  # added to the output as it is stored, as _scaled_mm's caller adds it
         y = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
         y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
@@ -69,8 +83,12 @@ def config(m: int, n: int, k: int) -> Fp8GemmConfig:
     return Fp8GemmConfig(64, block_n, 128, 4, 4 if block_n == 128 else 6)
 
 
-def supports(m: int, n: int, k: int) -> bool:
-    """Shapes the kernel takes: whole column runs and K tiles (any number of rows)."""
+def supports(m: int, n: int, k: int, group: int | None = None) -> bool:
+    """Shapes the kernel takes: whole column runs and K tiles (any number of rows); scale
+    groups (`group` columns, None: one scale a row) that are its K tiles: a power of two
+    from 32 (the FP8 tensor cores' K step) to 256."""
+    if group is not None and not (group in (32, 64, 128, 256) and k % group == 0):
+        return False
     return n % 128 == 0 and k % 128 == 0
 
 
@@ -87,11 +105,17 @@ def preferred(m: int, n: int, k: int) -> bool:
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, bias: torch.Tensor | None = None,
              cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
-    """(xq @ w^T) * x_scale * w_scale (+ bias): xq [M, K] and w [N, K] e4m3, x_scale [M, 1]
-    and w_scale [N, 1] float32; [M, N] in out_dtype."""
+    """(xq @ w^T) * x_scale * w_scale (+ bias): xq [M, K] and w [N, K] e4m3, x_scale [M, G]
+    and w_scale [N, G] float32 (G = 1: a scale a row; else a row and K / G columns, which
+    are the K tiles); [M, N] in out_dtype."""
     m, k = xq.shape
-    n = w.shape[0]
+    n, groups = w.shape[0], w_scale.shape[1]
     cfg = cfg or config(m, n, k)
+    if groups > 1:
+        cfg = cfg._replace(block_k=k // groups)
+        if x_scale.shape != (m, groups) or not supports(m, n, k, cfg.block_k):
+            raise ValueError(f"scales of {groups} groups over K {k} (x: "
+                             f"{tuple(x_scale.shape)}) are not the kernel's K tiles")
     if n % cfg.block_n or k % cfg.block_k or w.shape[1] != k:
         raise ValueError(f"an [{n}, {w.shape[1]}] weight at {m} x {k} does not tile by {cfg}")
     if xq.stride(1) != 1 or w.stride(1) != 1 or not (x_scale.is_contiguous()
@@ -102,5 +126,6 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     _fp8_gemm_kernel[grid](
         xq, w, x_scale, w_scale, bias if bias is not None else w_scale, out, m, xq.stride(0),
         w.stride(0), out.stride(0), N=n, K=k, HAS_BIAS=bias is not None, BM=cfg.block_m,
-        BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BN=cfg.block_n, BK=cfg.block_k, GROUPS=groups, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
