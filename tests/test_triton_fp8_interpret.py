@@ -232,12 +232,13 @@ def test_w8a8_gemm_tiles_and_where_it_serves():
     assert not preferred(257, 4096, 4096) and not preferred(32, 4160, 4096)
 
 
-def test_ops_run_block_weights_past_the_decode_rows_through_the_block_gemm(interpreted,
-                                                                          monkeypatch):
+def test_ops_run_block_weights_past_the_decode_rows_through_the_block_gemm(
+        exact_e4m3, interpreted, monkeypatch):
     """Past the decode rows on the kernels' device, a weight with a scale a row and 128
     columns meets x quantized per token and group in the Triton GEMM, without a dequantized
     copy of the weight: the reference path's math (x rounded to e4m3 per group, times the
-    dequantized weight) within the output's rounding."""
+    dequantized weight) within the output's rounding. x's groups are quantized as rows of
+    the one-launch kernel."""
     interpreted("triton_fp8_gemm")
     x = tokens(20, 7)
     w = fp8_weight(256, 128, "dynamic", 8)

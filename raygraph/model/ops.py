@@ -112,8 +112,10 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     if _block_gemm_applies(x, w):
         from raygraph.model import triton_fp8_gemm
 
-        xq, x_scale = quantize(x, w.group)  # per token and group: the reference's rounding
-        return triton_fp8_gemm.fp8_gemm(xq, x_scale, w.data, w.scale, x.dtype, bias)
+        # per token and group: each group a row of quantize_activations (one launch)
+        xq, x_scale = quantize_activations(x.contiguous().view(-1, w.group), None)
+        return triton_fp8_gemm.fp8_gemm(xq.view(x.shape), x_scale.view(x.shape[0], -1),
+                                        w.data, w.scale, x.dtype, bias)
     if not _scaled_mm_applies(x, w):
         return None
     made = getattr(x, QUANTIZED, None) if w.activations == "dynamic" else None
