@@ -232,6 +232,7 @@ class Drafter:
                        if n <= top and n not in self.graphs)
         if not sizes:
             return 0
+        torch.cuda.synchronize(self.device)  # no upload from the pinned mirrors in flight
         scratch = self.first_lookahead - 1
         self.tables.fill_(scratch)
         for mirror in self._host_tables:
