@@ -9,6 +9,8 @@ torch's round-to-nearest-even, what the GPU's cvt.rn computes."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -272,3 +274,42 @@ def test_w8a8_gemm_refuses_what_it_cannot_tile(interpreted):
     blocks = fp8_weight(192, 128, "dynamic", seed=2)
     with pytest.raises(ValueError, match="not the kernel's K tiles"):  # x scaled per token
         g.fp8_gemm(xq, xs, blocks.data, blocks.scale, DT)
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen3-8b",
+                                    "llama-1b"])
+def test_skinny_tiles_divide_every_shard_of_the_presets(preset):
+    """Every tile the skinny kernels pick for a preset's decode GEMMs, at TP 1 to 8, in bf16
+    and FP8: K runs that divide K (the kernels load K unmasked: a run past the end reads
+    another row's bytes or faults), whole rotation pairs, gate|up widths that split into
+    whole column runs."""
+    gemv = pytest.importorskip("raygraph.model.triton_gemv", reason="needs triton")
+    from bench.checkpoints import PRESETS
+
+    c = PRESETS[preset]
+    h, heads, kv, inter = (c["hidden_size"], c["num_attention_heads"],
+                           c["num_key_value_heads"], c["intermediate_size"])
+    d = h // heads
+    for tp in (1, 2, 4, 8):
+        # a rank's q heads, and its KV heads (replicated past the model's count)
+        shapes = {"qkv": ((heads // tp + 2 * max(kv // tp, 1)) * d, h),
+                  "o": (h, heads * d // tp), "gate_up": (inter // tp, h),
+                  "down": (h, inter // tp)}
+        for (name, (n, k)), fp8, rows in itertools.product(shapes.items(), (False, True),
+                                                            (1, 8)):
+            if k % 128:
+                continue  # not the skinny kernels' (ops sends it to cuBLAS)
+            if rows == 1:
+                cfg = gemv.row_config(n, k, fp8)
+            elif name == "qkv":
+                cfg = gemv.rotary_config(n, k, d, fp8)
+            elif name == "gate_up":
+                cfg = gemv.silu_mul_config(n, k, fp8)
+            else:
+                cfg = gemv.default_config(n, k, fp8)
+            where = f"{preset} TP={tp} {name} [{n}, {k}] fp8={fp8} rows={rows}: {cfg}"
+            assert k % cfg.block_k == 0, where
+            if name == "gate_up":
+                assert n % cfg.block_n == 0, where
+            if name == "qkv":
+                assert (d // 2) % (cfg.block_n // 2) == 0, where
