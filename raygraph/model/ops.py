@@ -100,7 +100,7 @@ def _block_gemm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
             and x.shape[0] >= SCALED_MM_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             # triton_fp8_gemm.supports: K tiles of 32 to 256, whole runs of columns
             and w.group in (32, 64, 128, 256) and groups * w.group == k
-            and n % 128 == 0 and k % 128 == 0)
+            and n % 128 == 0 and k % 128 == 0 and w.scale.is_contiguous())
 
 
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None

@@ -48,7 +48,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     mmask = rm < M
-    a = a_ptr + rm[:, None] * stride_am + rk[None, :]
+    a = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
     b = b_ptr + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
@@ -68,7 +68,8 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am
         y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     else:
         y = acc
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], y.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+             y.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None])
 
 

@@ -257,17 +257,17 @@ def _longest(k: int, runs: tuple[int, ...]) -> int:
 
 def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
-    on an H200 at the 8B shapes (bench/RESULTS.md, one-token GEMVs). FP8 rows are
-    half the bytes: 4 rows a program over runs of 4096, each tile summed as it is read so
-    the registers hold more weight in flight (an over-long K, a down projection: 8 rows over
-    runs of 1024). bf16: up to 4096 columns 4 a program (summed each tile where K is short),
-    above 2 a program over runs of 1024."""
+    (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
+    shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
+    summed as it is read so the registers hold more weight in flight (an over-long K, a
+    down projection: 8 rows over runs of 1024). bf16: up to 4096 columns 4 a program (the
+    8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024."""
     if fp8 and k > 8192:
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
         return GemvConfig(4, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1, True)
-    if n <= 4096 and k <= 4096:
-        return GemvConfig(4, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
+    if n <= 4096 and k == 4096:
+        return GemvConfig(4, 1024, 4, 1, True)
     if n <= 4096:
         return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1)
     return GemvConfig(2, _longest(k, (1024, 512, 256, 128)), 2, 1)
@@ -351,9 +351,8 @@ def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
 def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> bool:
     """Whether the tensor-core kernel meets e4m3 tiles with x in float16 rather than
     bfloat16. Each warp converts all of x's tile but only its share of the weight's, so it
-    pays where a program streams two weight rows a column (gate and up: 20% faster at 2-16
-    rows on an H200) and costs elsewhere (q/k/v, o, down 5-15% slower; bench/RESULTS.md,
-    one-token GEMVs)."""
+    pays where a program streams two weight rows a column (gate and up) and costs where it
+    streams one (bench/RESULTS.md, one-token GEMVs)."""
     return o.fp8 and dtype == torch.bfloat16 and epilogue == SILU_MUL
 
 

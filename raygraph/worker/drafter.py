@@ -220,11 +220,13 @@ class Drafter:
         self.capture_upto(self.max_seqs, prev_tokens)
         return len(self.graphs) + len(self.pass_graphs)
 
+    @torch.inference_mode()
     def capture_upto(self, rows: int, prev_tokens: torch.Tensor) -> int:
         """The graphs of every size up to `rows` rows not captured yet (a size's pass and
         loop together), over padding rows in the scratch block (each proposal stages the
         loop's buffers again); returns how many were captured. Background capture calls
-        it with each decode key, so every rank captures the same sizes in lockstep."""
+        it with each decode key (the drafter runs no collective: only sampling ranks have
+        one)."""
         if not self.graphed:
             return 0
         top = self._bucket(min(rows, self.max_seqs))

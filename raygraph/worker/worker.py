@@ -441,7 +441,11 @@ class Worker:
         self.sleep_memory.check_awake()
         record = self.executor.capture(key)
         if self.drafter is not None and key.phase == "decode":
-            self.drafter.capture_upto(key.num_tokens, self.executor.prev_tokens)
+            # the largest decode key brings every size (max_decode may be below max_num_seqs)
+            top = max((k.num_tokens for k in self.executor.schedule() if k.phase == "decode"),
+                      default=key.num_tokens)
+            rows = self.drafter.max_seqs if key.num_tokens >= top else key.num_tokens
+            self.drafter.capture_upto(rows, self.executor.prev_tokens)
         return record
 
     def inject_fault(self, kind: str, phase: str = "capture", key: BucketKey | None = None) -> None:

@@ -85,6 +85,12 @@ def test_in_background_capture_the_drafter_runs_eagerly_until_the_decode_keys_br
     drafter = worker.drafter
     assert not drafter.graphs and not drafter.pass_graphs  # nothing captured on use
     assert [s.output_token_ids for s in eager] == [s.output_token_ids for s in reference]
+    # captured after serving (its buffers and table mirrors hold a served step's), then
+    # serving again from its graphs
+    drafter.capture_upto(drafter.max_seqs, worker.executor.prev_tokens)
+    assert (len(drafter.graphs), len(drafter.pass_graphs)) == graphs
+    again, _ = served("draft", device="cuda", draft=DEFAULT_MODEL, worker=worker)
+    assert [s.output_token_ids for s in again] == [s.output_token_ids for s in reference]
 
     worker = background_worker()
     for key in worker.executor.schedule():
