@@ -185,27 +185,46 @@ def _fp8_call(x: torch.Tensor, ws: list[Fp8Weight], kernel: str, cfg=None):
     return fn
 
 
+def _block_call(x: torch.Tensor, ws: list[Fp8Weight], dequant: bool):
+    """fn(i): x @ W^T on block-scaled weight copy i, as served (ops.linear) or through a
+    dequantized bf16 copy and cuBLAS (dequant)."""
+    from raygraph.model import ops
+
+    def fn(i: int) -> torch.Tensor:
+        w = ws[i % len(ws)]
+        return F.linear(*ops.dense_operands(x, w)) if dequant else ops.linear(x, w)
+
+    return fn
+
+
 def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
               ms: tuple[int, ...] = (1, 8), fp8: bool = False,
-              fp8_configs: list[tuple[str, tuple[int, ...]]] = ()) -> None:
+              fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0) -> None:
     """cuBLAS on bf16 weights against the Triton configs, on bf16 weights or (fp8) the same
     weights quantized per row: microseconds and the weight bytes' GB/s. Past 8 rows FP8
     also times the W8A8 GEMMs: _scaled_mm and the Triton FP8 GEMM (its own tiles and
-    `fp8_configs`)."""
+    `fp8_configs`). block > 0: the weights quantized per row and `block` columns instead;
+    past the decode rows the GEMM as served (ops.linear: the Triton GEMM with scales per
+    group) against the weight dequantized to bf16 and cuBLAS (the path it replaced)."""
     from raygraph.model.quant import quantize
     from raygraph.model.triton_gemv import GemvConfig
 
     copies = max(2, -(-(256 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     own_ws, size = ws, n * k * 2
-    if fp8:
-        own_ws = [Fp8Weight(*quantize(w, k), k, "dynamic") for w in ws]
+    if fp8 or block:
+        group = block or k
+        own_ws = [Fp8Weight(*quantize(w, group), group, "dynamic") for w in ws]
         size //= 2
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         t = time_graph(_gemm_call(name, x, ws))
-        row = {"gemm": name, "n": n, "k": k, "m": m, "fp8": fp8, "cublas_us": round(1e6 * t, 2),
-               "cublas_GBps": round(n * k * 2 / t / 1e9)}
+        row = {"gemm": name, "n": n, "k": k, "m": m, "fp8": fp8, "block": block,
+               "cublas_us": round(1e6 * t, 2), "cublas_GBps": round(n * k * 2 / t / 1e9)}
+        if block and m > DECODE_ROWS:
+            for key, dequant in [("block_gemm_us", False), ("block_dequant_us", True)]:
+                t = time_graph(_block_call(x, own_ws, dequant))
+                row[key] = [round(1e6 * t, 2), round(size / t / 1e9)]
         if fp8 and m > 8:  # W8A8: x quantized per token, then _scaled_mm or the Triton GEMM
             for kernel, cfg in [("scaled_mm", None), ("triton_fp8", "auto"), *fp8_configs]:
                 t = time_graph(_fp8_call(x, own_ws, kernel, cfg))
@@ -233,11 +252,11 @@ def gemm_shapes(preset: str) -> dict[str, tuple[int, int]]:
 
 def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8),
                preset: str = "llama-1b", fp8: bool = False,
-               fp8_configs: list[tuple[str, tuple[int, ...]]] = ()) -> None:
+               fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0) -> None:
     for name, (n, k) in gemm_shapes(preset).items():
-        if fp8 and name == "lm_head":
+        if (fp8 or block) and name == "lm_head":
             continue  # stays in the model's dtype
-        gemm_rows(name, n, k, configs, ms, fp8, fp8_configs)
+        gemm_rows(name, n, k, configs, ms, fp8, fp8_configs, block)
         torch.cuda.empty_cache()
 
 
@@ -301,6 +320,10 @@ def main() -> None:
     p.add_argument("--gemm-configs", nargs="+", default=None,
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages, "
                         "or auto (the kernels' own choice for the rows)")
+    p.add_argument("--gemm-block", type=int, default=0, metavar="COLUMNS",
+                   help="block-scaled FP8 weights (a scale a row and COLUMNS columns, as "
+                        "the 128 x 128 format): past 16 rows the served GEMM against the "
+                        "dequantized weight")
     p.add_argument("--fp8-gemm-configs", nargs="+", default=[],
                    help="with --gemm-fp8, past 8 rows: Triton FP8 GEMM tiles to time, each "
                         "block_m,block_n,block_k,num_warps,num_stages")
@@ -334,7 +357,7 @@ def main() -> None:
                                            (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6)])
         fp8_configs = [("triton_fp8", tuple(int(v) for v in c.split(",")))
                        for c in a.fp8_gemm_configs]
-        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8, fp8_configs)
+        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8, fp8_configs, a.gemm_block)
     if a.gemm_only:
         return
     model = bench_model(a.preset, a.load_format)
