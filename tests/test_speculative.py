@@ -700,3 +700,19 @@ def test_draft_spans_time_a_step_and_start_over_for_the_next():
     with spans.span():
         time.sleep(0.01)
     assert 0.01 <= spans.seconds() < 0.2
+
+
+def test_a_drafters_graph_sizes_up_to_a_decode_keys_rows():
+    """Background capture brings a drafter's graphs with each decode key: the sizes (powers
+    of two, max_num_seqs at most) up to the key's rows, none captured twice."""
+    from raygraph.config import DEFAULT_MODEL
+    from tests.conftest import loaded_worker
+
+    worker = loaded_worker(spec_config("draft", draft=DEFAULT_MODEL, max_num_seqs=6), 64)
+    drafter = worker.drafter
+    assert drafter.sizes_upto(1) == [1]
+    assert drafter.sizes_upto(3) == [1, 2, 4]
+    assert drafter.sizes_upto(100) == [1, 2, 4, 6]
+    drafter.graphs.update({1: None, 2: None})  # as if captured: not again
+    assert drafter.sizes_upto(5) == [4, 6]
+    worker.shutdown()

@@ -95,12 +95,13 @@ def _block_gemm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
     """The Triton FP8 GEMM with a scale a row and group of columns on both sides computes
     it: on the kernels' device past the decode rows, a block-quantized weight whose x is
     quantized per token and group (dynamic activations), the groups its K tiles."""
-    (n, k), groups = w.shape, w.scale.shape[1]
-    return (groups > 1 and w.activations == "dynamic" and kernels(x) and x.dim() == 2
-            and x.shape[0] >= SCALED_MM_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            # triton_fp8_gemm.supports: K tiles of 32 to 256, whole runs of columns
-            and w.group in (32, 64, 128, 256) and groups * w.group == k
-            and n % 128 == 0 and k % 128 == 0 and w.scale.is_contiguous())
+    if not (w.scale.shape[1] > 1 and w.activations == "dynamic" and kernels(x)
+            and x.dim() == 2 and x.shape[0] >= SCALED_MM_MIN_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and w.scale.is_contiguous()):
+        return False
+    from raygraph.model import triton_fp8_gemm
+
+    return triton_fp8_gemm.supports(x.shape[0], *w.shape, w.group)
 
 
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None

@@ -205,12 +205,17 @@ class Drafter:
     def _run_pass(self, prev_tokens: torch.Tensor) -> None:
         """The pass over the step's rows: eager, or its graph (by rows) where decode-shaped."""
         n, md, graphed = self._step
-        if graphed and n in self.pass_graphs:
-            self.pass_graphs[n].replay()
-        elif graphed and self.capture_on_use:
-            self.pass_graphs[n] = self._capture(self._pass(n, md, prev_tokens))
+        self._run(self.pass_graphs, n, self._pass(n, md, prev_tokens), graphed)
+
+    def _run(self, graphs: dict[int, torch.cuda.CUDAGraph], n: int, run: Callable[[], None],
+             graphed: bool = True) -> None:
+        """`run` of n rows: its graph replayed, captured now (`capture_on_use`), or eagerly."""
+        if graphed and self.graphed and n in graphs:
+            graphs[n].replay()
+        elif graphed and self.graphed and self.capture_on_use:
+            graphs[n] = self._capture(run)
         else:
-            self._pass(n, md, prev_tokens)()
+            run()
 
     @torch.inference_mode()
     def capture_all(self, prev_tokens: torch.Tensor) -> int:
@@ -220,20 +225,21 @@ class Drafter:
         self.capture_upto(self.max_seqs, prev_tokens)
         return len(self.graphs) + len(self.pass_graphs)
 
+    def sizes_upto(self, rows: int) -> list[int]:
+        """The graph sizes of up to `rows` rows (max_num_seqs at most) not captured yet."""
+        top = self._bucket(min(rows, self.max_seqs))
+        return sorted(n for n in {self._bucket(r) for r in range(1, self.max_seqs + 1)}
+                      if n <= top and n not in self.graphs)
+
     @torch.inference_mode()
-    def capture_upto(self, rows: int, prev_tokens: torch.Tensor) -> int:
+    def capture_upto(self, rows: int, prev_tokens: torch.Tensor) -> None:
         """The graphs of every size up to `rows` rows not captured yet (a size's pass and
         loop together), over padding rows in the scratch block (each proposal stages the
-        loop's buffers again); returns how many were captured. Background capture calls
-        it with each decode key (the drafter runs no collective: only sampling ranks have
-        one)."""
-        if not self.graphed:
-            return 0
-        top = self._bucket(min(rows, self.max_seqs))
-        sizes = sorted(n for n in {self._bucket(r) for r in range(1, self.max_seqs + 1)}
-                       if n <= top and n not in self.graphs)
+        loop's buffers again). Background capture calls it with each decode key (the
+        drafter runs no collective: only sampling ranks have one)."""
+        sizes = self.sizes_upto(rows) if self.graphed else []
         if not sizes:
-            return 0
+            return
         torch.cuda.synchronize(self.device)  # no upload from the pinned mirrors in flight
         scratch = self.first_lookahead - 1
         self.tables.fill_(scratch)
@@ -241,7 +247,6 @@ class Drafter:
             mirror.fill_(scratch)
         self.tokens.zero_()
         self.positions.zero_()
-        before = len(self.graphs) + len(self.pass_graphs)
         for n in sizes:
             h = padding_inputs(n, scratch)
             self.bufs.fill(h, n, n)
@@ -249,7 +254,6 @@ class Drafter:
             if run is not None and n not in self.pass_graphs:
                 self.pass_graphs[n] = self._capture(run)
             self.graphs[n] = self._capture(lambda n=n: self._loop(n))
-        return len(self.graphs) + len(self.pass_graphs) - before
 
     @torch.inference_mode()
     def propose(self, chunks: list[SeqChunk], tokens: torch.Tensor | None,
@@ -287,12 +291,7 @@ class Drafter:
             self.tokens[d:n].zero_()
             self.positions[d:n].zero_()
         self._before_loop(staged[(4 + k) * d:], d, n, tokens, kept)
-        if self.graphed and n in self.graphs:
-            self.graphs[n].replay()
-        elif self.graphed and self.capture_on_use:
-            self.graphs[n] = self._capture(lambda: self._loop(n))
-        else:
-            self._loop(n)
+        self._run(self.graphs, n, lambda: self._loop(n))
         return asks, self.drafts[:d]
 
     def _extra(self, chunks: list[SeqChunk], asks: list[int]) -> np.ndarray:

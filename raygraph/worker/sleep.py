@@ -126,7 +126,7 @@ class SleepMemory:
         first = None
         if cache is not None and cache.staged_wake:
             first = max(1, cache.wake_first_bytes // self.kv.bytes_per_block)
-        weights = self.weights.wake_up() if self.weights and self.weights.asleep else 0
+        weights = _wake(self.weights)
         kv = self.kv.wake_up(first) if self.kv.asleep else 0
         graph = executor.wake_up()
         if self.drafter is not None:
