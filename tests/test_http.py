@@ -955,8 +955,13 @@ def test_health_is_503_once_the_coordinator_stops(ray_session, server, client):
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model=MODEL, prompt="A class", max_tokens=2)
     assert e.value.status_code == 503
-    ray_session.kill(coord)
-    status, body = http(url + "/health")
+    ray_session.kill(coord)  # asynchronous: a call may still reach it for a moment
+    deadline = time.monotonic() + 30
+    while True:
+        status, body = http(url + "/health")
+        if "gone" in json.loads(body)["reason"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert status == 503 and "gone" in json.loads(body)["reason"]
 
 
