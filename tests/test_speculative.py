@@ -599,6 +599,28 @@ def test_oracle_drafts_hold_and_keep_greedy_tokens():
     assert spec["kept"] == spec["drafts"] > 0 and spec["steps"] < plain["steps"]
 
 
+def test_speculating_sequences_verify_together_once_their_prompts_are_done():
+    """Sequences whose prompts end in different steps would take turns (each sits out the
+    step after its verify step, waiting for the tokens kept); the loop collects the step in
+    flight first when half the batch waits on it, so at 100% acceptance each verify step
+    carries every sequence: about max_tokens / (k + 1) steps after the prompts."""
+    from bench.speculative import oracles, run, speculating
+    from raygraph.config import CacheConfig, SchedulerConfig, ServeConfig
+    from tests.conftest import loaded_worker
+
+    blocks, budget, k, max_tokens = 64, 32, 4, 40
+    cfg = ServeConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=blocks),
+                      scheduler=SchedulerConfig(max_num_seqs=20, max_num_batched_tokens=budget))
+    worker = loaded_worker(speculating(cfg, k), blocks, capture=True)
+    rng = random.Random(0)
+    ids = [[rng.randrange(3, 4096) for _ in range(n)] for n in (5, 12, 30, 17)]
+    plain = run(cfg, worker, ids, max_tokens, blocks)
+    spec = run(speculating(cfg, k), worker, ids, max_tokens, blocks, oracles(plain["tokens"]))
+    assert spec["tokens"] == plain["tokens"] and spec["kept"] == spec["drafts"]
+    prompt_steps = -(-sum(map(len, ids)) // budget)
+    assert spec["steps"] <= prompt_steps + max_tokens // (k + 1) + 1
+
+
 def test_keep_every_draft_emits_the_drafts_then_the_target_after_them() -> None:
     """bench.speculative --keep-drafts: a verifying chunk emits its drafts, kept whatever the
     targets say, then the target's token after the last draft; other chunks their token."""

@@ -135,8 +135,7 @@ class Scheduler:
         out = SchedulerOutput([], [], [], [], self._drop, [], 0)
         self._drop = []
         feed, bs, max_len = out.feed, self.kv.block_size, self.max_model_len
-        speculate = self._speculate = self.num_speculative_tokens > 0 and (
-            not self.speculative_max_batch or len(self.running) < self.speculative_max_batch)
+        speculate = self._speculate = self._speculating()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -202,6 +201,22 @@ class Scheduler:
             return None
         out.num_tokens += len(feed)
         return out
+
+    def _speculating(self) -> bool:
+        """Whether a step scheduled now sends drafts (speculative_max_batch not reached)."""
+        return self.num_speculative_tokens > 0 and (
+            not self.speculative_max_batch or len(self.running) < self.speculative_max_batch)
+
+    def num_awaiting(self) -> int:
+        """How many running sequences would sit out a step scheduled now, waiting on the
+        one in flight (a verify step's tokens, or the token their drafts follow); 0 while a
+        waiting sequence can be admitted (its prefill is work for the step)."""
+        if not self.num_speculative_tokens or (self.waiting
+                                               and len(self.running) < self.max_num_seqs):
+            return 0
+        speculate = self._speculating()
+        return sum(1 for s in self.running if s.proposer is not None
+                   and (s.drafts or speculate and s.num_pending))
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put n tokens of seq into the step and account for them."""
