@@ -185,14 +185,22 @@ def _fp8_call(x: torch.Tensor, ws: list[Fp8Weight], kernel: str, cfg=None):
     return fn
 
 
-def _block_call(x: torch.Tensor, ws: list[Fp8Weight], dequant: bool):
-    """fn(i): x @ W^T on block-scaled weight copy i, as served (ops.linear) or through a
-    dequantized bf16 copy and cuBLAS (dequant)."""
-    from raygraph.model import ops
+def _block_call(x: torch.Tensor, ws: list[Fp8Weight], dequant: bool, cfg=None):
+    """fn(i): x @ W^T on block-scaled weight copy i, as served (ops.linear), through a
+    dequantized bf16 copy and cuBLAS (dequant), or (cfg) as served at those Triton tiles."""
+    from raygraph.model import ops, triton_fp8_gemm
+
+    own = None if cfg is None else triton_fp8_gemm.Fp8GemmConfig(*cfg)
 
     def fn(i: int) -> torch.Tensor:
         w = ws[i % len(ws)]
-        return F.linear(*ops.dense_operands(x, w)) if dequant else ops.linear(x, w)
+        if dequant:
+            return F.linear(*ops.dense_operands(x, w))
+        if own is None:
+            return ops.linear(x, w)
+        xq, xs = ops.quantize_activations(x.view(-1, w.group), None)
+        return triton_fp8_gemm.fp8_gemm(xq.view(x.shape), xs.view(x.shape[0], -1), w.data,
+                                        w.scale, x.dtype, cfg=own)
 
     return fn
 
@@ -225,6 +233,9 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
             for key, dequant in [("block_gemm_us", False), ("block_dequant_us", True)]:
                 t = time_graph(_block_call(x, own_ws, dequant))
                 row[key] = [round(1e6 * t, 2), round(size / t / 1e9)]
+            for _, cfg in fp8_configs:  # the served GEMM at other tiles
+                t = time_graph(_block_call(x, own_ws, False, cfg))
+                row[f"block{cfg}"] = [round(1e6 * t, 2), round(size / t / 1e9)]
         if fp8 and m > 8:  # W8A8: x quantized per token, then _scaled_mm or the Triton GEMM
             for kernel, cfg in [("scaled_mm", None), ("triton_fp8", "auto"), *fp8_configs]:
                 t = time_graph(_fp8_call(x, own_ws, kernel, cfg))
@@ -325,8 +336,9 @@ def main() -> None:
                         "the 128 x 128 format): past 16 rows the served GEMM against the "
                         "dequantized weight")
     p.add_argument("--fp8-gemm-configs", nargs="+", default=[],
-                   help="with --gemm-fp8, past 8 rows: Triton FP8 GEMM tiles to time, each "
-                        "block_m,block_n,block_k,num_warps,num_stages")
+                   help="with --gemm-fp8 (past 8 rows) or --gemm-block: Triton FP8 GEMM tiles "
+                        "to time, each block_m,block_n,block_k,num_warps,num_stages (block_k "
+                        "is the group under --gemm-block)")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")

@@ -192,16 +192,15 @@ def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted):
 
 @pytest.mark.parametrize("m, n, bias, group", [(1, 128, False, K), (17, 128, True, K),
                                                (70, 256, False, K), (17, 128, True, 128),
-                                               (70, 256, False, 64)])
+                                               (70, 256, False, 64), (130, 256, True, 128)])
 def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias, group):
     """The Triton W8A8 GEMM (rows past the decode kernels): x already e4m3 with a scale a
     row, W e4m3 with a scale a row (group = K), or both with a scale a row and `group`
     columns (block weights; the K tiles are the groups). Row tiles of 64 (so 70 rows are
-    two, the second masked), columns in runs of 16-64: equal to (xq * x_scale) @
-    (Wq * w_scale)^T in float32 (every product of two e4m3 values is exact there; sums in
-    another order), then rounded once to the output dtype, bias added after as _scaled_mm's
-    caller adds it. Each case runs its own tiles (m <= 64: 32 columns) and 64-column
-    tiles."""
+    two, the second masked): equal to (xq * x_scale) @ (Wq * w_scale)^T in float32 (every
+    product of two e4m3 values is exact there; sums in another order), then rounded once to
+    the output dtype, bias added after as _scaled_mm's caller adds it. Each case runs its
+    own tiles (m <= 64: 32 columns; 130 rows with groups: 128) and 64-column tiles."""
     g = interpreted("triton_fp8_gemm")
     torch.manual_seed(m + n)
     w = fp8_weight(n, group, "dynamic", seed=n)
@@ -227,6 +226,10 @@ def test_w8a8_gemm_tiles_and_where_it_serves():
 
     assert [config(64, n, 4096).block_n for n in (4096, 6144, 28672)] == [32, 64, 128]
     assert config(256, 4096, 14336) == (64, 64, 128, 4, 6)
+    # scales per group: 128 columns past 128 rows, or past 64 on wide weights
+    assert config(256, 4096, 14336, grouped=True) == (64, 128, 128, 4, 4)
+    assert [config(128, n, 4096, grouped=True).block_n for n in (4096, 28672)] == [64, 128]
+    assert config(64, 28672, 4096, grouped=True) == config(64, 28672, 4096)
     assert config(16, 28672, 4096).num_stages == 4
     assert preferred(17, 28672, 4096) and preferred(64, 28672, 4096)
     assert not preferred(65, 28672, 4096) and preferred(128, 6144, 4096)

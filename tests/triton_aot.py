@@ -162,6 +162,8 @@ def other_cases() -> list[Case]:
          dict(N=4096, K=4096, HAS_BIAS=True, BM=64, BN=32, BK=128, GROUPS=1), 4, w8a8),
         ("W8A8 FP8 GEMM, 128 x 128 blocks", fg._fp8_gemm_kernel,
          dict(N=4096, K=4096, HAS_BIAS=False, BM=64, BN=64, BK=128, GROUPS=32), 4, w8a8),
+        ("W8A8 FP8 GEMM, 128 x 128 blocks, 128 columns", fg._fp8_gemm_kernel,
+         dict(N=4096, K=4096, HAS_BIAS=False, BM=64, BN=128, BK=128, GROUPS=32), 4, w8a8),
         ("lora shrink", lr._shrink_kernel, dict(R=16, K=2048, P0=0, P1=2, P2=2, BM=lr.BM,
                                                 BN=16, BK=512, PRECISION="tf32"), 4, slots),
         ("lora expand", lr._expand_kernel, dict(N0=2048, N1=512, N2=0, C0=0, C1=2560, C2=2560,

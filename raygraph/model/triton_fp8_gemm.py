@@ -73,14 +73,18 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am
              mask=mmask[:, None])
 
 
-def config(m: int, n: int, k: int) -> Fp8GemmConfig:
+def config(m: int, n: int, k: int, grouped: bool = False) -> Fp8GemmConfig:
     """Tiles for m rows of an [n, k] weight, from a sweep of nine on the 8B shapes
     (bench/RESULTS.md, "FP8 GEMMs of 16 to 512 rows"): 64 rows a program; up to 64 rows,
     columns so the programs number ~100-220 (32 up to 4096 columns, 64 up to 8192, else
-    128); more rows, 64 columns. Six pipeline stages, four at 128 columns."""
+    128); more rows, 64 columns. Six pipeline stages, four at 128 columns. Scales per group
+    (`grouped`: each K tile's product scaled as it is added) take 128 columns past 128 rows,
+    and past 64 on wide weights (a sweep of their own: "Block-scaled weights")."""
     block_n = 64
     if m <= 64:
         block_n = 32 if n <= 4096 else 64 if n <= 8192 else 128
+    elif grouped and (m > 128 or n > 8192):
+        block_n = 128
     return Fp8GemmConfig(64, block_n, 128, 4, 4 if block_n == 128 else 6)
 
 
@@ -111,7 +115,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     are the K tiles); [M, N] in out_dtype."""
     m, k = xq.shape
     n, groups = w.shape[0], w_scale.shape[1]
-    cfg = cfg or config(m, n, k)
+    cfg = cfg or config(m, n, k, groups > 1)
     if groups > 1:
         cfg = cfg._replace(block_k=k // groups)
         if x_scale.shape != (m, groups) or not supports(m, n, k, cfg.block_k):
