@@ -179,8 +179,8 @@ class EngineCore:
     def _stalled(self) -> bool:
         """Whether at least half the running sequences wait on the step in flight (speculating
         ones: a verify step's tokens come back a step later). Collecting it first lets them
-        join the next step; running the others alone would split the batch into two halves
-        that take turns, each step half as full, for a host round trip a step saved."""
+        join the next step, for a host round trip a step; running the others alone would
+        split the batch into two halves that take turns, each step half as full."""
         awaiting = sum(s.num_awaiting() for s in self.schedulers)
         return awaiting > 0 and 2 * awaiting >= sum(len(s.running) for s in self.schedulers)
 
