@@ -621,6 +621,36 @@ def test_speculating_sequences_verify_together_once_their_prompts_are_done():
     assert spec["steps"] <= prompt_steps + max_tokens // (k + 1) + 1
 
 
+def test_the_loop_waits_for_a_verify_step_only_while_a_turnaround_is_cheap():
+    """Waiting pays until a turnaround is measured (and on a CPU, where the device is the
+    host, none is ever idle). Steps of 0.4 ms with 1.5 ms idle after each wait: it declines,
+    probing again every PROBE declines. Steps of 10 ms with 1 ms turnarounds: it pays, and
+    one capture-sized idle among the last five does not change that; the idle of a step not
+    sent right after a wait is no turnaround."""
+    from raygraph.engine.core import Turnaround
+    from raygraph.protocol import StepOutput
+
+    t = Turnaround()
+    assert t.pays()
+
+    def step(i: int, forward_s: float, idle_s: float, probe: bool = True) -> None:
+        if probe:
+            t.probe_step = i
+        t.note(StepOutput(i, [], forward_s, idle_s))
+
+    for i in range(20):
+        step(i, 4e-4, 1.5e-3)
+    assert [t.pays() for _ in range(Turnaround.PROBE)] == [False] * (Turnaround.PROBE - 1) + [True]
+    for i in range(20, 40):
+        step(i, 1e-2, 1e-3)
+    assert t.pays()
+    step(40, 1e-2, 5.0)  # a capture landed in it
+    assert t.pays()
+    for i in range(41, 60):
+        step(i, 1e-2, 9e-3, probe=False)
+    assert t.pays()
+
+
 def test_keep_every_draft_emits_the_drafts_then_the_target_after_them() -> None:
     """bench.speculative --keep-drafts: a verifying chunk emits its drafts, kept whatever the
     targets say, then the target's token after the last draft; other chunks their token."""

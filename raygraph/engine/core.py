@@ -11,8 +11,9 @@ LoRA admission whose slot loads ride on the step. Pure Python apart from msgspec
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -42,6 +43,40 @@ class KeyPolicy(Protocol):
         first; `flush` collects the step in flight before anything is captured."""
 
 
+class Turnaround:
+    """Whether collecting the step in flight before scheduling pays (EngineCore._stalled).
+    Waiting costs a host turnaround a step: the device idles from the end of the step in
+    flight until the next arrives. Taking turns costs each sequence every other step. When
+    a step reads its weights whatever its rows, a full step costs little more than a half
+    one, and the wait pays while the turnaround is a small share of a step; on a small or
+    fast model a turnaround through Ray is several steps long and the halves win. Measured
+    on rank 0: its device time a step (on a CPU, host time: no overlap to lose there), and
+    the device's idle before each step sent right after such a wait."""
+
+    SHARE = 1 / 3  # wait while a turnaround costs at most this share of a step
+    SAMPLES = 5  # turnarounds kept (their median is the estimate: a capture inflates one)
+    PROBE = 256  # declined waits between two probes: a turnaround is measured only by waiting
+
+    def __init__(self) -> None:
+        self.step_s = 0.0  # device time a step, moving average
+        self.samples: deque[float] = deque(maxlen=self.SAMPLES)
+        self.probe_step = -1  # the step sent right after a wait: its idle is a turnaround
+        self.declined = 0
+
+    def note(self, out: StepOutput) -> None:
+        if out.step_id < 0:
+            return
+        self.step_s += 0.25 * (out.forward_s - self.step_s)
+        if out.step_id == self.probe_step:
+            self.samples.append(out.idle_s)
+
+    def pays(self) -> bool:
+        if not self.samples or statistics.median(self.samples) <= self.SHARE * self.step_s:
+            return True
+        self.declined += 1
+        return self.declined % self.PROBE == 0
+
+
 class EngineCore:
     def __init__(self, schedulers: list[Scheduler], buckets: BucketPlan | None, ep: bool,
                  capture: KeyPolicy | None = None, lora: Any = None) -> None:
@@ -61,6 +96,8 @@ class EngineCore:
         self.resumed_at = 0  # the first step after the loop last ran out of work
         self.failed: list[tuple[int, str]] = []  # (seq id, error): adapter loads that failed
         self._flushed: Emitted = []  # tokens collected by a flush inside the step
+        self._capturing = False  # the capture policy captures before this step
+        self.turnaround = Turnaround()
 
     @staticmethod
     def from_config(cfg: ServeConfig, model: ModelConfig, num_blocks: int,
@@ -134,6 +171,7 @@ class EngineCore:
         outs, self.in_flight = self.in_flight, None
         if outs is None:
             return [[] for _ in self.schedulers]
+        self.turnaround.note(outputs[0])
         return [s.update(o, out.token_ids, out.logprobs, out.counts, out.drafts)
                 if o is not None else []
                 for s, o, out in zip(self.schedulers, outs, outputs)]
@@ -143,7 +181,8 @@ class EngineCore:
         (those of a flush the capture policy asked for first included). None: idle with
         nothing in flight."""
         self._flushed = []
-        if self.in_flight is not None and self._stalled():
+        waited = self.in_flight is not None and self._stalled()
+        if waited:
             self._flushed = self.flush(dispatch)
         t0 = time.perf_counter()
         planned = self.schedule()
@@ -156,6 +195,7 @@ class EngineCore:
                 return None
             return self.flush(dispatch)
         outs, keys, comm = planned
+        self._capturing = False
         if self.capture is not None:  # new shapes: captured on every rank, nothing in flight
             self.capture.prepare(outs, keys, lambda: self._flush_into(dispatch))
         for o in outs:
@@ -165,6 +205,8 @@ class EngineCore:
             self.phase_steps[key.phase if key is not None else "eager"] += 1
         loads = self.lora.take_loads() if self.lora is not None else []
         outputs = dispatch(self.encode(outs, keys, comm, loads))
+        if waited and not self._capturing:  # a capture's time is no turnaround
+            self.turnaround.probe_step = self.step_id
         t0 = time.perf_counter()
         emitted = self.apply(outputs)
         self.schedule_s += time.perf_counter() - t0
@@ -177,14 +219,17 @@ class EngineCore:
         return emitted
 
     def _stalled(self) -> bool:
-        """Whether at least half the running sequences wait on the step in flight (speculating
-        ones: a verify step's tokens come back a step later). Collecting it first lets them
-        join the next step, for a host round trip a step; running the others alone would
-        split the batch into two halves that take turns, each step half as full."""
+        """Whether to collect the step in flight before scheduling: at least half the running
+        sequences wait on it (speculating ones: a verify step's tokens come back a step
+        later), and a host turnaround is cheap against a step (Turnaround). Then they all
+        join the next step; else the others run alone, and the batch splits into two
+        halves that take turns."""
         awaiting = sum(s.num_awaiting() for s in self.schedulers)
-        return awaiting > 0 and 2 * awaiting >= sum(len(s.running) for s in self.schedulers)
+        return (awaiting > 0 and 2 * awaiting >= sum(len(s.running) for s in self.schedulers)
+                and self.turnaround.pays())
 
     def _flush_into(self, dispatch: Dispatch) -> None:
+        self._capturing = True
         if self.in_flight is not None:
             self._flushed = self.flush(dispatch)
 

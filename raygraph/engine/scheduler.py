@@ -27,7 +27,7 @@ the token after them (one to k + 1 tokens), and a draft model's next proposal wi
 drafts need its last token, so it sits out the step in which that token is in flight. A
 verify step in flight returns one to k + 1 tokens, so no feed can follow it: the sequence
 sits out the next step even when drafts are off for it (speculative_max_batch reached).
-Where half the running sequences would sit out, the loop collects the step in flight
+Where half the running sequences would sit out, the loop may collect the step in flight
 before scheduling instead (`num_awaiting`, EngineCore.step), so they all run in the next.
 
 Each step is described as a change to what the workers hold (new sequences, appended
