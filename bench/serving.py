@@ -232,6 +232,9 @@ def served_run(coord: ray.actor.ActorHandle, prompts: Prompts, params: SamplingP
                - before["mean_ttft_ms"] * before["requests_started"]) / max(1, started)
     return {"seconds": wall, "steps": steps, "worker_ms": worker_ms, "idle_ms": idle_ms,
             "ttft_ms": ttft_ms,
+            "loop_waits": after["spec_loop_waits"] - before["spec_loop_waits"],
+            "loop_declined": after["spec_loop_declined"] - before["spec_loop_declined"],
+            "turnaround_ms": after["spec_loop_turnaround_ms"],
             "sched_ms": sched_ms,
             "host_ms": host_ms,
             "tokens": [r.token_ids for r in results]}
@@ -398,6 +401,9 @@ def main() -> None:
             "decode_us_per_step": eng["decode_us_per_step"],
             "served_worker_ms_per_step": round(served["worker_ms"], 3),
             "device_idle_ms_per_step": round(served["idle_ms"], 3),
+            # speculation: steps that waited for a verify step, stalls that did not
+            "loop_waits": served["loop_waits"], "loop_declined": served["loop_declined"],
+            "turnaround_ms": served["turnaround_ms"],
             "coordinator_host_ms_per_step": round(served["host_ms"], 3),
             "schedule_update_ms_per_step": round(served["sched_ms"], 3),
             "mean_ttft_ms": round(served["ttft_ms"], 3),

@@ -191,7 +191,9 @@ def run(cfg: ServeConfig, worker: Worker, ids: list[list[int]], max_tokens: int,
     sched = core.schedulers[0]
     return {"seconds": end - t0, "decode_seconds": end - (decoding or t0),
             "steps": core.step_id, "tokens": [s.output_token_ids for s in seqs],
-            "drafts": sched.num_draft_tokens, "kept": sched.num_accepted_tokens}
+            "drafts": sched.num_draft_tokens, "kept": sched.num_accepted_tokens,
+            "waits": core.turnaround.waits, "declined": core.turnaround.declined,
+            "turnaround_ms": round(1e3 * core.turnaround.median_s(), 3)}
 
 
 def speculating(cfg: ServeConfig, k: int, disable_by_batch_size: int = 0,

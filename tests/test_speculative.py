@@ -617,6 +617,7 @@ def test_speculating_sequences_verify_together_once_their_prompts_are_done():
     plain = run(cfg, worker, ids, max_tokens, blocks)
     spec = run(speculating(cfg, k), worker, ids, max_tokens, blocks, oracles(plain["tokens"]))
     assert spec["tokens"] == plain["tokens"] and spec["kept"] == spec["drafts"]
+    assert spec["waits"] > 0 and spec["declined"] == 0  # on a CPU the device never idles
     prompt_steps = -(-sum(map(len, ids)) // budget)
     assert spec["steps"] <= prompt_steps + max_tokens // (k + 1) + 1
 
@@ -641,6 +642,7 @@ def test_the_loop_waits_for_a_verify_step_only_while_a_turnaround_is_cheap():
     for i in range(20):
         step(i, 4e-4, 1.5e-3)
     assert [t.pays() for _ in range(Turnaround.PROBE)] == [False] * (Turnaround.PROBE - 1) + [True]
+    assert (t.waits, t.declined) == (2, Turnaround.PROBE)
     for i in range(20, 40):
         step(i, 1e-2, 1e-3)
     assert t.pays()

@@ -61,7 +61,7 @@ class Turnaround:
         self.step_s = 0.0  # device time a step, moving average
         self.samples: deque[float] = deque(maxlen=self.SAMPLES)
         self.probe_step = -1  # the step sent right after a wait: its idle is a turnaround
-        self.declined = 0
+        self.waits = self.declined = 0  # stalled steps waited for, and not
 
     def note(self, out: StepOutput) -> None:
         if out.step_id < 0:
@@ -70,11 +70,18 @@ class Turnaround:
         if out.step_id == self.probe_step:
             self.samples.append(out.idle_s)
 
+    def median_s(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
+
     def pays(self) -> bool:
-        if not self.samples or statistics.median(self.samples) <= self.SHARE * self.step_s:
+        if not self.samples or self.median_s() <= self.SHARE * self.step_s:
+            self.waits += 1
             return True
         self.declined += 1
-        return self.declined % self.PROBE == 0
+        if self.declined % self.PROBE:
+            return False
+        self.waits += 1
+        return True
 
 
 class EngineCore:

@@ -231,6 +231,11 @@ class Engine:
                 *(s.accepted_per_pos for s in ss))],
             "spec_decode_draft_s": round(self.draft_s, 6),
             "spec_decode_verify_s": round(self.verify_s, 6),
+            # steps that waited for a verify step before scheduling, and stalls that did not
+            # (engine/core.Turnaround), with the host turnaround it measured
+            "spec_loop_waits": core.turnaround.waits,
+            "spec_loop_declined": core.turnaround.declined,
+            "spec_loop_turnaround_ms": round(1e3 * core.turnaround.median_s(), 3),
             "worker_step_ms": round(1e3 * self.forward_s / max(1, self.steps), 3),
             # where a served step's time goes: the device idle between steps (rank 0), and
             # the step thread's own host time (its time in steps less waiting for replies)
