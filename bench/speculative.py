@@ -193,6 +193,7 @@ def run(cfg: ServeConfig, worker: Worker, ids: list[list[int]], max_tokens: int,
             "steps": core.step_id, "tokens": [s.output_token_ids for s in seqs],
             "drafts": sched.num_draft_tokens, "kept": sched.num_accepted_tokens,
             "waits": core.turnaround.waits, "declined": core.turnaround.declined,
+            "turnarounds": core.turnaround.measured,
             "turnaround_ms": round(1e3 * core.turnaround.median_s(), 3)}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -617,14 +618,22 @@ def test_speculating_sequences_verify_together_once_their_prompts_are_done():
     plain = run(cfg, worker, ids, max_tokens, blocks)
     spec = run(speculating(cfg, k), worker, ids, max_tokens, blocks, oracles(plain["tokens"]))
     assert spec["tokens"] == plain["tokens"] and spec["kept"] == spec["drafts"]
-    assert spec["waits"] > 0 and spec["declined"] == 0  # on a CPU the device never idles
+    # on a CPU the device never idles: every stall is waited out, each wait's next step
+    # measured as a turnaround
+    assert spec["waits"] > 0 and spec["declined"] == 0 and spec["turnarounds"] > 0
     prompt_steps = -(-sum(map(len, ids)) // budget)
     assert spec["steps"] <= prompt_steps + max_tokens // (k + 1) + 1
+    # max_num_seqs running: no logits row for a draft, every sequence decodes as usual and
+    # none waits on the step in flight
+    full = msgspec.structs.replace(cfg, scheduler=msgspec.structs.replace(
+        cfg.scheduler, max_num_seqs=len(ids)))
+    spec = run(speculating(full, k), worker, ids, max_tokens, blocks, oracles(plain["tokens"]))
+    assert spec["tokens"] == plain["tokens"] and spec["drafts"] == 0 and spec["waits"] == 0
 
 
 def test_the_loop_waits_for_a_verify_step_only_while_a_turnaround_is_cheap():
-    """Waiting pays until a turnaround is measured (and on a CPU, where the device is the
-    host, none is ever idle). Steps of 0.4 ms with 1.5 ms idle after each wait: it declines,
+    """Waiting pays until three turnarounds are measured (and on a CPU, where the device is
+    the host, none is ever idle). Steps of 0.4 ms with 1.5 ms idle after each wait: it declines,
     probing again every PROBE declines. Steps of 10 ms with 1 ms turnarounds: it pays, and
     one capture-sized idle among the last five does not change that; the idle of a step not
     sent right after a wait is no turnaround."""
@@ -639,10 +648,12 @@ def test_the_loop_waits_for_a_verify_step_only_while_a_turnaround_is_cheap():
             t.probe_step = i
         t.note(StepOutput(i, [], forward_s, idle_s))
 
-    for i in range(20):
+    step(0, 4e-4, 9.0)
+    assert t.pays()  # one turnaround measured decides nothing yet
+    for i in range(1, 20):
         step(i, 4e-4, 1.5e-3)
     assert [t.pays() for _ in range(Turnaround.PROBE)] == [False] * (Turnaround.PROBE - 1) + [True]
-    assert (t.waits, t.declined) == (2, Turnaround.PROBE)
+    assert (t.waits, t.declined) == (3, Turnaround.PROBE)
     for i in range(20, 40):
         step(i, 1e-2, 1e-3)
     assert t.pays()

@@ -55,26 +55,32 @@ class Turnaround:
 
     SHARE = 1 / 3  # wait while a turnaround costs at most this share of a step
     SAMPLES = 5  # turnarounds kept (their median is the estimate: a capture inflates one)
+    FIRST = 3  # wait until this many are measured, so one outlier decides nothing
     PROBE = 256  # declined waits between two probes: a turnaround is measured only by waiting
 
     def __init__(self) -> None:
-        self.step_s = 0.0  # device time a step, moving average
+        self.step_s = 0.0  # device time a step, moving average from the first step's
         self.samples: deque[float] = deque(maxlen=self.SAMPLES)
+        self.measured = 0  # turnarounds measured in all
         self.probe_step = -1  # the step sent right after a wait: its idle is a turnaround
-        self.waits = self.declined = 0  # stalled steps waited for, and not
+        self.waits = self.declined = 0  # stalls waited out, and not
 
     def note(self, out: StepOutput) -> None:
         if out.step_id < 0:
             return
-        self.step_s += 0.25 * (out.forward_s - self.step_s)
+        if self.step_s:
+            self.step_s += 0.25 * (out.forward_s - self.step_s)
+        else:
+            self.step_s = out.forward_s
         if out.step_id == self.probe_step:
             self.samples.append(out.idle_s)
+            self.measured += 1
 
     def median_s(self) -> float:
         return statistics.median(self.samples) if self.samples else 0.0
 
     def pays(self) -> bool:
-        if not self.samples or self.median_s() <= self.SHARE * self.step_s:
+        if len(self.samples) < self.FIRST or self.median_s() <= self.SHARE * self.step_s:
             self.waits += 1
             return True
         self.declined += 1
@@ -185,8 +191,8 @@ class EngineCore:
 
     def step(self, dispatch: Dispatch) -> Emitted | None:
         """Schedule and send one step, apply the one before; returns the tokens to emit
-        (those of a flush the capture policy asked for first included). None: idle with
-        nothing in flight."""
+        (those of a flush first, for stalled sequences or the capture policy, included).
+        None: idle with nothing in flight."""
         self._flushed = []
         waited = self.in_flight is not None and self._stalled()
         if waited:

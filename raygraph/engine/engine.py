@@ -231,8 +231,9 @@ class Engine:
                 *(s.accepted_per_pos for s in ss))],
             "spec_decode_draft_s": round(self.draft_s, 6),
             "spec_decode_verify_s": round(self.verify_s, 6),
-            # steps that waited for a verify step before scheduling, and stalls that did not
-            # (engine/core.Turnaround), with the host turnaround it measured
+            # stalls (half the running sequences waiting on the step in flight: speculating
+            # ones) waited out before scheduling, and not (engine/core.Turnaround), with the
+            # host turnaround it measured
             "spec_loop_waits": core.turnaround.waits,
             "spec_loop_declined": core.turnaround.declined,
             "spec_loop_turnaround_ms": round(1e3 * core.turnaround.median_s(), 3),

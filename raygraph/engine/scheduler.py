@@ -210,13 +210,15 @@ class Scheduler:
             not self.speculative_max_batch or len(self.running) < self.speculative_max_batch)
 
     def num_awaiting(self) -> int:
-        """How many running sequences would sit out a step scheduled now, waiting on the
-        one in flight (a verify step's tokens, or the token their drafts follow); 0 while a
-        waiting sequence can be admitted (its prefill is work for the step)."""
+        """About how many running sequences would sit out a step scheduled now, waiting on
+        the one in flight (a verify step's tokens, or the token their drafts follow; the
+        latter only where a draft has a logits row: none is left once max_num_seqs run, and
+        the rows the step's own drafts take are not foreseen); 0 while a waiting sequence
+        may be admitted (its prefill is work for the step)."""
         if not self.num_speculative_tokens or (self.waiting
                                                and len(self.running) < self.max_num_seqs):
             return 0
-        speculate = self._speculating()
+        speculate = self._speculating() and len(self.running) < self.max_num_seqs
         return sum(1 for s in self.running if s.proposer is not None
                    and (s.drafts or speculate and s.num_pending))
 
