@@ -1,6 +1,8 @@
 """Prefill steps on one GPU: no per-shape planning, the GEMM floor, piecewise vs full graphs.
 
     python -m bench.prefill [--preset llama-1b] [--steps 50] [--modes piecewise full]
+    python -m bench.prefill --profile [--preset llama3-8b --load-format dummy]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 
 Per prefill-graph mode, in one run (a Worker in this process, the whole prefill schedule up
 to 2048 tokens captured first; capture seconds, graph memory and launches reported):
@@ -28,7 +30,7 @@ import time
 
 import torch
 
-from bench.checkpoints import make_random_checkpoint
+from bench.checkpoints import bench_model
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.inputs import prepare_batch
 from raygraph.protocol import SeqChunk, StepPlan
@@ -116,9 +118,11 @@ def attention_ops(worker: Worker, blocks: int) -> list[dict]:
     return rows
 
 
-def prefill_worker(model: str, mode: str, blocks: int) -> Worker:
+def prefill_worker(model: str, mode: str, blocks: int, load_format: str = "auto",
+                   quantization: str = "auto", kv_cache_dtype: str = "auto") -> Worker:
     cfg = ServeConfig(
-        model=model, device="cuda", cache=CacheConfig(block_size=BS, num_blocks=blocks),
+        model=model, device="cuda", load_format=load_format, quantization=quantization,
+        cache=CacheConfig(block_size=BS, num_blocks=blocks, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
         graph=GraphConfig(decode_sizes=[1], max_prefill=2048, prefill_graph=mode),
     ).resolved(1)
@@ -264,8 +268,14 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the kernel's tile configs only")
     p.add_argument("--profile", action="store_true",
                    help="kernel times inside the full 2048-token prefill graph only")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="--profile: dummy weights (the preset's config.json only)")
+    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                   help="--profile: FP8 weights, quantized at load")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="--profile: an FP8 KV cache")
     a = p.parse_args()
-    model = str(make_random_checkpoint(f"/tmp/raygraph-bench/{a.preset}", a.preset))
+    model = bench_model(a.preset, a.load_format if a.profile else "auto")
     if a.sweep:
         cfg = ServeConfig(model=model, device="cuda", graph=GraphConfig(mode="eager"),
                           cache=CacheConfig(block_size=BS, num_blocks=a.blocks)).resolved(1)
@@ -276,7 +286,8 @@ def main() -> None:
     rate = matmul_rate()
     if a.profile:
         print(json.dumps({"matmul_tflops": round(rate / 1e12, 1)}))
-        return profile(prefill_worker(model, "full", a.blocks), a.blocks)
+        return profile(prefill_worker(model, "full", a.blocks, a.load_format, a.quantization,
+                                      a.kv_cache_dtype), a.blocks)
     for mode in a.modes:
         print(json.dumps({"preset": a.preset, **run_mode(model, mode, a, rate),
                           "device": torch.cuda.get_device_name()}), flush=True)
