@@ -126,6 +126,18 @@ def bench_model(preset: str, load_format: str) -> str:
     return str(make_random_checkpoint(f"/tmp/raygraph-bench/{preset}", preset))
 
 
+def add_weight_flags(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--load-format, --quantization and --kv-cache-dtype, as `raygraph serve` takes them;
+    `note` ends each help text (what the flag changes in that benchmark)."""
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: the preset's config.json only, weights drawn on the device"
+                        + note)
+    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                   help="fp8: the linear layers quantized to FP8 e4m3 at load" + note)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: the KV cache in FP8 e4m3 (twice the tokens)" + note)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("out")

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.checkpoints import bench_model
+from bench.checkpoints import add_weight_flags, bench_model
 from raygraph.config import (
     CacheConfig,
     GraphConfig,
@@ -193,12 +193,7 @@ def main() -> None:
                    help="contexts at which HF static generate is timed (each compiles anew)")
     p.add_argument("--pool", default="vmm", choices=["vmm", "torch", "private"],
                    help="graph memory pool (GraphConfig.pool)")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: config.json only, weights drawn on the GPU (no HF timing)")
-    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
-                   help="fp8: linear layers quantized to FP8 e4m3 at load (no HF timing)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                   help="fp8: the KV cache in FP8 e4m3 (no HF timing); the floor reads it")
+    add_weight_flags(p, "; HF is not timed then")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.decode_step times decode steps on a CUDA GPU: none is visible")

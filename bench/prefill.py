@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench.checkpoints import bench_model
+from bench.checkpoints import add_weight_flags, bench_model
 from raygraph.config import CacheConfig, GraphConfig, SchedulerConfig, ServeConfig
 from raygraph.graph.inputs import prepare_batch
 from raygraph.protocol import SeqChunk, StepPlan
@@ -268,12 +268,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the kernel's tile configs only")
     p.add_argument("--profile", action="store_true",
                    help="kernel times inside the full 2048-token prefill graph only")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="--profile: dummy weights (the preset's config.json only)")
-    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
-                   help="--profile: FP8 weights, quantized at load")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                   help="--profile: an FP8 KV cache")
+    add_weight_flags(p, "; with --profile only")
     a = p.parse_args()
     model = bench_model(a.preset, a.load_format if a.profile else "auto")
     if a.sweep:

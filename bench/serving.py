@@ -53,7 +53,7 @@ import ray
 import torch
 
 from bench import load
-from bench.checkpoints import bench_model
+from bench.checkpoints import add_weight_flags, bench_model
 from raygraph.client.connect import connect, start_coordinator
 from raygraph.config import (
     DEFAULT_MODEL,
@@ -328,13 +328,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--preset", default=None, help="random-weight checkpoint (bench/checkpoints.py)")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: weights drawn on the device; with --preset only its "
-                        "config.json is written")
-    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
-                   help="fp8: a bf16 checkpoint's linear layers quantized to FP8 at load")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                   help="fp8: the KV cache in FP8 e4m3 (twice the tokens)")
+    add_weight_flags(p)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="the served engine's speculative decoding, as `raygraph serve` takes "
