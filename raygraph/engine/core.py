@@ -6,7 +6,9 @@ apply the tokens that come back one step later.
 dispatch over the compiled graph (engine/group.py), tests and benchmarks with one over a
 Worker in this process. Two hooks plug into it: a capture policy that may rewrite the step's
 keys (engine/capture.py: run a key not captured yet eagerly, or capture it first) and the
-LoRA admission whose slot loads ride on the step. Pure Python apart from msgspec.
+LoRA admission whose slot loads ride on the step. Where half the running sequences wait on
+the step in flight (speculating ones), the step may collect it first (Turnaround says when
+that pays). Pure Python apart from msgspec.
 """
 
 from __future__ import annotations
