@@ -316,3 +316,23 @@ def test_skinny_tiles_divide_every_shard_of_the_presets(preset):
                 assert n % cfg.block_n == 0, where
             if name == "qkv":
                 assert (d // 2) % (cfg.block_n // 2) == 0, where
+
+
+@pytest.mark.parametrize("group", [K, 128])
+def test_the_float16_dot_meets_e4m3_with_x_clamped_to_float16(exact_e4m3, monkeypatch, group):
+    """The tensor-core kernel's float16 dot (served for gate|up on bfloat16 x, which the
+    interpreter lacks, so forced here on float32 x): x rounded to float16 and clamped to
+    its range (a value past 65504 becomes 65504, not inf), e4m3 widened exactly; the
+    output as the float32 product of those operands, within float16 rounding."""
+    gemv = exact_e4m3
+    monkeypatch.setattr(gemv, "_f16_dot", lambda *args: True)
+    x = tokens(3, 5).float()
+    x[1, 7] = 1e6  # past float16's range
+    gu = fp8_weight(2 * 64, group, "none", 11)
+    want = ops.silu_and_mul(F.linear(x.clamp(-65504, 65504).half().float(),
+                                     gu.dequantize(torch.float32)))
+    got = gemv.gemv_silu_mul(x, gu)
+    for rows in ([0, 2], [1]):  # each its own scale: the clamped row's dwarfs the others
+        check(got[rows], want[rows])
+    monkeypatch.setattr(gemv, "_f16_dot", lambda *args: False)  # x kept whole: not equal
+    assert not torch.allclose(gemv.gemv_silu_mul(x, gu)[1], want[1], rtol=1e-3)
