@@ -54,6 +54,21 @@ def matmul_rate(n: int = 8192) -> float:
     return 20 * 2 * n**3 / (time.perf_counter() - t0)
 
 
+def fp8_matmul_rate(n: int = 8192) -> float:
+    """Dense FLOP/s of one large e4m3 `torch._scaled_mm` (cuBLASLt, per-tensor scales)."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    for _ in range(3):
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    return 20 * 2 * n**3 / (time.perf_counter() - t0)
+
+
 def plan_of(lens: list[tuple[int, int]], rng: random.Random, blocks: int) -> StepPlan:
     """(cached prefix, new tokens) per sequence, on disjoint random blocks."""
     free = rng.sample(range(blocks), blocks)
@@ -209,10 +224,11 @@ def profile(worker: Worker, blocks: int) -> None:
     worker.capture_all()
     rng = random.Random(3)
     for num, n in ((1, 2048), (16, 128)):
-        timed_step(worker, plan_of([(0, n)] * num, rng, blocks))
+        plan = plan_of([(0, n)] * num, rng, blocks)
+        step_ms = 1e3 * statistics.median(timed_step(worker, plan) for _ in range(5))
         graph = worker.executor.graphs[worker.executor.last_key].graph
-        print(json.dumps({"composition": f"{num}x{n}", **graph_kernels(graph, top=30)}),
-              flush=True)
+        print(json.dumps({"composition": f"{num}x{n}", "step_ms": round(step_ms, 3),
+                          **graph_kernels(graph, top=30)}), flush=True)
 
 
 def sweep(worker: Worker, blocks: int) -> None:
@@ -280,7 +296,8 @@ def main() -> None:
         return sweep(worker, a.blocks)
     rate = matmul_rate()
     if a.profile:
-        print(json.dumps({"matmul_tflops": round(rate / 1e12, 1)}))
+        print(json.dumps({"matmul_tflops": round(rate / 1e12, 1),
+                          "fp8_matmul_tflops": round(fp8_matmul_rate() / 1e12, 1)}))
         return profile(prefill_worker(model, "full", a.blocks, a.load_format, a.quantization,
                                       a.kv_cache_dtype), a.blocks)
     for mode in a.modes:

@@ -597,7 +597,7 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     else:
         k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache is read back in the queries' dtype
+    k, v = k.to(q.dtype), v.to(q.dtype)  # in the queries' dtype (float16 over an FP8 cache)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASK:
         seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
@@ -694,6 +694,10 @@ def _prefill_block(
         q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt
                     + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
+        if k_ptr.dtype.element_ty == tl.float8e4nv:
+            # e4m3 widens to float16 in one conversion an element pair (to bfloat16 in
+            # three); q meets it there, clamped to float16's range
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)  # past the block's last query
         if WINDOW > 0:  # every tile masked: the window's lower edge crosses them
             start = tl.maximum(0, prefix + q0 - WINDOW + 1) // BLOCK_N * BLOCK_N
