@@ -5,7 +5,7 @@
     python -m bench.decode_profile [--preset llama-1b] [--cases 1x128 8x1024]
     python -m bench.decode_profile --gemm-only --preset llama3-8b [--gemm-fp8]
     python -m bench.decode_profile --skip-gemm --preset llama3-8b --load-format dummy
-        [--quantization fp8] [--verify K] --cases 1x128 256x256
+        [--quantization fp8] [--kv-cache-dtype fp8] [--verify K] --cases 1x128 256x256
 
 Prints JSON lines. GEMM timings replay a CUDA graph of 20 calls cycling over weight copies
 larger than L2, so each call streams its weight from HBM as in a real forward.
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.checkpoints import PRESETS, bench_model
+from bench.checkpoints import PRESETS, add_weight_flags, bench_model
 from bench.decode_step import decode_plan, make_worker
 from raygraph.graph.inputs import host_inputs
 from raygraph.model.quant import DECODE_ROWS, Fp8Weight
@@ -346,10 +346,7 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",
                    help="--attention: every sequence starts with the same cached KEYS keys; "
                         "time each config without and with the cascade")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: random weights of the preset's shape, no checkpoint written")
-    p.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
-                   help="the step's profile with FP8 weights (quantized at load)")
+    add_weight_flags(p, "; the step's profile")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="profile verify steps: each sequence's token and K drafts as rows")
     a = p.parse_args()
@@ -376,7 +373,8 @@ def main() -> None:
     rows = 1 + a.verify  # a sequence's decode rows
     w = make_worker(model, "graph", rows * max(b for b, _ in cases),
                     max(c for _, c in cases) + a.verify, 16, load_format=a.load_format,
-                    quantization=a.quantization, speculative=a.verify > 0)
+                    quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                    speculative=a.verify > 0)
     w.capture_all()
     for b, c in cases:
         for i in range(5):
