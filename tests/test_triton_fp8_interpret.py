@@ -168,12 +168,15 @@ def test_quantize_rows_equals_the_reference(exact_e4m3, interpreted, static):
     assert torch.equal(s, want_s)
 
 
-def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted, monkeypatch,
+                                                     pieces):
     """rms_norm, add_rms_norm and silu_and_mul asked to quantize (their output feeds an FP8
     GEMM): the output is unchanged, and the e4m3 rows and scales equal quantize_rows of it,
-    byte for byte (a width that is not a power of two, an all-zero row, a whole 1100-wide
-    SwiGLU row in one program)."""
+    byte for byte (a width that is not a power of two, an all-zero row, a 1100-wide SwiGLU
+    row whole or in pieces of 1024)."""
     k_ops = interpreted("triton_ops")
+    monkeypatch.setattr(k_ops, "SILU_PIECES_FROM", 1 if pieces else 1 << 30)
     torch.manual_seed(5)
     x, r = (torch.randn(2, 6, 300) * torch.logspace(-2, 1, 6).view(-1, 1)).to(DT)
     x[3], r[3] = 0, 0

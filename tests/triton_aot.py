@@ -139,6 +139,8 @@ def other_cases() -> list[Case]:
         ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024), 4, {}),
         ("silu_and_mul + e4m3 rows", op._silu_and_mul_quant_kernel, dict(BLOCK=1024), 4,
          quantized),
+        ("silu_and_mul + e4m3 rows, whole", op._silu_and_mul_quant_kernel,
+         dict(BLOCK=16384), 16, quantized),
         ("store_kv", op._store_kv_kernel, dict(N=512, BLOCK=512), 1, {"slots_ptr": "*i64"}),
         ("quantize rows to e4m3", op._quantize_rows_kernel, dict(STATIC=False, BLOCK=8192), 8,
          {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "fp8_max": "fp32",

@@ -211,9 +211,9 @@ def _silu_mul(x_row, cols, mask, n):
 def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, n, fp8_max,
                                inv_max, min_scale, BLOCK: tl.constexpr):
     """One program a row, in two passes over it: the product stored and its largest
-    magnitude found, then the stored row read back (from L2) and stored in e4m3. A whole
-    row in registers at once (14,336 wide on the 8B shape) left one program an SM, at half
-    the copy bandwidth."""
+    magnitude found, then the stored row read back (from L2) and stored in e4m3. Few rows
+    take a whole row a pass (BLOCK >= n: more warps a row); many take it in pieces, as a
+    whole 14,336-wide row in registers leaves one program an SM."""
     row = tl.program_id(0)
     x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_o
     top = tl.zeros([BLOCK], tl.float32)
@@ -232,6 +232,11 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o,
         _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
 
 
+# rows from which SwiGLU with e4m3 rows takes each row in pieces: faster so at a prefill
+# step's 2,048 rows, slower at a decode step's 256 (bench/RESULTS.md, "FP8 served")
+SILU_PIECES_FROM = 1024
+
+
 def silu_and_mul(x: torch.Tensor, quantize: bool = False
                  ) -> tuple[torch.Tensor, Quantized | None]:
     """(silu(gate) * up of x = [gate | up], and with `quantize` its rows in e4m3 per token)
@@ -240,9 +245,10 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     quantized, qargs = _quantized_out(out, quantize)
     if quantize:
+        block = 1024 if num_tokens >= SILU_PIECES_FROM else triton.next_power_of_2(n)
         _silu_and_mul_quant_kernel[(num_tokens,)](x, out, *qargs[:2], x.stride(0),
-                                                  out.stride(0), n, *qargs[2:], BLOCK=1024,
-                                                  num_warps=4)
+                                                  out.stride(0), n, *qargs[2:], BLOCK=block,
+                                                  num_warps=16 if block >= 8192 else 4)
     else:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, 1024))](
             x, out, x.stride(0), out.stride(0), n, BLOCK=1024, num_warps=4)

@@ -90,17 +90,20 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -
     """An add_rms_norm or SwiGLU whose result feeds a dynamic FP8 GEMM stores it in e4m3
     too, and the GEMM takes those rows (it launches no quantization of its own): its output
     equals the one from the same result quantized by the GEMM itself, bit for bit; fewer
-    rows than the W8A8 GEMMs take, nothing is attached."""
-    from raygraph.model.triton_ops import quantize_rows
+    rows than the W8A8 GEMMs take, nothing is attached. SwiGLU at 64 rows (a row a pass)
+    and at 1,100 (each row in pieces)."""
+    from raygraph.model.triton_ops import SILU_PIECES_FROM, quantize_rows
 
     torch.manual_seed(11)
     x, r = torch.randn(2, 64, 1024, device="cuda", dtype=torch.bfloat16)
     nw = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
-    w = weight(512, 1024, "dynamic")
-    gu = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w1, w3 = weight(512, 1024, "dynamic"), weight(512, 3072, "dynamic")
+    gu, gu3 = (torch.randn(t, 2 * k, device="cuda", dtype=torch.bfloat16)
+               for t, k in ((64, 1024), (SILU_PIECES_FROM + 76, 3072)))
     layout = Fp8Layout(1024, "dynamic")  # w's: one scale a row, per-token activations
-    for made in (ops.add_rms_norm(x, r, nw, 1e-6, feeds=layout)[0],
-                 ops.silu_and_mul(gu, layout)):
+    for made, w in ((ops.add_rms_norm(x, r, nw, 1e-6, feeds=layout)[0], w1),
+                    (ops.silu_and_mul(gu, layout), w1),
+                    (ops.silu_and_mul(gu3, Fp8Layout(3072, "dynamic")), w3)):
         q, s = getattr(made, ops.QUANTIZED)
         want_q, want_s = quantize_rows(made)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
