@@ -44,11 +44,16 @@ def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 20, top: int = 16)
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    return kernel_summary(prof, replays, top)
+
+
+def kernel_summary(prof: torch.profiler.profile, runs: int, top: int = 16) -> dict:
+    """GPU time and launches per kernel name, per run, of what `prof` recorded."""
     per_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_name[e.name[:70]].append(e.device_time)
-    rows = sorted(((sum(v) / replays, len(v) / replays, n) for n, v in per_name.items()),
+    rows = sorted(((sum(v) / runs, len(v) / runs, n) for n, v in per_name.items()),
                   reverse=True)
     return {"kernels_per_replay": round(sum(r[1] for r in rows), 1),
             "kernel_us_per_replay": round(sum(r[0] for r in rows), 1),
