@@ -256,20 +256,22 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
         print(json.dumps(row), flush=True)
 
 
-def gemm_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """A preset's decode GEMMs (n, k): its layers' and the lm_head's."""
+def gemm_shapes(preset: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """A preset's decode GEMMs (n, k): its layers' and the lm_head's, as one of `tp` ranks
+    holds them (column-parallel: n / tp; row-parallel: k / tp; KV heads at least one)."""
     c = PRESETS[preset]
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // heads
-    return {"qkv+rotary": ((heads + 2 * kv) * d, h), "o": (h, heads * d),
-            "gate_up+silu": (2 * c["intermediate_size"], h), "down": (h, c["intermediate_size"]),
-            "lm_head": (c["vocab_size"], h)}
+    d, inter = h // heads, c["intermediate_size"] // tp
+    return {"qkv+rotary": ((heads // tp + 2 * max(1, kv // tp)) * d, h), "o": (h, heads * d // tp),
+            "gate_up+silu": (2 * inter, h), "down": (h, inter),
+            "lm_head": (c["vocab_size"] // tp, h)}
 
 
 def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8),
                preset: str = "llama-1b", fp8: bool = False,
-               fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0) -> None:
-    for name, (n, k) in gemm_shapes(preset).items():
+               fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0,
+               tp: int = 1) -> None:
+    for name, (n, k) in gemm_shapes(preset, tp).items():
         if (fp8 or block) and name == "lm_head":
             continue  # stays in the model's dtype
         gemm_rows(name, n, k, configs, ms, fp8, fp8_configs, block)
@@ -331,6 +333,8 @@ def main() -> None:
     p.add_argument("--skip-gemm", action="store_true")
     p.add_argument("--gemm-only", action="store_true")
     p.add_argument("--gemm-m", type=int, nargs="+", default=[1, 8], help="token rows")
+    p.add_argument("--tp", type=int, default=1,
+                   help="--gemm-only: the GEMMs as one rank of this tensor-parallel size holds")
     p.add_argument("--gemm-fp8", action="store_true",
                    help="time the Triton configs on FP8 weights (per-row scales)")
     p.add_argument("--gemm-configs", nargs="+", default=None,
@@ -371,7 +375,8 @@ def main() -> None:
                                            (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6)])
         fp8_configs = [("triton_fp8", tuple(int(v) for v in c.split(",")))
                        for c in a.fp8_gemm_configs]
-        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8, fp8_configs, a.gemm_block)
+        gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8, fp8_configs, a.gemm_block,
+                   a.tp)
     if a.gemm_only:
         return
     model = bench_model(a.preset, a.load_format)
