@@ -372,6 +372,8 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
+        if k % fixed["BK"]:  # its K runs are not masked
+            raise ValueError(f"runs of {fixed['BK']} do not divide K {k}")
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
             o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
