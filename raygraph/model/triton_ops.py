@@ -209,27 +209,35 @@ def _silu_mul(x_row, cols, mask, n):
 
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, n, fp8_max,
-                               inv_max, min_scale, BLOCK: tl.constexpr):
-    """One program a row, in two passes over it: the product stored and its largest
-    magnitude found, then the stored row read back (from L2) and stored in e4m3. Few rows
-    take a whole row a pass (BLOCK >= n: more warps a row); many take it in pieces, as a
-    whole 14,336-wide row in registers leaves one program an SM."""
+                               inv_max, min_scale, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
+    """One program a row. WHOLE (BLOCK >= n): the row in registers, stored, then stored in
+    e4m3 (few rows: more warps a row). Else two passes over it in pieces: the product
+    stored and its largest magnitude found, then the stored row read back (from L2) and
+    stored in e4m3, as a whole 14,336-wide row in registers leaves one program an SM."""
     row = tl.program_id(0)
     x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_o
-    top = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if WHOLE:
+        cols = tl.arange(0, BLOCK)
         mask = cols < n
         y = _silu_mul(x_row, cols, mask, n)
         tl.store(out_row + cols, y, mask=mask)
-        top = tl.maximum(top, tl.abs(y.to(tl.float32)))
-    scale = tl.maximum(tl.max(top, axis=0) * inv_max, min_scale)
-    tl.debug_barrier()  # the row's stores visible to every thread of the program
-    for start in range(0, n, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n
-        y = tl.load(out_row + cols, mask=mask, other=0.0).to(tl.float32)
-        _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
+        _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
+                      min_scale)
+    else:
+        top = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n
+            y = _silu_mul(x_row, cols, mask, n)
+            tl.store(out_row + cols, y, mask=mask)
+            top = tl.maximum(top, tl.abs(y.to(tl.float32)))
+        scale = tl.maximum(tl.max(top, axis=0) * inv_max, min_scale)
+        tl.debug_barrier()  # the row's stores visible to every thread of the program
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n
+            y = tl.load(out_row + cols, mask=mask, other=0.0).to(tl.float32)
+            _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
 
 
 # rows from which SwiGLU with e4m3 rows takes each row in pieces: faster so at a prefill
@@ -245,9 +253,11 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     quantized, qargs = _quantized_out(out, quantize)
     if quantize:
-        block = 1024 if num_tokens >= SILU_PIECES_FROM else triton.next_power_of_2(n)
+        whole = num_tokens < SILU_PIECES_FROM
+        block = triton.next_power_of_2(n) if whole else 1024
         _silu_and_mul_quant_kernel[(num_tokens,)](x, out, *qargs[:2], x.stride(0),
                                                   out.stride(0), n, *qargs[2:], BLOCK=block,
+                                                  WHOLE=whole,
                                                   num_warps=16 if block >= 8192 else 4)
     else:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, 1024))](
