@@ -99,13 +99,16 @@ def test_skinny_gemms_with_their_epilogues(interpreted, m):
 def test_the_row_kernel_takes_only_runs_that_divide_k():
     """The row kernel's K runs are not masked: a run that does not divide K (a tuning
     sweep's config) is refused before it reads past a row; the ones row_config picks divide
-    every shard, and a K-4096 shard narrower than 4096 rows takes 2 rows a program."""
+    every shard, and the 8B's narrow shards (fewer than 4096 rows over K 4096, or 4096
+    over K 2048) take 2 rows a program."""
     from raygraph.model import triton_gemv as gemv
 
     x, w = torch.randn(1, 3584, dtype=torch.float16), torch.randn(64, 3584, dtype=torch.float16)
     with pytest.raises(ValueError, match="do not divide K 3584"):
         gemv.gemv(x, w, None, gemv.GemvConfig(2, 1024, 2, 1))
     assert gemv.row_config(1536, 4096) == gemv.GemvConfig(2, 1024, 2, 1)
+    assert gemv.row_config(4096, 2048) == gemv.GemvConfig(2, 1024, 2, 1)
+    assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles
     assert gemv.row_config(4096, 4096) == gemv.GemvConfig(4, 1024, 4, 1, True)
     assert gemv.row_config(4096, 3584).block_k == 512
 

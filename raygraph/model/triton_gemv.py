@@ -262,13 +262,13 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     summed as it is read so the registers hold more weight in flight (an over-long K, a
     down projection: 8 rows over runs of 1024). bf16: up to 4096 columns 4 a program (the
     8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024; so too
-    a tensor-parallel shard of fewer rows over K 4096 (twice the programs: the 8B's q|k|v
-    and gate|up at TP=2 and 4)."""
+    a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
+    programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
     if fp8 and k > 8192:
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
         return GemvConfig(4, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1, True)
-    if n < 4096 and k == 4096:
+    if n < 4096 and k == 4096 or n == 4096 and k == 2048:
         return GemvConfig(2, 1024, 2, 1)
     if n <= 4096 and k == 4096:
         return GemvConfig(4, 1024, 4, 1, True)
