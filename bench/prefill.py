@@ -44,14 +44,7 @@ def matmul_rate(n: int = 8192) -> float:
     """Dense bf16 FLOP/s of one large torch.mm (cuBLAS): the floor's denominator."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-    return 20 * 2 * n**3 / (time.perf_counter() - t0)
+    return _rate(lambda: a @ b, n)
 
 
 def fp8_matmul_rate(n: int = 8192) -> float:
@@ -59,12 +52,17 @@ def fp8_matmul_rate(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
+    return _rate(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), n)
+
+
+def _rate(mm, n: int) -> float:
+    """FLOP/s of an n^3 product `mm`: 20 calls after 3 to warm up."""
     for _ in range(3):
-        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        mm()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(20):
-        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        mm()
     torch.cuda.synchronize()
     return 20 * 2 * n**3 / (time.perf_counter() - t0)
 
