@@ -363,6 +363,8 @@ def main() -> None:
                         "default on)")
     load.add_load_args(p)
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     model = a.model or DEFAULT_MODEL
     if a.preset:
         model = bench_model(a.preset, a.load_format)
@@ -385,10 +387,12 @@ def main() -> None:
         # this shape's keys, before timing
         ray.get(coord.generate.remote(make_prompts(b, a.prompt_len, vocab, f"warm-{b}"), warm))
         # the run of median time of --repeats (a small model's served step is host-bound and
-        # moves run to run), and every run's tok/s
-        runs = sorted((served_run(coord, prompts, params) for _ in range(a.repeats)),
-                      key=lambda r: r["seconds"])
-        served, eng = runs[len(runs) // 2], engine[b]
+        # moves run to run), and every run's tok/s; repeats take prompts of their own (the
+        # prefix cache would hold the first run's), so tokens are compared on the first
+        runs = [served_run(coord, prompts, params)] + [
+            served_run(coord, make_prompts(b, a.prompt_len, vocab, f"repeat-{b}-{i}"), params)
+            for i in range(1, a.repeats)]
+        served, eng = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2], engine[b]
         e2e_ms = 1e3 * served["seconds"] / served["steps"]
         in_process = cfg.parallel.world_size == 1
         eng_ms = 1e3 * eng["seconds"] / eng["steps"] if in_process else served["worker_ms"]
@@ -414,7 +418,7 @@ def main() -> None:
             "decode_steps": eng["decode_steps"],
             "engine_source": "in-process Worker" if in_process
             else "coordinator worker_step_ms (rank 0's device time per step)",
-            "tokens_match": served["tokens"] == eng["tokens"] if in_process else None,
+            "tokens_match": runs[0]["tokens"] == eng["tokens"] if in_process else None,
             "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
             "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
             "temperature": a.temperature, "top_k": a.top_k,
