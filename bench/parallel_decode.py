@@ -21,7 +21,7 @@ import time
 
 import ray
 
-from bench.checkpoints import bench_model
+from bench.checkpoints import add_weight_flags, bench_model
 from bench.decode_step import decode_plan
 from raygraph.client.connect import connect
 from raygraph.config import (
@@ -53,11 +53,13 @@ class ProfiledWorker(Worker):
 
 
 def start(model: str, par: ParallelConfig, mode: str, max_batch: int, context: int, bs: int,
-          load_format: str = "auto"):
+          a: argparse.Namespace):
+    """The ranks' Worker actors, loaded (weights as `a`'s weight flags say), and the buckets."""
     blocks = max_batch * -(-(context + 1) // bs)
     cfg = ServeConfig(
-        model=model, device="cuda", dtype="bfloat16", parallel=par, load_format=load_format,
-        cache=CacheConfig(block_size=bs, num_blocks=blocks),
+        model=model, device="cuda", dtype="bfloat16", parallel=par, load_format=a.load_format,
+        quantization=a.quantization,
+        cache=CacheConfig(block_size=bs, num_blocks=blocks, cache_dtype=a.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=512,
                                   max_model_len=max(context + 64, 512)),
         graph=GraphConfig(mode=mode, capture="at_start"),
@@ -108,8 +110,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: the preset's config.json only, weights drawn on the device")
+    add_weight_flags(p)
     p.add_argument("--profile", action="store_true",
                    help="graphs only: each rank's kernel times over the timed steps")
     a = p.parse_args()
@@ -121,8 +122,7 @@ def main() -> None:
     rows: dict[int, dict] = {b: {"layout": layout, "batch": b, "context": a.context}
                              for b in a.batches}
     for mode in ("graph",) if a.profile else ("graph", "eager"):
-        workers, buckets = start(model, par, mode, max(a.batches), a.context, bs,
-                                 a.load_format)
+        workers, buckets = start(model, par, mode, max(a.batches), a.context, bs, a)
         if mode == "graph":
             secs, keys, graphs = (capture(workers, buckets))
             print(json.dumps({"layout": layout, "lockstep_capture_s": round(secs, 2),
