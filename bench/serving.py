@@ -265,7 +265,16 @@ def served_steps(before: dict, after: dict) -> dict:
         return round((after[key] * after["steps"] - before[key] * before["steps"])
                      / max(1, steps), 3)
 
+    # rank 0's device time a step, by its key's phase (decode; prefill, with any decode
+    # rows beside the prompts; eager)
+    by_phase = {}
+    for k, n in after["device_steps_by_phase"].items():
+        n -= before["device_steps_by_phase"].get(k, 0)
+        if n:
+            sec = after["device_s_by_phase"][k] - before["device_s_by_phase"].get(k, 0.0)
+            by_phase[k] = {"steps": n, "ms": round(1e3 * sec / n, 3)}
     return {"served_steps": steps, "served_steps_by_phase": phases,
+            "served_worker_ms_by_phase": by_phase,
             "served_worker_step_ms": per_step("worker_step_ms"),
             "served_device_idle_ms_per_step": per_step("device_idle_ms_per_step"),
             "served_loop_host_ms_per_step": per_step("loop_host_ms_per_step"),

@@ -209,12 +209,18 @@ def test_served_steps_backs_the_window_out_of_the_coordinators_means() -> None:
 
     before = {"steps": 10, "steps_by_phase": {"prefill": 2, "decode": 8}, "preemptions": 1,
               "worker_step_ms": 2.0, "device_idle_ms_per_step": 0.1,
-              "loop_host_ms_per_step": 0.5}
+              "loop_host_ms_per_step": 0.5, "device_steps_by_phase": {"prefill": 2, "decode": 8},
+              "device_s_by_phase": {"prefill": 0.004, "decode": 0.016}}
     after = {"steps": 30, "steps_by_phase": {"prefill": 5, "decode": 24, "mixed": 1},
              "preemptions": 3, "worker_step_ms": 1.5, "device_idle_ms_per_step": 0.1,
-             "loop_host_ms_per_step": 0.3}
+             "loop_host_ms_per_step": 0.3,
+             "device_steps_by_phase": {"prefill": 2, "decode": 24, "eager": 4},
+             "device_s_by_phase": {"prefill": 0.004, "decode": 0.032, "eager": 0.01}}
     assert served_steps(before, after) == {
         "served_steps": 20, "served_steps_by_phase": {"prefill": 3, "decode": 16, "mixed": 1},
+        # a phase with no step in the window is left out
+        "served_worker_ms_by_phase": {"decode": {"steps": 16, "ms": 1.0},
+                                      "eager": {"steps": 4, "ms": 2.5}},
         "served_worker_step_ms": 1.25,  # (1.5 x 30 - 2.0 x 10) / 20
         "served_device_idle_ms_per_step": 0.1, "served_loop_host_ms_per_step": 0.2,
         "preemptions": 2}

@@ -92,3 +92,19 @@ def test_prefix_caching_gives_the_greedy_tokens_of_caching_off(worker, tiny_llam
     assert all(s.num_cached_tokens == 0 for s in off)
     if num_blocks == 8:
         assert sum(s.num_preemptions for s in on) > 0
+
+
+def test_device_time_is_counted_by_the_phase_of_the_step_it_ran(tiny_llama):
+    """A step's tokens (and its device time) come back a step late: the time is put on the
+    phase of the step that ran, so every phase's steps returned equal its steps sent."""
+    cfg = ServeConfig(model=str(tiny_llama), device="cpu",
+                      cache=CacheConfig(block_size=4, num_blocks=64),
+                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    worker = loaded_worker(cfg, 64, capture=True)
+    core = EngineCore.from_config(cfg, worker.model_cfg, 64)
+    core.add([Sequence(i, p, SamplingParams(max_tokens=5, ignore_eos=True))
+              for i, p in enumerate(PROMPTS[:3])])
+    run_to_completion(core, local_dispatch(worker))
+    assert core.device_steps == core.phase_steps
+    assert set(core.device_steps) == {"prefill", "decode"}
+    assert all(core.device_s[k] > 0 for k in core.device_steps)

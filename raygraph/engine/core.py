@@ -108,6 +108,10 @@ class EngineCore:
         self.schedule_s = 0.0  # in Scheduler.schedule and .update (all groups), summed
         self.preemptions = 0
         self.phase_steps: Counter[str] = Counter()  # steps per bucket phase, per DP group
+        # rank 0's steps and device seconds per phase of its group's key (where time goes)
+        self.device_steps: Counter[str] = Counter()
+        self.device_s: Counter[str] = Counter()
+        self._in_flight_phase = ""
         self.resumed_at = 0  # the first step after the loop last ran out of work
         self.failed: list[tuple[int, str]] = []  # (seq id, error): adapter loads that failed
         self._flushed: Emitted = []  # tokens collected by a flush inside the step
@@ -187,6 +191,9 @@ class EngineCore:
         if outs is None:
             return [[] for _ in self.schedulers]
         self.turnaround.note(outputs[0])
+        if outputs[0].step_id >= 0:
+            self.device_steps[self._in_flight_phase] += 1
+            self.device_s[self._in_flight_phase] += outputs[0].forward_s
         return [s.update(o, out.token_ids, out.logprobs, out.counts, out.drafts)
                 if o is not None else []
                 for s, o, out in zip(self.schedulers, outs, outputs)]
@@ -226,6 +233,7 @@ class EngineCore:
         emitted = self.apply(outputs)
         self.schedule_s += time.perf_counter() - t0
         self.in_flight = outs
+        self._in_flight_phase = keys[0].phase if keys[0] is not None else "eager"
         if loads:
             self._loaded(outputs)
         self._forget_finished(emitted)

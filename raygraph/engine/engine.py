@@ -261,6 +261,9 @@ class Engine:
             "generation_tokens": self.clients.generation_tokens,
             "finished": dict(self.clients.finished),
             "steps_by_phase": dict(core.phase_steps),
+            # rank 0's steps and device seconds by its key's phase (cumulative)
+            "device_steps_by_phase": dict(core.device_steps),
+            "device_s_by_phase": {k: round(v, 6) for k, v in core.device_s.items()},
             "graphs_captured": sum(r.pieces for r in reports),
             "keys_captured": len(reports),
             "capture_s": self.capture.capture_s if self.capture else 0.0,
