@@ -186,11 +186,36 @@ def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted, mo
             (k_ops.add_rms_norm(x, r, w, 1e-6, True)[::2],
              k_ops.add_rms_norm(x, r, w, 1e-6)[0]),
             (k_ops.silu_and_mul(gu, True), k_ops.silu_and_mul(gu)[0])]
-    for (out, (q, s)), plain in runs:
+    # kept only in e4m3 (their GEMM reads nothing else): a stand-in for the rows
+    only = [k_ops.rms_norm(x, w, 1e-6, True, keep=False),
+            k_ops.add_rms_norm(x, r, w, 1e-6, True, keep=False)[::2],
+            k_ops.silu_and_mul(gu, True, keep=False)]
+    for ((out, (q, s)), plain), (stand_in, (q_only, s_only)) in zip(runs, only):
         assert torch.equal(out, plain)
-        want_q, want_s = k_ops.quantize_rows(out)
+        want_q, want_s = k_ops.quantize_rows(out.reshape(-1, out.shape[-1]))
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s, want_s)
+        assert torch.equal(q_only.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s_only, want_s)
+        assert stand_in.shape == out.shape and set(stand_in.stride()) == {0}
+    assert torch.equal(k_ops.add_rms_norm(x, r, w, 1e-6, True, keep=False)[1],
+                       k_ops.add_rms_norm(x, r, w, 1e-6)[1])  # the residual sum, kept
+    with pytest.raises(ValueError, match="stores nothing"):
+        k_ops.silu_and_mul(gu, False, keep=False)
+
+
+def test_a_gemm_that_cannot_take_rows_kept_only_in_e4m3_refuses_them():
+    """A fused op that stored its result only in e4m3 returns a stand-in for it: a GEMM
+    that would read the stand-in (here on the CPU, where _scaled_mm does not apply) raises
+    instead of multiplying garbage; a real tensor still goes through."""
+    w = fp8_weight(64, K, "dynamic", seed=3)
+    x = tokens(32, 3)
+    q, s = quantize(x.float(), K)
+    stand_in = torch.empty(1, dtype=x.dtype).expand(x.shape)
+    setattr(stand_in, ops.QUANTIZED, (q, s))
+    with pytest.raises(RuntimeError, match="stored only in e4m3"):
+        ops.linear(stand_in, w)
+    assert ops.linear(x, w).shape == (32, 64)
 
 
 @pytest.mark.parametrize("m, n, bias, group", [(1, 128, False, K), (17, 128, True, K),

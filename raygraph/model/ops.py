@@ -91,6 +91,13 @@ def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
     return x
 
 
+def _fused(fn, *args, quantize: bool):
+    """A fused op's kernel call: where it quantizes its result for an FP8 GEMM, that GEMM
+    reads only the e4m3 rows (FP8 layers take no LoRA delta), so the rows are not also
+    stored in the activation dtype: their result is a stand-in (triton_ops._outputs)."""
+    return fn(*args, quantize, keep=not quantize)
+
+
 def _block_gemm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
     """The Triton FP8 GEMM with a scale a row and group of columns on both sides computes
     it: on the kernels' device past the decode rows, a block-quantized weight whose x is
@@ -110,6 +117,12 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     scale): through the Triton FP8 GEMM where it beats cuBLASLt (triton_fp8_gemm.preferred)
     or where the weight's scales are per block, else torch._scaled_mm; None where neither
     applies."""
+    made = getattr(x, QUANTIZED, None)  # stored by the op that made x
+    takes_made = (made is not None and made[0].shape == x.shape
+                  and w.activations == "dynamic" and _scaled_mm_applies(x, w))
+    if not takes_made and x.dim() == 2 and x.numel() > 1 and x.stride() == (0, 0):
+        raise RuntimeError(f"activations {tuple(x.shape)} were stored only in e4m3 (_fused), "
+                           f"for a GEMM that does not take them ({tuple(w.shape)})")
     if _block_gemm_applies(x, w):
         from raygraph.model import triton_fp8_gemm
 
@@ -119,12 +132,8 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
                                         w.data, w.scale, x.dtype, bias)
     if not _scaled_mm_applies(x, w):
         return None
-    made = getattr(x, QUANTIZED, None) if w.activations == "dynamic" else None
-    if made is not None and made[0].shape == x.shape:
-        xq, x_scale = made  # stored by the op that made x
-    else:
-        xq, x_scale = quantize_activations(x, w.input_scale if w.activations == "static"
-                                           else None)
+    xq, x_scale = made if takes_made else quantize_activations(
+        x, w.input_scale if w.activations == "static" else None)
     from raygraph.model import triton_fp8_gemm
 
     if triton_fp8_gemm.preferred(xq.shape[0], w.shape[0], w.shape[1]):
@@ -252,7 +261,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if kernels(x):
         from raygraph.model.triton_ops import rms_norm as fused
 
-        return _with_quantized(*fused(x, weight, eps, _quantizes_for(x, feeds)))
+        return _with_quantized(*_fused(fused, x, weight, eps,
+                                       quantize=_quantizes_for(x, feeds)))
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -268,7 +278,8 @@ def add_rms_norm(
     if kernels(x):
         from raygraph.model.triton_ops import add_rms_norm as fused
 
-        out, total, quantized = fused(x, residual, weight, eps, _quantizes_for(x, feeds))
+        out, total, quantized = _fused(fused, x, residual, weight, eps,
+                                       quantize=_quantizes_for(x, feeds))
         return _with_quantized(out, quantized), total
     total = x + residual
     return rms_norm(total, weight, eps), total
@@ -280,7 +291,8 @@ def silu_and_mul(x: torch.Tensor, feeds: Fp8Layout | None = None) -> torch.Tenso
     if kernels(x):
         from raygraph.model.triton_ops import silu_and_mul as fused
 
-        return _with_quantized(*fused(x, _quantizes_for(x, feeds, x.shape[-1] // 2)))
+        return _with_quantized(*_fused(fused, x,
+                                       quantize=_quantizes_for(x, feeds, x.shape[-1] // 2)))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -29,14 +29,16 @@ def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_sca
 
 @triton.jit
 def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
-                  min_scale, QUANT: tl.constexpr):
+                  min_scale, QUANT: tl.constexpr, KEEP: tl.constexpr):
     """RMSNorm of row t (float32) as HF computes it: normalised, cast to the activation
-    dtype, scaled by the weight, cast again. QUANT: the stored row also in e4m3 per token
-    (what an FP8 GEMM taking it would compute from it)."""
+    dtype, scaled by the weight, cast again. QUANT: the row also in e4m3 per token (what an
+    FP8 GEMM taking it would compute from it); KEEP: the row stored in the activation dtype
+    (without it, only in e4m3)."""
     dtype = out_ptr.dtype.element_ty
     normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
     y = (normed.to(dtype).to(tl.float32) * w).to(dtype)
-    tl.store(out_ptr + row * n + cols, y, mask=mask)
+    if KEEP:
+        tl.store(out_ptr + row * n + cols, y, mask=mask)
     if QUANT:
         _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
                       min_scale)
@@ -44,7 +46,8 @@ def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max,
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, n, eps, fp8_max, inv_max,
-                     min_scale, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+                     min_scale, BLOCK: tl.constexpr, QUANT: tl.constexpr, KEEP: tl.constexpr,
+                     PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -52,13 +55,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, n, eps, fp8_
     await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     _store_normed(x, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
-                  min_scale, QUANT)
+                  min_scale, QUANT, KEEP)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, stride_x,
                          stride_r, n, eps, fp8_max, inv_max, min_scale, BLOCK: tl.constexpr,
-                         QUANT: tl.constexpr, PDL: tl.constexpr):
+                         QUANT: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -69,24 +72,33 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, st
     total = x + r  # in the activation dtype, as torch adds
     tl.store(sum_ptr + row * n + cols, total, mask=mask)
     _store_normed(total.to(tl.float32), w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps,
-                  fp8_max, inv_max, min_scale, QUANT)
+                  fp8_max, inv_max, min_scale, QUANT, KEEP)
 
 
 # (e4m3 rows [T, K], float32 scales [T, 1]): activations quantized per token for an FP8 GEMM
 Quantized = tuple[torch.Tensor, torch.Tensor]
 
 
-def _quantized_out(out: torch.Tensor, quantize: bool) -> tuple[Quantized | None, tuple]:
-    """(the e4m3 rows and scales a fused kernel fills for its output `out` [T, n], or None;
-    its q_ptr, s_ptr and the quantization constants; not quantizing, `out` stands in for
-    the pointers, which the kernel then never reads)."""
+def _outputs(shape: tuple[int, int], like: torch.Tensor, quantize: bool, keep: bool
+             ) -> tuple[torch.Tensor, Quantized | None, tuple]:
+    """What a fused kernel making rows [T, n] fills: the rows in `like`'s dtype (not `keep`:
+    an unwritten one-element stand-in, expanded to the shape, whose consumer reads only the
+    e4m3 rows: ops.fp8_gemm); with `quantize` the e4m3 rows and scales, or None; and its
+    q_ptr, s_ptr and the quantization constants (not quantizing, the rows stand in for the
+    pointers, which the kernel then never reads)."""
     from raygraph.model.quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
+    if not (keep or quantize):
+        raise ValueError("a kernel that neither keeps nor quantizes its rows stores nothing")
+    if keep:
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    else:
+        out = torch.empty(1, dtype=like.dtype, device=like.device).expand(shape)
     if not quantize:
-        return None, (out, out, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
-    q = torch.empty(out.shape, dtype=FP8, device=out.device)
-    scales = torch.empty(out.shape[0], 1, dtype=torch.float32, device=out.device)
-    return (q, scales), (q, scales, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
+        return out, None, (out, out, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
+    q = torch.empty(shape, dtype=FP8, device=like.device)
+    scales = torch.empty(shape[0], 1, dtype=torch.float32, device=like.device)
+    return out, (q, scales), (q, scales, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -97,20 +109,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 quantize: bool = False
+                 quantize: bool = False, keep: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, Quantized | None]:
     """(rms_norm(x + residual), x + residual, and with `quantize` the normed rows in e4m3
-    per token) in one launch."""
+    per token) in one launch; `keep` as _outputs."""
     x2, r2 = _rows(x), _rows(residual)
     t, n = x2.shape
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    total = torch.empty_like(out)
-    quantized, qargs = _quantized_out(out, quantize)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out, quantized, qargs = _outputs((t, n), x, quantize, keep)
     _add_rms_norm_kernel[(t,)](x2, r2, weight, out, total, *qargs[:2], x2.stride(0),
                                r2.stride(0), n, eps, *qargs[2:],
-                               BLOCK=triton.next_power_of_2(n), QUANT=quantize, num_warps=4,
-                               **pdl(x, t))
-    return out.view(x.shape), total.view(x.shape), quantized
+                               BLOCK=triton.next_power_of_2(n), QUANT=quantize, KEEP=keep,
+                               num_warps=4, **pdl(x, t))
+    return out.reshape(x.shape), total.view(x.shape), quantized
 
 
 @triton.jit
@@ -140,17 +151,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
-             ) -> tuple[torch.Tensor, Quantized | None]:
-    """(rms_norm(x), and with `quantize` its rows in e4m3 per token) in one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False,
+             keep: bool = True) -> tuple[torch.Tensor, Quantized | None]:
+    """(rms_norm(x), and with `quantize` its rows in e4m3 per token) in one launch; `keep`
+    as _outputs."""
     x2 = _rows(x)
     t, n = x2.shape
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    quantized, qargs = _quantized_out(out, quantize)
+    out, quantized, qargs = _outputs((t, n), x, quantize, keep)
     _rms_norm_kernel[(t,)](x2, weight, out, *qargs[:2], x2.stride(0), n, eps, *qargs[2:],
-                           BLOCK=triton.next_power_of_2(n), QUANT=quantize, num_warps=4,
-                           **pdl(x, t))
-    return out.view(x.shape), quantized
+                           BLOCK=triton.next_power_of_2(n), QUANT=quantize, KEEP=keep,
+                           num_warps=4, **pdl(x, t))
+    return out.reshape(x.shape), quantized
 
 
 @triton.jit
@@ -209,18 +220,22 @@ def _silu_mul(x_row, cols, mask, n):
 
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, n, fp8_max,
-                               inv_max, min_scale, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
+                               inv_max, min_scale, BLOCK: tl.constexpr, WHOLE: tl.constexpr,
+                               KEEP: tl.constexpr):
     """One program a row. WHOLE (BLOCK >= n): the row in registers, stored, then stored in
     e4m3 (few rows: more warps a row). Else two passes over it in pieces: the product
     stored and its largest magnitude found, then the stored row read back (from L2) and
-    stored in e4m3, as a whole 14,336-wide row in registers leaves one program an SM."""
+    stored in e4m3, as a whole 14,336-wide row in registers leaves one program an SM.
+    Without KEEP the row is stored in e4m3 only (the second pass computes it again from
+    its input, which L2 still holds)."""
     row = tl.program_id(0)
     x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_o
     if WHOLE:
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         y = _silu_mul(x_row, cols, mask, n)
-        tl.store(out_row + cols, y, mask=mask)
+        if KEEP:
+            tl.store(out_row + cols, y, mask=mask)
         _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
                       min_scale)
     else:
@@ -229,15 +244,20 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o,
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n
             y = _silu_mul(x_row, cols, mask, n)
-            tl.store(out_row + cols, y, mask=mask)
+            if KEEP:
+                tl.store(out_row + cols, y, mask=mask)
             top = tl.maximum(top, tl.abs(y.to(tl.float32)))
         scale = tl.maximum(tl.max(top, axis=0) * inv_max, min_scale)
-        tl.debug_barrier()  # the row's stores visible to every thread of the program
+        if KEEP:
+            tl.debug_barrier()  # the row's stores visible to every thread of the program
         for start in range(0, n, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n
-            y = tl.load(out_row + cols, mask=mask, other=0.0).to(tl.float32)
-            _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
+            if KEEP:
+                y = tl.load(out_row + cols, mask=mask, other=0.0)
+            else:
+                y = _silu_mul(x_row, cols, mask, n)
+            _store_e4m3(y.to(tl.float32), scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
 
 
 # rows from which SwiGLU with e4m3 rows takes each row in pieces: faster so at a prefill
@@ -245,19 +265,18 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o,
 SILU_PIECES_FROM = 1024
 
 
-def silu_and_mul(x: torch.Tensor, quantize: bool = False
+def silu_and_mul(x: torch.Tensor, quantize: bool = False, keep: bool = True
                  ) -> tuple[torch.Tensor, Quantized | None]:
     """(silu(gate) * up of x = [gate | up], and with `quantize` its rows in e4m3 per token)
-    in one launch."""
+    in one launch; `keep` as _outputs."""
     num_tokens, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
-    quantized, qargs = _quantized_out(out, quantize)
+    out, quantized, qargs = _outputs((num_tokens, n), x, quantize, keep)
     if quantize:
         whole = num_tokens < SILU_PIECES_FROM
         block = triton.next_power_of_2(n) if whole else 1024
         _silu_and_mul_quant_kernel[(num_tokens,)](x, out, *qargs[:2], x.stride(0),
                                                   out.stride(0), n, *qargs[2:], BLOCK=block,
-                                                  WHOLE=whole,
+                                                  WHOLE=whole, KEEP=keep,
                                                   num_warps=16 if block >= 8192 else 4)
     else:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, 1024))](

@@ -88,10 +88,12 @@ def test_quantize_rows_equals_torchs(static) -> None:
 
 def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -> None:
     """An add_rms_norm or SwiGLU whose result feeds a dynamic FP8 GEMM stores it in e4m3
-    too, and the GEMM takes those rows (it launches no quantization of its own): its output
-    equals the one from the same result quantized by the GEMM itself, bit for bit; fewer
-    rows than the W8A8 GEMMs take, nothing is attached. SwiGLU at 64 rows (a row a pass)
-    and at 1,100 (each row in pieces)."""
+    only (the result is a stand-in: the GEMM reads nothing else), and the GEMM takes those
+    rows (it launches no quantization of its own): its output equals the one from the
+    kernel's rows kept in bf16 and quantized by the GEMM itself, bit for bit; fewer rows
+    than the W8A8 GEMMs take, the rows are kept and nothing is attached. SwiGLU at 64 rows
+    (a row a pass) and at 1,100 (each row in pieces)."""
+    from raygraph.model import triton_ops
     from raygraph.model.triton_ops import SILU_PIECES_FROM, quantize_rows
 
     torch.manual_seed(11)
@@ -101,20 +103,26 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -
     gu, gu3 = (torch.randn(t, 2 * k, device="cuda", dtype=torch.bfloat16)
                for t, k in ((64, 1024), (SILU_PIECES_FROM + 76, 3072)))
     layout = Fp8Layout(1024, "dynamic")  # w's: one scale a row, per-token activations
-    for made, w in ((ops.add_rms_norm(x, r, nw, 1e-6, feeds=layout)[0], w1),
-                    (ops.silu_and_mul(gu, layout), w1),
-                    (ops.silu_and_mul(gu3, Fp8Layout(3072, "dynamic")), w3)):
+    for made, kept, w in (
+            (ops.add_rms_norm(x, r, nw, 1e-6, feeds=layout)[0],
+             triton_ops.add_rms_norm(x, r, nw, 1e-6)[0], w1),
+            (ops.silu_and_mul(gu, layout), triton_ops.silu_and_mul(gu)[0], w1),
+            (ops.silu_and_mul(gu3, Fp8Layout(3072, "dynamic")),
+             triton_ops.silu_and_mul(gu3)[0], w3)):
+        assert made.shape == kept.shape and set(made.stride()) == {0}
         q, s = getattr(made, ops.QUANTIZED)
-        want_q, want_s = quantize_rows(made)
+        want_q, want_s = quantize_rows(kept)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s, want_s)
-        want = ops.fp8_gemm(made.clone(), w)  # quantized by the GEMM
+        want = ops.fp8_gemm(kept, w)  # quantized by the GEMM
         with monkeypatch.context() as m:
             m.setattr(ops, "quantize_activations", None)  # called: a TypeError
             got = ops.fp8_gemm(made, w)
         assert torch.equal(got, want)
     small = ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw, 1e-6, feeds=layout)[0]
     assert not hasattr(small, ops.QUANTIZED)
+    assert torch.equal(small, triton_ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw,
+                                                      1e-6)[0])
 
 
 @pytest.mark.parametrize("group", [0, 128])
