@@ -2,7 +2,7 @@
 
     python -m bench.prefill [--preset llama-1b] [--steps 50] [--modes piecewise full]
     python -m bench.prefill --profile [--preset llama3-8b --load-format dummy]
-        [--quantization fp8] [--kv-cache-dtype fp8]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--mixed --blocks 24576]
 
 Per prefill-graph mode, in one run (a Worker in this process, the whole prefill schedule up
 to 2048 tokens captured first; capture seconds, graph memory and launches reported):
@@ -132,11 +132,12 @@ def attention_ops(worker: Worker, blocks: int) -> list[dict]:
 
 
 def prefill_worker(model: str, mode: str, blocks: int, load_format: str = "auto",
-                   quantization: str = "auto", kv_cache_dtype: str = "auto") -> Worker:
+                   quantization: str = "auto", kv_cache_dtype: str = "auto",
+                   max_num_seqs: int = 64) -> Worker:
     cfg = ServeConfig(
         model=model, device="cuda", load_format=load_format, quantization=quantization,
         cache=CacheConfig(block_size=BS, num_blocks=blocks, cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
         graph=GraphConfig(decode_sizes=[1], max_prefill=2048, prefill_graph=mode),
     ).resolved(1)
     worker = Worker(cfg, 0)
@@ -214,18 +215,25 @@ def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
     return out
 
 
-def profile(worker: Worker, blocks: int) -> None:
+# a served step of the 1000/1000 load while prompts arrive: two prompt chunks beside 248
+# decode rows at 1,500 keys (one new token each), 2,048 tokens
+MIXED = [(0, 900)] * 2 + [(1500, 1)] * 248
+
+
+def profile(worker: Worker, blocks: int, mixed: bool = False) -> None:
     """Where a 2048-token full prefill graph's time goes: GPU time per kernel of one replay,
-    after a step of each composition has filled the input buffers."""
+    after a step of each composition has filled the input buffers (`mixed`: MIXED's only)."""
     from bench.decode_profile import graph_kernels
 
     worker.capture_all()
     rng = random.Random(3)
-    for num, n in ((1, 2048), (16, 128)):
-        plan = plan_of([(0, n)] * num, rng, blocks)
+    cases = {"2x900+248x1@1500": MIXED} if mixed else {
+        f"{num}x{n}": [(0, n)] * num for num, n in ((1, 2048), (16, 128))}
+    for name, lens in cases.items():
+        plan = plan_of(lens, rng, blocks)
         step_ms = 1e3 * statistics.median(timed_step(worker, plan) for _ in range(5))
         graph = worker.executor.graphs[worker.executor.last_key].graph
-        print(json.dumps({"composition": f"{num}x{n}", "step_ms": round(step_ms, 3),
+        print(json.dumps({"composition": name, "step_ms": round(step_ms, 3),
                           **graph_kernels(graph, top=30)}), flush=True)
 
 
@@ -282,6 +290,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the kernel's tile configs only")
     p.add_argument("--profile", action="store_true",
                    help="kernel times inside the full 2048-token prefill graph only")
+    p.add_argument("--mixed", action="store_true",
+                   help="--profile: a served 1000/1000 step's composition instead (prompt "
+                        "chunks beside 248 decode rows; 256 sequence rows; --blocks 24576)")
     add_weight_flags(p, "; with --profile only")
     a = p.parse_args()
     model = bench_model(a.preset, a.load_format if a.profile else "auto")
@@ -297,7 +308,8 @@ def main() -> None:
         print(json.dumps({"matmul_tflops": round(rate / 1e12, 1),
                           "fp8_matmul_tflops": round(fp8_matmul_rate() / 1e12, 1)}))
         return profile(prefill_worker(model, "full", a.blocks, a.load_format, a.quantization,
-                                      a.kv_cache_dtype), a.blocks)
+                                      a.kv_cache_dtype, 256 if a.mixed else 64),
+                       a.blocks, a.mixed)
     for mode in a.modes:
         print(json.dumps({"preset": a.preset, **run_mode(model, mode, a, rate),
                           "device": torch.cuda.get_device_name()}), flush=True)

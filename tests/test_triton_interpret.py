@@ -196,6 +196,51 @@ def test_prefill_kernel_matches_reference(interpreted, dtype):
     assert (got[md.num_tokens:] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=SLOW)])
+def test_a_mixed_step_gives_its_leading_decode_rows_to_the_decode_kernel(interpreted,
+                                                                         monkeypatch, dtype):
+    """A step that is not all decode: its leading one-token sequences (row b holds sequence
+    b's token) go through the decode kernel, the prompt chunks and a one-token chunk after
+    them through the prefill kernel, which leaves the decode rows as they are; together
+    equal to the reference, padding rows zero."""
+    from raygraph.model import ops
+
+    attn = interpreted("triton_attention")
+    interpreted("triton_ops")
+    monkeypatch.setattr(ops, "kernels", lambda x: True)
+    rng = random.Random(9)
+    torch.manual_seed(9)
+    blocks = 96
+    perm = list(range(blocks))
+    rng.shuffle(perm)
+    seqs, used = [], 0
+    for i, (n, ctx) in enumerate([(1, 39), (1, 99), (40, 70), (1, 33), (70, 0)]):
+        nb = -(-(ctx + n) // BS)
+        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
+        used += nb
+    kc = torch.randn(blocks + 1, BS, HKV, D, dtype=dtype)
+    vc = torch.randn_like(kc)
+    md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cpu")).ctx.attn
+    assert not md.decode
+    assert ops.decode_rows(md).tolist() == [40, 100, 0, 0, 0]
+    t = md.num_tokens + 9  # padding rows after the real ones
+    q, k, v = torch.randn(3, t, HKV * GROUP, D, dtype=dtype)
+    k, v = k[:, :HKV], v[:, :HKV]
+    md.slot_mapping = torch.cat([md.slot_mapping, md.slot_mapping.new_full((9,), -1)])
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(k[: md.num_tokens], v[: md.num_tokens], ref_k, ref_v,
+             md.slot_mapping[: md.num_tokens])
+    ref = paged_attention_ref(q[: md.num_tokens], ref_k, ref_v, md, D**-0.5)
+    got = ops.paged_attention(q, k, v, kc, vc, D**-0.5, md)
+    torch.testing.assert_close(got[: md.num_tokens], ref, **tolerance(dtype))
+    assert (got[md.num_tokens:] == 0).all()
+    # the prefill kernel alone leaves the decode kernel's rows untouched
+    out = torch.full_like(q, float("nan"))
+    attn.paged_prefill_attention(q, kc, vc, md.block_tables, md.seq_lens, md.query_start,
+                                 D**-0.5, out=out, skip_one=True)
+    assert out[:2].isnan().all() and not out[2:].isnan().any()
+
+
 @pytest.mark.parametrize("dtype,splits,rope,group", [
     (torch.float32, 1, False, 4), (torch.float16, 2, True, 4), (torch.float16, 1, True, 8),
     pytest.param(torch.float16, 4, False, 4, marks=SLOW)])

@@ -74,7 +74,7 @@ def attention_cases() -> list[Case]:
     merge = {k: decode[k] for k in ("D", "SPLITS", "NUM_HEADS", "TILE", "WINDOW", "CASCADE",
                                     "TOTAL")} | dict(PREFIX_SPLITS=8)
     prefill = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, D=64, D_PAD=64, BS=16, BLOCK_N=64,
-                   WINDOW=0, ZERO_BLOCKS=ta.ZERO_BLOCKS, PRECISION="tf32")
+                   WINDOW=0, ZERO_BLOCKS=ta.ZERO_BLOCKS, PRECISION="tf32", SKIP_ONE=True)
     verify = {"verify_ptr": "*i64"}  # speculative decoding: each row's place in its chunk
     return [
         ("decode split", ta._decode_split_kernel, decode, 2, {}),

@@ -68,6 +68,9 @@ class ForwardContext:
     num_comm_tokens: int = 0
     # multi-LoRA: each token's adapter slot; None: no token reads one (or LoRA is off)
     lora: LoRAInputs | None = None
+    # a mixed step: the kv lengths of the rows the decode kernel takes (ops.decode_rows),
+    # made by the first attention layer of this forward and read by the rest
+    decode_lens: torch.Tensor | None = None
 
 
 _CONTEXT: ForwardContext | None = None
@@ -84,6 +87,11 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CONTEXT = None
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The forward's context, or None outside one (a piecewise graph's eager attention)."""
+    return _CONTEXT
 
 
 def get_forward_context() -> ForwardContext:

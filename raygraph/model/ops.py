@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raygraph.model.context import AttentionMetadata, get_forward_context
+from raygraph.model.context import (
+    AttentionMetadata,
+    current_forward_context,
+    get_forward_context,
+)
 from raygraph.model.quant import (
     DECODE_ROWS,
     FP8,
@@ -417,6 +421,23 @@ def attention(
     return out if v_scale == 1.0 else out * v_scale
 
 
+def decode_rows(md: AttentionMetadata) -> torch.Tensor:
+    """[B] int32: the kv length of each leading one-token sequence of a step that is not all
+    decode (sequence b's one token at row b, as the scheduler puts running sequences
+    first), 0 for the rest: the rows a mixed step's decode kernel takes. Made once a
+    forward (a few elementwise launches) and kept on its context; the prefill kernel
+    leaves the same rows (`skip_one`)."""
+    ctx = current_forward_context()
+    if ctx is not None and ctx.attn is md and ctx.decode_lens is not None:
+        return ctx.decode_lens
+    starts = md.query_start
+    rows = torch.arange(starts.shape[0] - 1, device=starts.device, dtype=starts.dtype)
+    lens = torch.where((starts[:-1] == rows) & (starts[1:] == rows + 1), md.seq_lens, 0)
+    if ctx is not None and ctx.attn is md:
+        ctx.decode_lens = lens
+    return lens
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float, md: AttentionMetadata, out: torch.Tensor | None = None,
@@ -436,9 +457,19 @@ def paged_attention(
         q, k = rotary(q, k, *rope, md.positions)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)
     if kernels(q):
-        from raygraph.model.triton_attention import paged_prefill_attention
+        from raygraph.model.triton_attention import (
+            paged_decode_attention,
+            paged_prefill_attention,
+        )
 
+        # a mixed step: its decode rows through the decode kernel, which splits their long
+        # key runs over programs (the prefill kernel would give each one query block); the
+        # decode kernel's heads are a power of two wide
+        split = q.shape[-1] & (q.shape[-1] - 1) == 0
+        if split:
+            out = paged_decode_attention(q, k_cache, v_cache, md.block_tables,
+                                         decode_rows(md), scale, window=window, out=out)
         return paged_prefill_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                       md.query_start, scale, window, out=out)
+                                       md.query_start, scale, window, out=out, skip_one=split)
     result = paged_attention_ref(q, k_cache, v_cache, md, scale, window)
     return result if out is None else out.copy_(result)

@@ -480,9 +480,11 @@ def paged_decode_attention(
     splits: int | None = None, shared_len: torch.Tensor | None = None,
     prefix_splits: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    verify_row: torch.Tensor | None = None,
+    verify_row: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
+    Sequence b's query is row b of q, which may have more rows (a mixed step's: the rows
+    past B are left as they are in `out`; rows of sequences of length 0 come out zero).
     verify_row [B] (with k_new): a row's place in its sequence's verify chunk, whose tokens
     are consecutive rows here, each at its own position (0: a plain decode row).
     window > 0: the query sees only its sequence's last `window` keys. shared_len [1] int32:
@@ -491,8 +493,9 @@ def paged_decode_attention(
     batch (not with a window). rope: the (cos, sin) tables [max_pos, D/2]; q and k_new are
     then unrotated and are rotated here, at position seq_len - 1. `tiles`, `splits` and
     `prefix_splits` override the defaults (the bench's sweep)."""
-    # q: [B, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
-    num_seqs, num_heads, head_dim = q.shape
+    # q: [B+, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
+    num_seqs = block_tables.shape[0]
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     tile, warps, stages = tiles or decode_tiles(head_dim, k_cache.dtype == torch.float8_e4m3fn)
@@ -512,7 +515,7 @@ def paged_decode_attention(
                      device=q.device)
     acc = torch.empty(num_seqs if partials else 1, num_heads, total, head_dim,
                       dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     store = k_new is not None
     kn, vn = (k_new, v_new) if store else (q, q)
     if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
@@ -541,7 +544,7 @@ def paged_decode_attention(
                 ROPE=rope is not None, num_warps=PREFIX_WARPS,
             )
     # the cascade's kernels (two streams) keep plain stream order
-    launch = pdl(q, num_seqs, allowed=not cascade)
+    launch = pdl(q, num_seqs, allowed=not cascade and q.shape[0] == num_seqs)
     verify = store and verify_row is not None
     # one split, no cascade or window: each chunk's rows attend in one program
     chunks = verify and splits == 1 and not cascade and window == 0
@@ -643,6 +646,7 @@ def _prefill_kernel(
     stride_kh, stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, ZERO_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    SKIP_ONE: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     if tl.program_id(1) >= attn_programs:
@@ -654,7 +658,7 @@ def _prefill_kernel(
                        num_seqs, attn_programs - 1 - tl.program_id(1), kvh, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
                        stride_kh, stride_bt, GROUP, GROUP_PAD, BLOCK_Q, D, D_PAD, BS, BLOCK_N,
-                       WINDOW, PRECISION)
+                       WINDOW, PRECISION, SKIP_ONE)
 
 
 @triton.jit
@@ -663,11 +667,12 @@ def _prefill_block(
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_ONE: tl.constexpr,
 ):
     """One block of BLOCK_Q query positions x the KV head's query heads. Blocks are taken
     last first (pid counts down): a causal sequence's heaviest blocks, whose queries see
-    every key, start in the first wave, not the tail."""
+    every key, start in the first wave, not the tail. SKIP_ONE: a leading one-token
+    sequence (its token at row b) is left to the decode kernel (ops.decode_rows)."""
     # the sequence of this query block: the last b with starts[b] // BLOCK_Q + b <= pid
     lo = tl.full([], 0, tl.int32)
     hi = lo + num_seqs
@@ -680,6 +685,8 @@ def _prefill_block(
     b = lo - 1
     q_start = tl.load(starts_ptr + b)
     q_len = tl.load(starts_ptr + b + 1) - q_start
+    if SKIP_ONE:
+        q_len = tl.where((q_start == b) & (q_len == 1), 0, q_len)
     q0 = (pid - q_start // BLOCK_Q - b) * BLOCK_Q
     if q0 < q_len:
         kv_len = tl.load(lens_ptr + b)
@@ -744,9 +751,12 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, window: int = 0,
     out: torch.Tensor | None = None, tiles: PrefillTiles | None = None,
+    skip_one: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' paged keys (prefix and the
     chunk itself, already stored): prefill, chunked prefill and mixed steps alike.
+    `skip_one`: the leading one-token sequences' rows are left as they are in `out` (the
+    decode kernel wrote them: ops.decode_rows).
 
     q: [T, Hq, D], the sequences' queries back to back, then padding rows (written as zeros);
     query_start: [B + 1] int32, sequence b's queries are rows query_start[b]..[b+1] and sit at
@@ -778,6 +788,6 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BS=block_size, BLOCK_N=block_n, WINDOW=window,
         ZERO_BLOCKS=ZERO_BLOCKS, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        SKIP_ONE=skip_one, num_warps=warps, num_stages=stages,
     )
     return out

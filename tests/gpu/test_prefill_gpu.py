@@ -64,6 +64,42 @@ def test_prefill_kernel_matches_reference(head_dim, group, dtype):
         assert (got[real:] == 0).all()  # padding rows
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window", [0, 200])
+def test_a_mixed_step_splits_its_decode_rows_off(cache_dtype, window):
+    """ops.paged_attention on a step that is not all decode: the leading one-token
+    sequences through the decode kernel (long key runs split over programs), the rest
+    through the prefill kernel, which leaves those rows; equal to the reference over the
+    same cache (an FP8 cache read as the kernels widen it), padding rows zero."""
+    from raygraph.model import ops
+
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    hkv, group, d, blocks = 8, 4, 128, 2048
+    lens = [(1, 1499)] * 40 + [(300, 600), (1, 33), (700, 0)]
+    perm = list(range(blocks))
+    rng.shuffle(perm)
+    seqs, used = [], 0
+    for i, (n, ctx) in enumerate(lens):
+        nb = -(-(ctx + n) // BS)
+        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
+        used += nb
+    md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cuda")).ctx.attn
+    real = md.num_tokens
+    assert (ops.decode_rows(md) > 0).sum().item() == 40
+    kc = torch.randn(blocks + 1, BS, hkv, d, device="cuda").to(cache_dtype)
+    vc = torch.randn(blocks + 1, BS, hkv, d, device="cuda").to(cache_dtype)
+    q, k, v = torch.randn(3, real, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ops.store_kv(k, v, ref_k, ref_v, md.slot_mapping)
+    wide = (torch.float16 if cache_dtype == torch.float8_e4m3fn else torch.bfloat16)
+    ref = paged_attention_ref(q.to(wide) if wide != q.dtype else q, ref_k.to(wide),
+                              ref_v.to(wide), md, d**-0.5, window)
+    got = ops.paged_attention(q, k, v, kc, vc, d**-0.5, md, window=window)
+    torch.testing.assert_close(got.float(), ref.float(), **tolerance(torch.bfloat16))
+
+
 def test_prefill_kernel_sliding_window():
     """window w: query at position p sees keys p-w+1..p, as a dense masked softmax does."""
     from raygraph.model.triton_attention import paged_prefill_attention
