@@ -41,6 +41,19 @@ def decode_seqs(lens: list[int], shared: int, blocks: int, rng: random.Random
     return seqs
 
 
+def packed_chunks(chunks: list[tuple[int, int]], blocks: int, rng: random.Random
+                  ) -> list[SeqChunk]:
+    """(new tokens, cached prefix) per sequence, each on shuffled blocks of its own."""
+    perm = list(range(blocks))
+    rng.shuffle(perm)
+    seqs, used = [], 0
+    for i, (n, ctx) in enumerate(chunks):
+        nb = -(-(ctx + n) // BS)
+        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
+        used += nb
+    return seqs
+
+
 def decode_case(dtype: torch.dtype, lens: list[int], shared: int, pad: int, seed: int,
                 d: int = D):
     """Caches, a batch with `pad` padding rows (kv length 0, a zero table row), queries and
@@ -174,16 +187,9 @@ def test_decode_window_ignores_the_cascade(interpreted):
 def test_prefill_kernel_matches_reference(interpreted, dtype):
     """Packed chunks over cached prefixes, GQA, padding rows zeroed."""
     attn = interpreted("triton_attention")
-    rng = random.Random(7)
     torch.manual_seed(7)
     blocks = 64
-    perm = list(range(blocks))
-    rng.shuffle(perm)
-    seqs, used = [], 0
-    for i, (n, ctx) in enumerate([(5, 0), (40, 70), (1, 33), (70, 0)]):
-        nb = -(-(ctx + n) // BS)
-        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
-        used += nb
+    seqs = packed_chunks([(5, 0), (40, 70), (1, 33), (70, 0)], blocks, random.Random(7))
     kc = torch.randn(blocks + 1, BS, HKV, D, dtype=dtype)
     vc = torch.randn_like(kc)
     md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cpu")).ctx.attn
@@ -208,16 +214,10 @@ def test_a_mixed_step_gives_its_leading_decode_rows_to_the_decode_kernel(interpr
     attn = interpreted("triton_attention")
     interpreted("triton_ops")
     monkeypatch.setattr(ops, "kernels", lambda x: True)
-    rng = random.Random(9)
     torch.manual_seed(9)
     blocks = 96
-    perm = list(range(blocks))
-    rng.shuffle(perm)
-    seqs, used = [], 0
-    for i, (n, ctx) in enumerate([(1, 39), (1, 99), (40, 70), (1, 33), (70, 0)]):
-        nb = -(-(ctx + n) // BS)
-        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
-        used += nb
+    seqs = packed_chunks([(1, 39), (1, 99), (40, 70), (1, 33), (70, 0)], blocks,
+                         random.Random(9))
     kc = torch.randn(blocks + 1, BS, HKV, D, dtype=dtype)
     vc = torch.randn_like(kc)
     md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cpu")).ctx.attn

@@ -12,6 +12,7 @@ import torch
 from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref
 from raygraph.protocol import SeqChunk, StepPlan
+from tests.test_triton_interpret import packed_chunks
 
 pytestmark = pytest.mark.gpu
 BS = 16
@@ -76,14 +77,7 @@ def test_a_mixed_step_splits_its_decode_rows_off(cache_dtype, window):
     rng = random.Random(5)
     torch.manual_seed(5)
     hkv, group, d, blocks = 8, 4, 128, 2048
-    lens = [(1, 1499)] * 40 + [(300, 600), (1, 33), (700, 0)]
-    perm = list(range(blocks))
-    rng.shuffle(perm)
-    seqs, used = [], 0
-    for i, (n, ctx) in enumerate(lens):
-        nb = -(-(ctx + n) // BS)
-        seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
-        used += nb
+    seqs = packed_chunks([(1, 1499)] * 40 + [(300, 600), (1, 33), (700, 0)], blocks, rng)
     md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cuda")).ctx.attn
     real = md.num_tokens
     assert (ops.decode_rows(md) > 0).sum().item() == 40
