@@ -210,6 +210,20 @@ def test_input_buffers_one_copy_moves_every_field() -> None:
                                            bufs.seq_lens)]
 
 
+def test_input_buffers_give_a_decode_step_its_query_starts() -> None:
+    """A decode step's offsets are written too (one token a sequence; padding sequences
+    empty): heads the decode kernel does not take decode through the prefill kernel."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+
+    bufs = InputBuffers(8, 8, 2, torch.device("cpu"))
+    bufs.fill(host_inputs(StepPlan(0, [SeqChunk(0, [5, 6, 7], 0, [4], True)]), BS), 8, 1)
+    plan = StepPlan(1, [SeqChunk(i, [1], 1 + i, [i + 1], True) for i in range(3)])
+    h = host_inputs(plan, BS)
+    assert h.decode
+    bufs.fill(h, 4, 4)
+    assert bufs.query_start[:5].tolist() == [0, 1, 2, 3, 3]
+
+
 def test_fused_linear_ops_equal_the_unfused_reference() -> None:
     """The CPU path of linear_rotary / linear_silu_and_mul is the unfused reference the GPU
     kernels are checked against: it must equal linear followed by rotary / silu_and_mul."""

@@ -202,6 +202,32 @@ def test_prefill_kernel_matches_reference(interpreted, dtype):
     assert (got[md.num_tokens:] == 0).all()
 
 
+def test_a_head_the_decode_kernel_does_not_take_decodes_through_the_prefill_kernel(
+        interpreted, monkeypatch):
+    """The decode kernel's heads are a power of two wide; a decode step of 80-wide heads
+    goes through the prefill kernel (the step's K/V stored first), equal to the reference."""
+    from raygraph.model import ops
+
+    interpreted("triton_attention")
+    interpreted("triton_ops")
+    monkeypatch.setattr(ops, "kernels", lambda x: True)
+    torch.manual_seed(4)
+    lens, d = [40, 100, 190], 80
+    blocks = sum(-(-n // BS) for n in lens)
+    md = prepare_batch(StepPlan(0, decode_seqs(lens, 0, blocks, random.Random(4))), BS,
+                       torch.device("cpu")).ctx.attn
+    assert md.decode
+    kc = torch.randn(blocks + 1, BS, HKV, d, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(len(lens), HKV * GROUP, d, dtype=torch.float16)
+    k, v = torch.randn(2, len(lens), HKV, d, dtype=torch.float16)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(k, v, ref_k, ref_v, md.slot_mapping)
+    ref = paged_attention_ref(q, ref_k, ref_v, md, d**-0.5)
+    got = ops.paged_attention(q, k, v, kc, vc, d**-0.5, md)
+    torch.testing.assert_close(got, ref, **tolerance(torch.float16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=SLOW)])
 def test_a_mixed_step_gives_its_leading_decode_rows_to_the_decode_kernel(interpreted,
                                                                          monkeypatch, dtype):

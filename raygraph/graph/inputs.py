@@ -385,9 +385,13 @@ class InputBuffers:
         if self.cascade:
             self._shared[0] = (shared_prefix_len(tables, h.seq_lens, h.block_size)
                                if h.decode else 0)
-        if not h.decode:  # the prefill kernel's offsets; padding sequences are empty
+        # the prefill kernel's offsets (a decode step's too: heads the decode kernel does not
+        # take go through it, ops.paged_attention); padding sequences are empty
+        if h.decode:
+            self._starts[: b + 1] = self._arange[: b + 1]
+        else:
             self._starts[: b + 1] = query_starts(tok[4, :n], b)
-            self._starts[b + 1: num_seqs + 1] = n
+        self._starts[b + 1: num_seqs + 1] = n
         if b < num_seqs:
             stale = max(widths[b:num_seqs])
             if stale:

@@ -421,6 +421,13 @@ def attention(
     return out if v_scale == 1.0 else out * v_scale
 
 
+def _decode_kernel_takes(q: torch.Tensor) -> bool:
+    """Heads a power of two wide (64, 128, 256): the decode kernel's. Others (80, 96, 100)
+    go through the prefill kernel, whose tiles pad the head, decode steps included."""
+    d = q.shape[-1]
+    return d & (d - 1) == 0
+
+
 def decode_rows(md: AttentionMetadata) -> torch.Tensor:
     """[B] int32: the kv length of each leading one-token sequence of a step that is not all
     decode (sequence b's one token at row b, as the scheduler puts running sequences
@@ -447,7 +454,8 @@ def paged_attention(
     sequence; anything else: the packed prefill kernel, no per-shape plan), the torch
     reference elsewhere. `out`, if given, receives the result; `rope`: q and k are not
     rotated yet (the decode kernel rotates them as it loads them)."""
-    if kernels(q) and md.decode and out is None:  # the decode kernel stores the new K/V itself
+    if kernels(q) and md.decode and out is None and _decode_kernel_takes(q):
+        # the decode kernel stores the new K/V itself
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
@@ -463,9 +471,8 @@ def paged_attention(
         )
 
         # a mixed step: its decode rows through the decode kernel, which splits their long
-        # key runs over programs (the prefill kernel would give each one query block); the
-        # decode kernel's heads are a power of two wide
-        split = q.shape[-1] & (q.shape[-1] - 1) == 0
+        # key runs over programs (the prefill kernel would give each one query block)
+        split = _decode_kernel_takes(q)
         if split:
             out = paged_decode_attention(q, k_cache, v_cache, md.block_tables,
                                          decode_rows(md), scale, window=window, out=out)

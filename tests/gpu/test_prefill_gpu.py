@@ -67,16 +67,18 @@ def test_prefill_kernel_matches_reference(head_dim, group, dtype):
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [0, 200])
-def test_a_mixed_step_splits_its_decode_rows_off(cache_dtype, window):
+@pytest.mark.parametrize("d", [128, 80])
+def test_a_mixed_step_splits_its_decode_rows_off(cache_dtype, window, d):
     """ops.paged_attention on a step that is not all decode: the leading one-token
     sequences through the decode kernel (long key runs split over programs), the rest
     through the prefill kernel, which leaves those rows; equal to the reference over the
-    same cache (an FP8 cache read as the kernels widen it), padding rows zero."""
+    same cache (an FP8 cache read as the kernels widen it). 80-wide heads, which the
+    decode kernel does not take: all through the prefill kernel."""
     from raygraph.model import ops
 
     rng = random.Random(5)
     torch.manual_seed(5)
-    hkv, group, d, blocks = 8, 4, 128, 2048
+    hkv, group, blocks = 8, 4, 2048
     seqs = packed_chunks([(1, 1499)] * 40 + [(300, 600), (1, 33), (700, 0)], blocks, rng)
     md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cuda")).ctx.attn
     real = md.num_tokens
