@@ -138,6 +138,8 @@ def test_delta_sends_each_block_and_new_seq_once() -> None:
 
 
 def test_running_first_then_waiting_gets_the_rest_of_the_budget() -> None:
+    """Running sequences come first, so a mixed step's decode rows lead its batch (the rows
+    ops.decode_rows gives the decode kernel); waiting prompts take what budget is left."""
     s = make(max_batched=8)
     s.add(seq(0, 3)), s.add(seq(1, 4))
     step(s)
