@@ -211,11 +211,14 @@ def test_input_buffers_one_copy_moves_every_field() -> None:
 
 
 def test_input_buffers_give_a_decode_step_its_query_starts() -> None:
-    """A decode step's offsets are written too (one token a sequence; padding sequences
-    empty): heads the decode kernel does not take decode through the prefill kernel."""
+    """With `decode_starts` a decode step's offsets are written too (one token a sequence;
+    padding sequences empty): heads the decode kernel does not take decode through the
+    prefill kernel."""
     from raygraph.graph.inputs import InputBuffers, host_inputs
+    from raygraph.model.ops import decode_kernel_takes
 
-    bufs = InputBuffers(8, 8, 2, torch.device("cpu"))
+    assert decode_kernel_takes(128) and not decode_kernel_takes(80)
+    bufs = InputBuffers(8, 8, 2, torch.device("cpu"), decode_starts=True)
     bufs.fill(host_inputs(StepPlan(0, [SeqChunk(0, [5, 6, 7], 0, [4], True)]), BS), 8, 1)
     plan = StepPlan(1, [SeqChunk(i, [1], 1 + i, [i + 1], True) for i in range(3)])
     h = host_inputs(plan, BS)

@@ -142,10 +142,11 @@ class GraphExecutor(Executor):
         max_tokens = self.buckets.max_size
         max_seqs = self.buckets.max_seqs
         # with LoRA every graph reads each token's slot: one graph serves any mix of adapters
+        attn = model.attention_layers()[0]
         self.bufs = InputBuffers(max_tokens, max_seqs, -(-max_model_len // block_size),
                                  self.device, lora=self.lora, cascade=cfg.decode_cascade,
-                                 verify=buckets.verify)
-        attn = model.attention_layers()[0]
+                                 verify=buckets.verify,
+                                 decode_starts=not ops.decode_kernel_takes(attn.head_dim))
         dtype = next(model.parameters()).dtype
         # one attention output buffer serves every layer and bucket: pieces run in order
         self.attn_out = torch.zeros(max_tokens, attn.num_heads, attn.head_dim, dtype=dtype,

@@ -245,7 +245,9 @@ class InputBuffers:
     only when `lora` is set: without it the layout is the plain model's. The shared prefix length
     (`shared_prefix_len`) is written and handed to decode buckets only with `cascade`; the
     rows' verify_row only with `verify` (speculative decoding: the decode kernel then reads
-    it, and a plain decode step pays nothing for it otherwise).
+    it, and a plain decode step pays nothing for it otherwise); a decode step's query starts
+    only with `decode_starts` (heads the decode kernel does not take decode through the
+    prefill kernel, which reads them: ops.decode_kernel_takes).
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
     from a list costs about a microsecond, a torch op several, and this runs on the critical
@@ -259,9 +261,11 @@ class InputBuffers:
             "feed")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 lora: bool = False, cascade: bool = False, verify: bool = False):
+                 lora: bool = False, cascade: bool = False, verify: bool = False,
+                 decode_starts: bool = False):
         self.cascade = cascade
         self.verify = verify  # decode graphs read each row's verify_row
+        self.decode_starts = decode_starts  # decode steps read query starts too
         names = self.ROWS + (("verify_row",) if verify else ())
         starts_at = max_seqs * 4
         shared_at = starts_at + (max_seqs + 1) * 4
@@ -385,13 +389,12 @@ class InputBuffers:
         if self.cascade:
             self._shared[0] = (shared_prefix_len(tables, h.seq_lens, h.block_size)
                                if h.decode else 0)
-        # the prefill kernel's offsets (a decode step's too: heads the decode kernel does not
-        # take go through it, ops.paged_attention); padding sequences are empty
-        if h.decode:
-            self._starts[: b + 1] = self._arange[: b + 1]
-        else:
-            self._starts[: b + 1] = query_starts(tok[4, :n], b)
-        self._starts[b + 1: num_seqs + 1] = n
+        # the prefill kernel's offsets (a decode step's with `decode_starts`); padding
+        # sequences are empty
+        if not h.decode or self.decode_starts:
+            self._starts[: b + 1] = (self._arange[: b + 1] if h.decode
+                                     else query_starts(tok[4, :n], b))
+            self._starts[b + 1: num_seqs + 1] = n
         if b < num_seqs:
             stale = max(widths[b:num_seqs])
             if stale:

@@ -421,11 +421,11 @@ def attention(
     return out if v_scale == 1.0 else out * v_scale
 
 
-def _decode_kernel_takes(q: torch.Tensor) -> bool:
+def decode_kernel_takes(head_dim: int) -> bool:
     """Heads a power of two wide (64, 128, 256): the decode kernel's. Others (80, 96, 100)
-    go through the prefill kernel, whose tiles pad the head, decode steps included."""
-    d = q.shape[-1]
-    return d & (d - 1) == 0
+    go through the prefill kernel, whose tiles pad the head, decode steps included (their
+    input buffers then carry a decode step's query starts: InputBuffers.decode_starts)."""
+    return head_dim & (head_dim - 1) == 0
 
 
 def decode_rows(md: AttentionMetadata) -> torch.Tensor:
@@ -454,7 +454,7 @@ def paged_attention(
     sequence; anything else: the packed prefill kernel, no per-shape plan), the torch
     reference elsewhere. `out`, if given, receives the result; `rope`: q and k are not
     rotated yet (the decode kernel rotates them as it loads them)."""
-    if kernels(q) and md.decode and out is None and _decode_kernel_takes(q):
+    if kernels(q) and md.decode and out is None and decode_kernel_takes(q.shape[-1]):
         # the decode kernel stores the new K/V itself
         from raygraph.model.triton_attention import paged_decode_attention
 
@@ -472,7 +472,7 @@ def paged_attention(
 
         # a mixed step: its decode rows through the decode kernel, which splits their long
         # key runs over programs (the prefill kernel would give each one query block)
-        split = _decode_kernel_takes(q)
+        split = decode_kernel_takes(q.shape[-1])
         if split:
             out = paged_decode_attention(q, k_cache, v_cache, md.block_tables,
                                          decode_rows(md), scale, window=window, out=out)

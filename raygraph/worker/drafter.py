@@ -100,7 +100,8 @@ class Drafter:
         # a step's rows: decode rows (verify chunks' too) up to max_num_seqs rows, as the
         # scheduler keeps them; past that a verify step is prefill-shaped
         self.max_rows = max(self.max_tokens, n)  # a step's rows, padded ones included
-        self.bufs = InputBuffers(self.max_rows, n, -(-max_len // bs), device, verify=True)
+        self.bufs = InputBuffers(self.max_rows, n, -(-max_len // bs), device, verify=True,
+                                 decode_starts=not ops.decode_kernel_takes(model_cfg.head_dim))
         self.lookahead = -(-self.k // bs) + 1  # blocks a proposal may run past a table
         self.first_lookahead = 0  # set by bind_kv: the lookahead blocks follow the shared ones
         self.width = -(-max_len // bs) + self.lookahead
