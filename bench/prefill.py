@@ -215,9 +215,10 @@ def run_mode(model: str, mode: str, a: argparse.Namespace, rate: float) -> dict:
     return out
 
 
-# a served step of the 1000/1000 load while prompts arrive: two prompt chunks beside 248
-# decode rows at 1,500 keys (one new token each), 2,048 tokens
-MIXED = [(0, 900)] * 2 + [(1500, 1)] * 248
+# a served step of the 1000/1000 load while prompts arrive: 248 decode rows at 1,500 keys
+# (one new token each; running sequences first, as the scheduler orders them) beside two
+# prompt chunks, 2,048 tokens
+MIXED = [(1500, 1)] * 248 + [(0, 900)] * 2
 
 
 def profile(worker: Worker, blocks: int, mixed: bool = False) -> None:
@@ -227,7 +228,7 @@ def profile(worker: Worker, blocks: int, mixed: bool = False) -> None:
 
     worker.capture_all()
     rng = random.Random(3)
-    cases = {"2x900+248x1@1500": MIXED} if mixed else {
+    cases = {"248x1@1500+2x900": MIXED} if mixed else {
         f"{num}x{n}": [(0, n)] * num for num, n in ((1, 2048), (16, 128))}
     for name, lens in cases.items():
         plan = plan_of(lens, rng, blocks)

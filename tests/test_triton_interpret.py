@@ -49,6 +49,7 @@ def packed_chunks(chunks: list[tuple[int, int]], blocks: int, rng: random.Random
     seqs, used = [], 0
     for i, (n, ctx) in enumerate(chunks):
         nb = -(-(ctx + n) // BS)
+        assert used + nb <= blocks, f"{blocks} blocks do not hold these chunks"
         seqs.append(SeqChunk(i, [1] * n, ctx, perm[used: used + nb], True))
         used += nb
     return seqs

@@ -78,8 +78,10 @@ def test_a_mixed_step_splits_its_decode_rows_off(cache_dtype, window, d):
 
     rng = random.Random(5)
     torch.manual_seed(5)
-    hkv, group, blocks = 8, 4, 2048
-    seqs = packed_chunks([(1, 1499)] * 40 + [(300, 600), (1, 33), (700, 0)], blocks, rng)
+    hkv, group = 8, 4
+    lens = [(1, 1499)] * 40 + [(300, 600), (1, 33), (700, 0)]
+    blocks = sum(-(-(n + ctx) // BS) for n, ctx in lens)
+    seqs = packed_chunks(lens, blocks, rng)
     md = prepare_batch(StepPlan(0, seqs), BS, torch.device("cuda")).ctx.attn
     real = md.num_tokens
     assert (ops.decode_rows(md) > 0).sum().item() == 40
