@@ -73,7 +73,8 @@ def test_greedy_tokens_equal_hf(checkpoint, mode):
     assert [s.output_token_ids for s in seqs] == hf_greedy(path, PROMPTS, 12)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "yarn"])
+# the tables are the same on every rank: one scaled variant splits heads as any other
+@pytest.mark.parametrize("kind", ["llama3", pytest.param("yarn", marks=pytest.mark.slow)])
 def test_greedy_tokens_equal_hf_tp2(ray_session, tmp_path, kind):
     """The scaled variants over two gloo ranks through the coordinator (heads split)."""
     from tests.test_generate_hf import serve

@@ -509,7 +509,9 @@ def test_sampled_requests_speculate_reproducibly(method):
 PLAIN_TP2: list = []  # the plain coordinator's results, computed once for every method
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
+# n-gram drafts take the same TP=2 verify path as the drafting models, with no drafter
+@pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow), "draft",
+                                    "eagle3"])
 def test_speculation_through_coordinators_at_tp2(ray_session, default_model_tp2_coord, method,
                                                  eagle3_head):
     """Requests served with speculation at TP=2 (both ranks verify alike; the draft model,
