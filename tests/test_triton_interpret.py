@@ -268,6 +268,57 @@ def test_a_mixed_step_gives_its_leading_decode_rows_to_the_decode_kernel(interpr
     assert out[:2].isnan().all() and not out[2:].isnan().any()
 
 
+def test_a_mixed_step_through_the_graph_buffers_equals_eager_bit_for_bit(interpreted,
+                                                                         monkeypatch):
+    """The mixed split as a full prefill graph runs it (InputBuffers: sequences padded to
+    min(max_seqs, bucket) with kv length 0 and starts at the real token count, a padded
+    bucket, full-width tables, so the decode kernel takes other split counts than eager's)
+    gives the eager metadata's rows bit for bit and zero padding rows; torch.empty is
+    NaN-poisoned, as a GPU's reused memory would be, so a row neither kernel writes shows."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+    from raygraph.model import ops
+
+    attn = interpreted("triton_attention")
+    interpreted("triton_ops")
+    monkeypatch.setattr(ops, "kernels", lambda x: True)
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(empty_like(*a, **k)))
+    rng, hkv, group, d = random.Random(3), 2, 2, 64  # the built-in model's heads
+    torch.manual_seed(3)
+    lens = [(1, rng.randint(10, 107)) for _ in range(12)] + [(23, 0), (11, 40), (1, 60),
+                                                              (30, 0)]
+    blocks = 120
+    plan = StepPlan(0, packed_chunks(lens, blocks, rng))
+    kc0 = torch.randn(blocks + 1, BS, hkv, d)
+    vc0 = torch.randn_like(kc0)
+
+    def run(md, t):
+        torch.manual_seed(11)  # q, k, v strided views of one qkv row, as the model's
+        q, k, v = torch.randn(t, (hkv * group + 2 * hkv) * d).split(
+            [hkv * group * d, hkv * d, hkv * d], -1)
+        return ops.paged_attention(q.view(t, -1, d), k.view(t, hkv, d), v.view(t, hkv, d),
+                                   kc0.clone(), vc0.clone(), d**-0.5, md)
+
+    eager = prepare_batch(plan, BS, torch.device("cpu")).ctx.attn
+    n = eager.num_tokens
+    assert (ops.decode_rows(eager) > 0).sum() == 12
+    want = run(eager, n)
+    h = host_inputs(plan, BS)
+    bufs = InputBuffers(128, 24, 40, torch.device("cpu"))
+    bufs.fill(h, 80, 24)  # a bucket of 80 rows, 24 sequence rows (16 real)
+    graph = bufs.metadata(80, 24, n, h.max_q_len, max(h.seq_lens), False)
+    assert attn.num_splits(40 * BS, 24, hkv) != attn.num_splits(
+        eager.block_tables.shape[1] * BS, eager.block_tables.shape[0], hkv)
+    got = run(graph, 80)
+    assert torch.equal(got[:n], want) and not want.isnan().any()
+    assert (got[n:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype,splits,rope,group", [
     (torch.float32, 1, False, 4), (torch.float16, 2, True, 4), (torch.float16, 1, True, 8),
     pytest.param(torch.float16, 4, False, 4, marks=SLOW)])
