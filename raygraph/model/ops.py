@@ -121,9 +121,10 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     scale): through the Triton FP8 GEMM where it beats cuBLASLt (triton_fp8_gemm.preferred)
     or where the weight's scales are per block, else torch._scaled_mm; None where neither
     applies."""
+    scaled_mm = _scaled_mm_applies(x, w)
     made = getattr(x, QUANTIZED, None)  # stored by the op that made x
-    takes_made = (made is not None and made[0].shape == x.shape
-                  and w.activations == "dynamic" and _scaled_mm_applies(x, w))
+    takes_made = (scaled_mm and made is not None and made[0].shape == x.shape
+                  and w.activations == "dynamic")
     if not takes_made and x.dim() == 2 and x.numel() > 1 and x.stride() == (0, 0):
         raise RuntimeError(f"activations {tuple(x.shape)} were stored only in e4m3 (_fused), "
                            f"for a GEMM that does not take them ({tuple(w.shape)})")
@@ -134,7 +135,7 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
         xq, x_scale = quantize_activations(x.contiguous().view(-1, w.group), None)
         return triton_fp8_gemm.fp8_gemm(xq.view(x.shape), x_scale.view(x.shape[0], -1),
                                         w.data, w.scale, x.dtype, bias)
-    if not _scaled_mm_applies(x, w):
+    if not scaled_mm:
         return None
     xq, x_scale = made if takes_made else quantize_activations(
         x, w.input_scale if w.activations == "static" else None)
