@@ -220,7 +220,8 @@ def test_a_gemm_that_cannot_take_rows_kept_only_in_e4m3_refuses_them():
 
 @pytest.mark.parametrize("m, n, bias, group", [(1, 128, False, K), (17, 128, True, K),
                                                (70, 256, False, K), (17, 128, True, 128),
-                                               (70, 256, False, 64), (130, 256, True, 128)])
+                                               (70, 256, False, 64), (130, 256, True, 128),
+                                               (150, 256, True, K)])
 def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias, group):
     """The Triton W8A8 GEMM (rows past the decode kernels): x already e4m3 with a scale a
     row, W e4m3 with a scale a row (group = K), or both with a scale a row and `group`
@@ -228,14 +229,16 @@ def test_w8a8_gemm_kernel_equals_its_math(interpreted, m, n, bias, group):
     two, the second masked): equal to (xq * x_scale) @ (Wq * w_scale)^T in float32 (every
     product of two e4m3 values is exact there; sums in another order), then rounded once to
     the output dtype, bias added after as _scaled_mm's caller adds it. Each case runs its
-    own tiles (m <= 64: 32 columns; 130 rows with groups: 128) and 64-column tiles."""
+    own tiles (m <= 64: 32 columns; 130 rows with groups: 128; 150 rows a scale a row: 128
+    through TMA), 64-column tiles and 128-column TMA tiles (pointer loads for groups)."""
     g = interpreted("triton_fp8_gemm")
     torch.manual_seed(m + n)
     w = fp8_weight(n, group, "dynamic", seed=n)
     xq, xs = quantize(tokens(m, m).float(), group)
     b = torch.randn(n).to(DT) if bias else None
     want = dequantize(xq, xs, group) @ w.dequantize(torch.float32).t()
-    for dtype, cfg in [(torch.float32, None), (DT, None), (DT, g.Fp8GemmConfig(64, 64, 128, 4, 6))]:
+    for dtype, cfg in [(torch.float32, None), (DT, None), (DT, g.Fp8GemmConfig(64, 64, 128, 4, 6)),
+                       (DT, g.Fp8GemmConfig(64, 128, 128, 4, 4, tma=True))]:
         got = g.fp8_gemm(xq, xs, w.data, w.scale, dtype, b, cfg)
         assert got.shape == (m, n) and got.dtype == dtype
         expect = want.to(dtype)
@@ -253,15 +256,20 @@ def test_w8a8_gemm_tiles_and_where_it_serves():
     from raygraph.model.triton_fp8_gemm import config, preferred
 
     assert [config(64, n, 4096).block_n for n in (4096, 6144, 28672)] == [32, 64, 128]
-    assert config(256, 4096, 14336) == (64, 64, 128, 4, 6)
+    assert config(128, 4096, 14336) == (64, 64, 128, 4, 6, False)
+    # past 128 rows through TMA: six stages while the programs fit one an SM, else four
+    assert config(256, 4096, 14336) == (64, 128, 128, 4, 6, True)
+    assert config(256, 6144, 4096) == (64, 128, 128, 4, 4, True)
+    assert config(256, 4096, 14336, sms=100).num_stages == 4
     # scales per group: 128 columns past 128 rows, or past 64 on wide weights
-    assert config(256, 4096, 14336, grouped=True) == (64, 128, 128, 4, 4)
+    assert config(256, 4096, 14336, grouped=True) == (64, 128, 128, 4, 4, False)
     assert [config(128, n, 4096, grouped=True).block_n for n in (4096, 28672)] == [64, 128]
     assert config(64, 28672, 4096, grouped=True) == config(64, 28672, 4096)
     assert config(16, 28672, 4096).num_stages == 4
     assert preferred(17, 28672, 4096) and preferred(64, 28672, 4096)
     assert not preferred(65, 28672, 4096) and preferred(128, 6144, 4096)
-    assert preferred(256, 4096, 14336) and not preferred(256, 6144, 4096)
+    assert preferred(256, 4096, 14336) and preferred(256, 6144, 4096)
+    assert not preferred(256, 28672, 4096)
     assert not preferred(257, 4096, 4096) and not preferred(32, 4160, 4096)
 
 
@@ -290,6 +298,35 @@ def test_ops_run_block_weights_past_the_decode_rows_through_the_block_gemm(
     static = Fp8Weight(w.data, w.scale, w.group, "static", torch.tensor([0.01]))
     with pytest.raises(AssertionError, match="dequantized"):  # not this kernel's scheme
         ops.linear(x, static)
+
+
+def test_w8a8_gemm_reads_unaligned_rows_through_pointer_loads(interpreted, monkeypatch):
+    """TMA reads rows from 16-byte aligned addresses only: x rows that start elsewhere go
+    through the pointer-load kernel at the same tiles, with the same result."""
+    g = interpreted("triton_fp8_gemm")
+    w = fp8_weight(128, K, "dynamic", seed=3)
+    xq, xs = quantize(tokens(150, 5).float(), K)
+    shifted = torch.empty(xq.numel() + 1, dtype=xq.dtype)[1:].view(xq.shape)
+    shifted.copy_(xq)
+    launched = []
+    for name in ("_fp8_gemm_kernel", "_fp8_gemm_tma_kernel"):
+        kernel = getattr(g, name)
+        monkeypatch.setattr(g, name, _Recorded(kernel, name, launched))
+    aligned = g.fp8_gemm(xq, xs, w.data, w.scale, DT)
+    unaligned = g.fp8_gemm(shifted, xs, w.data, w.scale, DT)
+    assert launched == ["_fp8_gemm_tma_kernel", "_fp8_gemm_kernel"]
+    assert torch.equal(aligned, unaligned)
+
+
+class _Recorded:
+    """A Triton kernel whose launches are noted by name."""
+
+    def __init__(self, kernel, name: str, launched: list) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
 
 
 def test_w8a8_gemm_refuses_what_it_cannot_tile(interpreted):

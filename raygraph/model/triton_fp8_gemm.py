@@ -14,15 +14,23 @@ program owns 64 rows by a narrow run of columns (32 to 128), so such a GEMM has 
 220 programs, each streaming its weight rows through a deep shared-memory pipeline into the
 FP8 tensor cores (float32 accumulation). Where cuBLASLt's tiles are full (more rows, or
 wide weights past 64 rows), `preferred` sends the GEMM back to it.
+
+Past 128 rows a weight with a scale a row streams through the tensor memory accelerator
+(TMA descriptors: one bulk copy a tile, no per-thread address math) instead of pointer
+loads, 64 x 128 tiles: on an H200 the 8B's down projection at 256 rows takes 31 us there
+against 35 through pointer loads and 37 through cuBLASLt (bench/RESULTS.md, "FP8 GEMMs of
+129 to 256 rows").
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -31,6 +39,25 @@ class Fp8GemmConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # tiles through TMA descriptors (a scale a row only)
+
+
+@triton.jit
+def _scale_and_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, rm, rn, M, stride_cm,
+                     HAS_BIAS: tl.constexpr, SCALE: tl.constexpr):
+    """acc [BM, BN] (SCALE: times the row scales of both sides) (+ bias) into c's rows rm
+    below M, columns rn, in c's dtype."""
+    mmask = rm < M
+    if SCALE:
+        acc *= tl.load(as_ptr + rm, mask=mmask, other=0.0)[:, None]
+        acc *= tl.load(bs_ptr + rn)[None, :]
+    if HAS_BIAS:  # added to the output as it is stored, as _scaled_mm's caller adds it
+        y = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    else:
+        y = acc
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+             y.to(c_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
 @triton.jit
@@ -60,26 +87,40 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_am
             xs = tl.load(as_ptr + rm * GROUPS + k0 // BK, mask=mmask, other=0.0)
             ws = tl.load(bs_ptr + rn * GROUPS + k0 // BK)
             acc += tl.dot(x, tl.trans(w)) * xs[:, None] * ws[None, :]
-    if GROUPS == 1:
-        acc *= tl.load(as_ptr + rm, mask=mmask, other=0.0)[:, None]
-        acc *= tl.load(bs_ptr + rn)[None, :]
-    if HAS_BIAS:  # added to the output as it is stored, as _scaled_mm's caller adds it
-        y = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    else:
-        y = acc
-    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
-             y.to(c_ptr.dtype.element_ty),
-             mask=mmask[:, None])
+    _scale_and_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, rm, rn, M, stride_cm, HAS_BIAS,
+                     GROUPS == 1)
 
 
-def config(m: int, n: int, k: int, grouped: bool = False) -> Fp8GemmConfig:
-    """Tiles for m rows of an [n, k] weight, from a sweep of nine on the 8B shapes
-    (bench/RESULTS.md, "FP8 GEMMs of 16 to 512 rows"): 64 rows a program; up to 64 rows,
-    columns so the programs number ~100-220 (32 up to 4096 columns, 64 up to 8192, else
-    128); more rows, 64 columns. Six pipeline stages, four at 128 columns. Scales per group
-    (`grouped`: each K tile's product scaled as it is added) take 128 columns past 128 rows,
-    and past 64 on wide weights (a sweep of their own: "Block-scaled weights")."""
+@triton.jit
+def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, stride_cm,
+                         K: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+    """The same GEMM, a scale a row: x's and W's tiles arrive through TMA descriptors
+    ([BM, BK] and [BN, BK] blocks; rows past M read as zeros)."""
+    m_tiles = tl.cdiv(M, BM)
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid % m_tiles, pid // m_tiles
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        x = a_desc.load([pid_m * BM, k0])
+        w = b_desc.load([pid_n * BN, k0])
+        acc = tl.dot(x, w.T, acc)
+    _scale_and_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, pid_m * BM + tl.arange(0, BM),
+                     pid_n * BN + tl.arange(0, BN), M, stride_cm, HAS_BIAS, True)
+
+
+def config(m: int, n: int, k: int, grouped: bool = False, sms: int = 132) -> Fp8GemmConfig:
+    """Tiles for m rows of an [n, k] weight on a GPU of `sms` SMs, from sweeps on the 8B
+    shapes (bench/RESULTS.md, "FP8 GEMMs of 16 to 512 rows" and "of 129 to 256 rows"): 64
+    rows a program; up to 64 rows, columns so the programs number ~100-220 (32 up to 4096
+    columns, 64 up to 8192, else 128); more rows, 64 columns. Six pipeline stages, four at
+    128 columns. Scales per group (`grouped`: each K tile's product scaled as it is added)
+    take 128 columns past 128 rows, and past 64 on wide weights (a sweep of their own:
+    "Block-scaled weights"). A scale a row past 128 rows: 128 columns through TMA, six
+    stages where the programs fit one an SM, else four (two an SM fit in shared memory)."""
+    if m > 128 and not grouped:
+        programs = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+        return Fp8GemmConfig(64, 128, 128, 4, 6 if programs <= sms else 4, tma=True)
     block_n = 64
     if m <= 64:
         block_n = 32 if n <= 4096 else 64 if n <= 8192 else 128
@@ -99,12 +140,22 @@ def supports(m: int, n: int, k: int, group: int | None = None) -> bool:
 
 def preferred(m: int, n: int, k: int) -> bool:
     """Whether m rows of an [n, k] weight go here rather than to cuBLASLt (_scaled_mm):
-    where the same sweep found it faster: up to 64 rows every 8B GEMM; up to 128 rows
-    those of 8192 columns or fewer; up to 256 those of 4096 (o, down). Past that
-    cuBLASLt's 128 x 128 tiles are full and at least level."""
+    where the sweeps found it faster or level: up to 64 rows every 8B GEMM; up to 256 rows
+    those of 8192 columns or fewer (q|k|v, o, down). Past that cuBLASLt's 128 x 128 tiles
+    are full and at least level."""
     if not supports(m, n, k):
         return False
-    return m <= 64 or (m <= 128 and n <= 8192) or (m <= 256 and n <= 4096)
+    return m <= 64 or (m <= 256 and n <= 8192)
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_takes(t: torch.Tensor) -> bool:
+    """TMA reads rows whose start and stride are 16-byte aligned."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -115,9 +166,9 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     are the K tiles); [M, N] in out_dtype."""
     m, k = xq.shape
     n, groups = w.shape[0], w_scale.shape[1]
-    cfg = cfg or config(m, n, k, groups > 1)
+    cfg = cfg or config(m, n, k, groups > 1, _sms(xq.device) if xq.is_cuda else 132)
     if groups > 1:
-        cfg = cfg._replace(block_k=k // groups)
+        cfg = cfg._replace(block_k=k // groups, tma=False)
         if x_scale.shape != (m, groups) or not supports(m, n, k, cfg.block_k):
             raise ValueError(f"scales of {groups} groups over K {k} (x: "
                              f"{tuple(x_scale.shape)}) are not the kernel's K tiles")
@@ -128,8 +179,17 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
         raise ValueError("the FP8 GEMM takes rows of unit stride and contiguous scales")
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(m, cfg.block_m) * (n // cfg.block_n),)
+    bias_arg = bias if bias is not None else w_scale  # (not read without a bias)
+    if cfg.tma and _tma_takes(xq) and _tma_takes(w):
+        _fp8_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]), x_scale, w_scale,
+            bias_arg, out, m, out.stride(0), K=k, HAS_BIAS=bias is not None,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        return out
     _fp8_gemm_kernel[grid](
-        xq, w, x_scale, w_scale, bias if bias is not None else w_scale, out, m, xq.stride(0),
+        xq, w, x_scale, w_scale, bias_arg, out, m, xq.stride(0),
         w.stride(0), out.stride(0), N=n, K=k, HAS_BIAS=bias is not None, BM=cfg.block_m,
         BN=cfg.block_n, BK=cfg.block_k, GROUPS=groups, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
