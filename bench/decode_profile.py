@@ -346,8 +346,8 @@ def main() -> None:
                         "dequantized weight")
     p.add_argument("--fp8-gemm-configs", nargs="+", default=[],
                    help="with --gemm-fp8 (past 8 rows) or --gemm-block: Triton FP8 GEMM tiles "
-                        "to time, each block_m,block_n,block_k,num_warps,num_stages (block_k "
-                        "is the group under --gemm-block)")
+                        "to time, each block_m,block_n,block_k,num_warps,num_stages[,1: tiles "
+                        "through TMA descriptors] (block_k is the group under --gemm-block)")
     p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")

@@ -269,7 +269,8 @@ def test_w8a8_gemm_tiles_and_where_it_serves():
     assert preferred(17, 28672, 4096) and preferred(64, 28672, 4096)
     assert not preferred(65, 28672, 4096) and preferred(128, 6144, 4096)
     assert preferred(256, 4096, 14336) and preferred(256, 6144, 4096)
-    assert not preferred(256, 28672, 4096)
+    assert not preferred(256, 28672, 4096) and not preferred(128, 28672, 4096)
+    assert preferred(129, 28672, 4096) and preferred(192, 28672, 4096)
     assert not preferred(257, 4096, 4096) and not preferred(32, 4160, 4096)
 
 

@@ -141,11 +141,12 @@ def supports(m: int, n: int, k: int, group: int | None = None) -> bool:
 def preferred(m: int, n: int, k: int) -> bool:
     """Whether m rows of an [n, k] weight go here rather than to cuBLASLt (_scaled_mm):
     where the sweeps found it faster or level: up to 64 rows every 8B GEMM; up to 256 rows
-    those of 8192 columns or fewer (q|k|v, o, down). Past that cuBLASLt's 128 x 128 tiles
-    are full and at least level."""
+    those of 8192 columns or fewer (q|k|v, o, down); 129 to 192 rows the wide ones too
+    (gate|up: cuBLASLt took 72-82 us there against 57-63 through TMA, and 63 at 256 rows).
+    Elsewhere cuBLASLt's 128 x 128 tiles are full and at least level."""
     if not supports(m, n, k):
         return False
-    return m <= 64 or (m <= 256 and n <= 8192)
+    return m <= 64 or (m <= 256 and n <= 8192) or 128 < m <= 192
 
 
 @functools.cache
