@@ -301,9 +301,10 @@ def test_ops_run_block_weights_past_the_decode_rows_through_the_block_gemm(
         ops.linear(x, static)
 
 
-def test_w8a8_gemm_reads_unaligned_rows_through_pointer_loads(interpreted, monkeypatch):
-    """TMA reads rows from 16-byte aligned addresses only: x rows that start elsewhere go
-    through the pointer-load kernel at the same tiles, with the same result."""
+def test_w8a8_gemm_reads_through_pointer_loads_where_tma_cannot(interpreted, monkeypatch):
+    """TMA reads rows from 16-byte aligned addresses only, and only Hopper and later have it:
+    x rows that start elsewhere, or a GPU without it, go through the pointer-load kernel at
+    the same tiles, with the same result."""
     g = interpreted("triton_fp8_gemm")
     w = fp8_weight(128, K, "dynamic", seed=3)
     xq, xs = quantize(tokens(150, 5).float(), K)
@@ -315,8 +316,10 @@ def test_w8a8_gemm_reads_unaligned_rows_through_pointer_loads(interpreted, monke
         monkeypatch.setattr(g, name, _Recorded(kernel, name, launched))
     aligned = g.fp8_gemm(xq, xs, w.data, w.scale, DT)
     unaligned = g.fp8_gemm(shifted, xs, w.data, w.scale, DT)
-    assert launched == ["_fp8_gemm_tma_kernel", "_fp8_gemm_kernel"]
-    assert torch.equal(aligned, unaligned)
+    monkeypatch.setattr(g, "_has_tma", lambda device: False)
+    no_tma = g.fp8_gemm(xq, xs, w.data, w.scale, DT)
+    assert launched == ["_fp8_gemm_tma_kernel", "_fp8_gemm_kernel", "_fp8_gemm_kernel"]
+    assert torch.equal(aligned, unaligned) and torch.equal(aligned, no_tma)
 
 
 class _Recorded:

@@ -30,7 +30,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:  # Triton 3.3 on: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -154,9 +158,19 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Hopper and later have the tensor memory accelerator (Ada's FP8 tensor cores do not);
+    the interpreter reads descriptors on the CPU."""
+    if TensorDescriptor is None:
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _tma_takes(t: torch.Tensor) -> bool:
     """TMA reads rows whose start and stride are 16-byte aligned."""
-    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    return (_has_tma(t.device) and t.data_ptr() % 16 == 0
+            and t.stride(0) * t.element_size() % 16 == 0)
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
