@@ -113,16 +113,18 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, str
                      pid_n * BN + tl.arange(0, BN), M, stride_cm, HAS_BIAS, True)
 
 
-def config(m: int, n: int, k: int, grouped: bool = False, sms: int = 132) -> Fp8GemmConfig:
+def config(m: int, n: int, k: int, grouped: bool = False, sms: int = 132,
+           tma: bool = True) -> Fp8GemmConfig:
     """Tiles for m rows of an [n, k] weight on a GPU of `sms` SMs, from sweeps on the 8B
     shapes (bench/RESULTS.md, "FP8 GEMMs of 16 to 512 rows" and "of 129 to 256 rows"): 64
     rows a program; up to 64 rows, columns so the programs number ~100-220 (32 up to 4096
     columns, 64 up to 8192, else 128); more rows, 64 columns. Six pipeline stages, four at
     128 columns. Scales per group (`grouped`: each K tile's product scaled as it is added)
     take 128 columns past 128 rows, and past 64 on wide weights (a sweep of their own:
-    "Block-scaled weights"). A scale a row past 128 rows: 128 columns through TMA, six
-    stages where the programs fit one an SM, else four (two an SM fit in shared memory)."""
-    if m > 128 and not grouped:
+    "Block-scaled weights"). A scale a row past 128 rows, on a GPU with TMA (`tma`): 128
+    columns through it, six stages where the programs fit one an SM, else four (two an SM
+    fit in Hopper's shared memory)."""
+    if m > 128 and not grouped and tma:
         programs = triton.cdiv(m, 64) * triton.cdiv(n, 128)
         return Fp8GemmConfig(64, 128, 128, 4, 6 if programs <= sms else 4, tma=True)
     block_n = 64
@@ -181,7 +183,8 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     are the K tiles); [M, N] in out_dtype."""
     m, k = xq.shape
     n, groups = w.shape[0], w_scale.shape[1]
-    cfg = cfg or config(m, n, k, groups > 1, _sms(xq.device) if xq.is_cuda else 132)
+    cfg = cfg or config(m, n, k, groups > 1, _sms(xq.device) if xq.is_cuda else 132,
+                        _has_tma(xq.device))
     if groups > 1:
         cfg = cfg._replace(block_k=k // groups, tma=False)
         if x_scale.shape != (m, groups) or not supports(m, n, k, cfg.block_k):
