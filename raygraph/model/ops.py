@@ -141,7 +141,8 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
         x, w.input_scale if w.activations == "static" else None)
     from raygraph.model import triton_fp8_gemm
 
-    if triton_fp8_gemm.preferred(xq.shape[0], w.shape[0], w.shape[1]):
+    if triton_fp8_gemm.preferred(xq.shape[0], w.shape[0], w.shape[1],
+                                 triton_fp8_gemm.has_tma(xq.device)):
         return triton_fp8_gemm.fp8_gemm(xq, x_scale, w.data, w.scale, x.dtype, bias)
     y = torch._scaled_mm(xq, w.data.t(), scale_a=x_scale,
                          scale_b=w.scale.view(1, -1), out_dtype=x.dtype)

@@ -144,14 +144,18 @@ def supports(m: int, n: int, k: int, group: int | None = None) -> bool:
     return n % 128 == 0 and k % 128 == 0
 
 
-def preferred(m: int, n: int, k: int) -> bool:
+def preferred(m: int, n: int, k: int, tma: bool = True) -> bool:
     """Whether m rows of an [n, k] weight go here rather than to cuBLASLt (_scaled_mm):
-    where the sweeps found it faster or level: up to 64 rows every 8B GEMM; up to 256 rows
-    those of 8192 columns or fewer (q|k|v, o, down); 129 to 192 rows the wide ones too
-    (gate|up: cuBLASLt took 72-82 us there against 57-63 through TMA, and 63 at 256 rows).
-    Elsewhere cuBLASLt's 128 x 128 tiles are full and at least level."""
+    where the sweeps found it faster or level: up to 64 rows every 8B GEMM. On a GPU with
+    TMA (`has_tma`), up to 256 rows those of 8192 columns or fewer (q|k|v, o, down) and
+    129 to 192 rows the wide ones too (gate|up: cuBLASLt took 72-82 us there against 57-63
+    through TMA, and 63 at 256 rows); without it the pointer-load tiles' measured range: up
+    to 128 rows of 8192 columns or fewer, up to 256 of 4096. Elsewhere cuBLASLt's 128 x 128
+    tiles are full and at least level."""
     if not supports(m, n, k):
         return False
+    if not tma:
+        return m <= 64 or (m <= 128 and n <= 8192) or (m <= 256 and n <= 4096)
     return m <= 64 or (m <= 256 and n <= 8192) or 128 < m <= 192
 
 
@@ -161,7 +165,7 @@ def _sms(device: torch.device) -> int:
 
 
 @functools.cache
-def _has_tma(device: torch.device) -> bool:
+def has_tma(device: torch.device) -> bool:
     """Hopper and later have the tensor memory accelerator (Ada's FP8 tensor cores do not);
     the interpreter reads descriptors on the CPU."""
     if TensorDescriptor is None:
@@ -171,7 +175,7 @@ def _has_tma(device: torch.device) -> bool:
 
 def _tma_takes(t: torch.Tensor) -> bool:
     """TMA reads rows whose start and stride are 16-byte aligned."""
-    return (_has_tma(t.device) and t.data_ptr() % 16 == 0
+    return (has_tma(t.device) and t.data_ptr() % 16 == 0
             and t.stride(0) * t.element_size() % 16 == 0)
 
 
@@ -184,7 +188,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     m, k = xq.shape
     n, groups = w.shape[0], w_scale.shape[1]
     cfg = cfg or config(m, n, k, groups > 1, _sms(xq.device) if xq.is_cuda else 132,
-                        _has_tma(xq.device))
+                        has_tma(xq.device))
     if groups > 1:
         cfg = cfg._replace(block_k=k // groups, tma=False)
         if x_scale.shape != (m, groups) or not supports(m, n, k, cfg.block_k):
