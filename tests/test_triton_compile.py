@@ -1,6 +1,7 @@
 """raygraph's Triton kernels compile for sm_90 (H100/H200) on any machine: Triton's front end
 and ptxas reject what its interpreter (tests/test_triton_*interpret.py) runs as plain
-Python, such as a call to a function that is not a kernel helper."""
+Python, such as a call to a function that is not a kernel helper. A kernel launched with
+programmatic dependent launch must also let the next kernel launch before it waits."""
 
 from __future__ import annotations
 

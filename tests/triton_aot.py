@@ -59,6 +59,16 @@ def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int,
                                    "launch_pdl": pdl})
 
 
+def check_pdl(name: str, kernel) -> None:
+    """A kernel launched with PDL lets the next one launch at its start, before it waits for
+    its inputs (raygraph/model/triton_pdl.py): in its PTX the trigger precedes the wait."""
+    ptx = kernel.asm["ptx"]
+    trigger = ptx.find("griddepcontrol.launch_dependents")
+    wait = ptx.find("griddepcontrol.wait")
+    if not 0 <= trigger < wait:
+        raise AssertionError(f"{name}: PDL trigger at {trigger}, wait at {wait} in its PTX")
+
+
 def attention_cases() -> list[Case]:
     from raygraph.model import triton_attention as ta
 
@@ -184,7 +194,9 @@ def other_cases() -> list[Case]:
 
 def main() -> int:
     for name, fn, constexprs, warps, types in attention_cases() + other_cases():
-        compile_kernel(fn, constexprs, warps, types)
+        kernel = compile_kernel(fn, constexprs, warps, types)
+        if any(p.name == "PDL" for p in fn.params):
+            check_pdl(name, kernel)
         print(f"compiled {name}", flush=True)
     return 0
 

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.triton_ops import to_cache
-from raygraph.model.triton_pdl import await_inputs, pdl
+from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 TILE = 64
 # verify chunks: rows a program attends for at most, and its warps (a tile of up to 32
@@ -66,6 +66,7 @@ def _decode_split_kernel(
     ROPE: tl.constexpr, VERIFY: tl.constexpr, CHUNKS: tl.constexpr, CH: tl.constexpr,
     CR: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_next(PDL)
     await_inputs(PDL)
     if CHUNKS:
         _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verify_ptr,
@@ -388,6 +389,7 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_
                          D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                          TILE: tl.constexpr, WINDOW: tl.constexpr, CASCADE: tl.constexpr,
                          PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr, PDL: tl.constexpr):
+    launch_next(PDL)
     await_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)

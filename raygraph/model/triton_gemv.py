@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
-from raygraph.model.triton_pdl import await_inputs, pdl
+from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
@@ -188,6 +188,7 @@ def _gemv1_kernel(
     weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
     row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
     a grouped weight's tile holds BK / GROUP groups."""
+    launch_next(PDL)
     pid = tl.program_id(0)
     if EPILOGUE == 2:
         rows = _pair_base(pid, BN // 2, HEAD_DIM) + tl.arange(0, BN // 2)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.triton_pdl import await_inputs, pdl
+from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max,
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, n, eps, fp8_max, inv_max,
                      min_scale, BLOCK: tl.constexpr, QUANT: tl.constexpr, KEEP: tl.constexpr,
                      PDL: tl.constexpr):
+    launch_next(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -62,6 +63,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, n, eps, fp8_
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, stride_x,
                          stride_r, n, eps, fp8_max, inv_max, min_scale, BLOCK: tl.constexpr,
                          QUANT: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+    launch_next(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -126,6 +128,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 @triton.jit
 def _argmax_kernel(x_ptr, out_ptr, stride, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_next(PDL)
     await_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)

@@ -4,18 +4,22 @@ later; GPU only).
 A decode step is a chain of ~8 kernels a layer, each streaming a weight it already knows
 while its input comes from the kernel before. Launched in order, every boundary costs a
 launch, a ramp-up of fresh loads and the previous kernel's tail. Launched with PDL, a
-kernel may start while the one before still runs: it issues its first weight loads, then
-`await_inputs` waits for the previous kernel's completion (and its writes), then lets the
-next kernel start in turn. Weights are not written inside a step (a worker with weight
-offload, which copies them in during the step, turns PDL off: `set_enabled`), so only weight
-loads may run before the wait; every write and every read of an activation comes after it.
-A caller at one row must pass weights no kernel of the same stream has just written.
+kernel may start while the one before still runs: each kernel lets the next one launch at
+its own start (`launch_next`), issues its first weight loads, then waits for the previous
+kernel's completion and its writes (`await_inputs`). So the next weight stream begins while
+a latency-bound kernel (a norm, the attention of one sequence) waits and works.
+
+Weights are not written inside a step (a worker with weight offload, which copies them in
+during the step, turns PDL off: `set_enabled`), so only weight loads may run before the
+wait; every write and every read of an activation comes after it. A caller at one row must
+pass weights no kernel of the same stream has just written.
 
 Only one-token steps launch this way (`pdl`). Each kernel launched with PDL calls
-`await_inputs` in every program before it writes or reads an activation, so completion stays
-transitive along the chain: a kernel completes only after the one before it did.
-Kernels launched without it (cuBLAS, torch ops, the cascade's two-stream attention) keep the
-plain stream order.
+`launch_next` first and `await_inputs` in every program before it writes or reads an
+activation, so completion stays transitive along the chain: a kernel completes only after
+the one before it did. Kernels launched without it (cuBLAS, torch ops, the cascade's
+two-stream attention) keep the plain stream order, and a kernel after one of them starts
+once it completed.
 
 `RAYGRAPH_PDL=0` launches everything in plain stream order (for comparison).
 """
@@ -36,12 +40,20 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off
 
 
 @triton.jit
+def launch_next(PDL: tl.constexpr):
+    """Under PDL: let the next kernel launch now, at this one's start. It launches once every
+    program of this one has started, so it never takes room this one still needs; its
+    programs then stream their first weight tiles while this one works. A no-op otherwise."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def await_inputs(PDL: tl.constexpr):
-    """Under PDL: wait until the previous kernel completed (its writes visible), then let the
-    next kernel launch (it prefetches its weights while this one runs). A no-op otherwise."""
+    """Under PDL: wait until the previous kernel completed (its writes visible). A no-op
+    otherwise."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 _enabled = True  # this process's switch (set_enabled)
