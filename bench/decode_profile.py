@@ -284,7 +284,8 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     """The decode attention kernels alone (as a served decode layer runs them: q and the
     new key rotated inside, the splits, the merge if any), replayed in a graph: microseconds
     a call and the KV read rate (GB/s, counting every sequence's keys), per config (keys per
-    tile, warps, stages[, splits]; "default": the shipped choice). Each call reads its own
+    tile, warps, stages[, splits (0: the default)[, 1: an FP8 cache's score dots in e4m3]];
+    "default": the shipped choice). Each call reads its own
     scattered blocks (`sets` disjoint table sets, as different layers would), so small
     cases do not live in L2. shared > 0: every table of a set starts with the same blocks
     holding `shared` keys (a cached system prompt), and each config is timed without and
@@ -308,14 +309,16 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     kv_bytes = batch * context * kv_heads * head_dim * 2 * kc.element_size()
     row: dict = {"batch": batch, "context": context}
     for cfg in [None, *configs]:
-        tiles, splits = (cfg[:3], cfg[3] if len(cfg) > 3 else None) if cfg else (None, None)
+        cfg = cfg or ()
+        tiles, splits, e4m3 = cfg[:3] or None, (cfg[3:4] or [0])[0] or None, cfg[4:5] == (1,)
         for cascade in [False, True] if shared else [False]:
 
-            def call(i: int, tiles=tiles, splits=splits, cascade=cascade) -> torch.Tensor:
+            def call(i: int, tiles=tiles, splits=splits, e4m3=e4m3, cascade=cascade
+                     ) -> torch.Tensor:
                 return paged_decode_attention(  # stores the step's K/V, as in a step
                     q, kc, vc, tables[i % sets], lens, head_dim**-0.5, k_new, k_new,
                     tiles=tiles, splits=splits, shared_len=shared_len if cascade else None,
-                    rope=rope)
+                    rope=rope, e4m3_dots=e4m3)
 
             name = str(cfg or "default") + ("+cascade" if cascade else "")
             try:
@@ -348,8 +351,10 @@ def main() -> None:
                    help="with --gemm-fp8 (past 8 rows) or --gemm-block: Triton FP8 GEMM tiles "
                         "to time, each block_m,block_n,block_k,num_warps,num_stages[,1: tiles "
                         "through TMA descriptors] (block_k is the group under --gemm-block)")
-    p.add_argument("--attention", nargs="*", default=None, metavar="TILE,WARPS,STAGES[,SPLITS]",
-                   help="time the decode attention kernel alone over --cases, per config")
+    p.add_argument("--attention", nargs="*", default=None,
+                   metavar="TILE,WARPS,STAGES[,SPLITS[,E4M3]]",
+                   help="time the decode attention kernel alone over --cases, per config "
+                        "(SPLITS 0: the default; E4M3 1: an FP8 cache's score dots in e4m3)")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")
     p.add_argument("--kv-fp8", action="store_true", help="--attention: an FP8 (e4m3) cache")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",

@@ -98,6 +98,8 @@ def attention_cases() -> list[Case]:
         ("decode split, FP8 cache", ta._decode_split_kernel,
          decode | dict(STAGES=ta.DECODE_TILES_FP8[2]), ta.DECODE_TILES_FP8[1],
          {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
+        ("decode split, FP8 cache, e4m3 score dots", ta._decode_split_kernel,
+         decode | dict(PRECISION="e4m3", STAGES=3), 4, {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
         ("decode one split, rotary", ta._decode_split_kernel,
          decode | dict(SPLITS=1, TOTAL=1, ROPE=True), 2, rope),
         ("decode one split, cascade, rotary", ta._decode_split_kernel,
@@ -197,6 +199,8 @@ def main() -> int:
         kernel = compile_kernel(fn, constexprs, warps, types)
         if any(p.name == "PDL" for p in fn.params):
             check_pdl(name, kernel)
+        if constexprs.get("PRECISION") == "e4m3" and "e4m3.e4m3" not in kernel.asm["ptx"]:
+            raise AssertionError(f"{name}: its score dots are not FP8 tensor-core dots")
         print(f"compiled {name}", flush=True)
     return 0
 

@@ -147,31 +147,55 @@ def _split_range(first, end, split, SPLITS: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
+def _query_rows(q, PRECISION: tl.constexpr):
+    """(q as the score dots take it, its scale a row). PRECISION "e4m3" (an FP8 cache):
+    q in e4m3, each row scaled so its largest magnitude is 448; else q and ones."""
+    q_scale = tl.full([q.shape[0]], 1.0, tl.float32)
+    if PRECISION == "e4m3":
+        amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        q_scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
+    return q, q_scale
+
+
+@triton.jit
+def _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
             stride_kb, stride_ks, stride_ch, BS: tl.constexpr, TILE: tl.constexpr,
             PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """Keys [start, end) of one block table into the online softmax of the rows of q. An
-    FP8 cache is read back as float16 (one conversion an element pair; to bfloat16 it takes
-    three) and q meets it in float16, clamped to its range."""
+    """Keys [start, end) of one block table into the online softmax of the rows of q (the
+    scores times q_scale, from _query_rows). An FP8 cache is read back as float16 (one
+    conversion an element pair; to bfloat16 it takes three) and q meets it in float16,
+    clamped to its range; or (PRECISION "e4m3") K's tiles meet q in e4m3 as they are read,
+    the tile's keys as the dot's rows (the FP8 tensor cores take 64 rows or more), and only
+    V is widened."""
     t = tl.arange(0, TILE)
-    if k_ptr.dtype.element_ty == tl.float8e4nv:
+    E4M3: tl.constexpr = PRECISION == "e4m3"
+    if k_ptr.dtype.element_ty == tl.float8e4nv and not E4M3:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    row_scale = q_scale * scale
     for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
         pos = pos0 + t
         kmask = pos < end
         blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
         off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
             + d[None, :]
-        # [TILE, D], in the queries' dtype
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+        # [TILE, D], in the queries' dtype (V in float16 under e4m3 dots)
+        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
+        if E4M3:
+            v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float16)
+            scores = tl.trans(tl.dot(k, tl.trans(q)))  # [rows, TILE]
+        else:
+            k = k.to(q.dtype)
+            v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = scores * row_scale[:, None]
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision="tf32" if E4M3 else PRECISION)
         m = m_new
     return m, l_sum, acc
 
@@ -206,10 +230,11 @@ def _store_key(k_ptr, v_ptr, table_ptr, pos, kvh, d, k, v, stride_kb, stride_ks,
 
 
 @triton.jit
-def _fold_key(q, k, v, m, l_sum, acc, scale, visible):
-    """One key and value into the online softmax of the rows of q that see it (`visible`,
-    a row mask or True): a rank-1 update. A row that has seen no key yet stays empty."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale
+def _fold_key(q, q_scale, k, v, m, l_sum, acc, scale, visible):
+    """One key and value into the online softmax of the rows of q (scaled by q_scale, as
+    _attend takes them) that see it (`visible`, a row mask or True): a rank-1 update. A row
+    that has seen no key yet stays empty."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * q_scale * scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -255,17 +280,18 @@ def _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verif
         q = _load_rotated(q_ptr, rows[:, None] * stride_qt + heads[:, None] * stride_qh,
                           valid[:, None], qpos[:, None], cos_ptr, sin_ptr, stride_c,
                           d[None, :], D, ROPE)  # [CR, D]
+        q, q_scale = _query_rows(q, PRECISION)
         m = tl.full([CR], float("-inf"), tl.float32)
         l_sum = tl.zeros([CR], tl.float32)
         acc = tl.zeros([CR, D], tl.float32)
-        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
-                                scale, 0, base, kvh, d, stride_kb, stride_ks, stride_ch, BS,
-                                TILE, PRECISION, STAGES)
+        m, l_sum, acc = _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr,
+                                tables_ptr + b * stride_bt, scale, 0, base, kvh, d,
+                                stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION, STAGES)
         for j in tl.range(0, ahead + 1):
             k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh,
                                 tl.maximum(base + j, 0), cos_ptr, sin_ptr, stride_kt,
                                 stride_kh, stride_vt, stride_vh, stride_c, d, D, ROPE)
-            m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale,
+            m, l_sum, acc = _fold_key(q, q_scale, k_j, v_j, m, l_sum, acc, scale,
                                       (i >= j) & (seq_len > 0))
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -311,12 +337,14 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
     if start < end:  # NOTE: an empty split stores nothing; the merge skips it the same way
         q = _load_rotated(q_ptr, b * stride_qt + heads[:, None] * stride_qh, gmask[:, None],
                           pos, cos_ptr, sin_ptr, stride_c, d[None, :], D, ROPE)  # [G, D]
+        q, q_scale = _query_rows(q, PRECISION)
         cached_end = end
         if STORE:  # this step's keys are folded in after the loop, from registers
             cached_end = tl.minimum(end, last - ahead)
-        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
-                                scale, start, cached_end, kvh, d, stride_kb, stride_ks,
-                                stride_ch, BS, TILE, PRECISION, STAGES)
+        m, l_sum, acc = _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr,
+                                tables_ptr + b * stride_bt, scale, start, cached_end, kvh,
+                                d, stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION,
+                                STAGES)
         if STORE:
             for j in tl.range(0, ahead):  # the verify chunk's earlier tokens
                 at = last - ahead + j
@@ -324,10 +352,12 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                     k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh, at,
                                         cos_ptr, sin_ptr, stride_kt, stride_kh, stride_vt,
                                         stride_vh, stride_c, d, D, ROPE)
-                    m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale, True)
+                    m, l_sum, acc = _fold_key(q, q_scale, k_j, v_j, m, l_sum, acc, scale,
+                                              True)
             if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop
                 # cost ~50% of the kernel (a layout conversion every tile); one rank-1 update
-                m, l_sum, acc = _fold_key(q, k_last, v_last, m, l_sum, acc, scale, True)
+                m, l_sum, acc = _fold_key(q, q_scale, k_last, v_last, m, l_sum, acc, scale,
+                                          True)
         if SPLITS > 1:
             _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m,
                             l_sum, acc, gmask, d, D)
@@ -374,12 +404,13 @@ def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, co
         q = _load_rotated(q_ptr, seq[:, None] * stride_qt + heads[:, None] * stride_qh,
                           rmask[:, None], pos[:, None], cos_ptr, sin_ptr, stride_c, d[None, :],
                           D, ROPE)  # [ROWS, D]
+        q, q_scale = _query_rows(q, PRECISION)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, scale, start, end,
-                                kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION,
-                                STAGES)
+        m, l_sum, acc = _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, scale,
+                                start, end, kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE,
+                                PRECISION, STAGES)
         _store_partials(ml_ptr, acc_ptr, (seq * NUM_HEADS + heads) * TOTAL + SPLITS + split,
                         m, l_sum, acc, rmask, d, D)
 
@@ -483,6 +514,7 @@ def paged_decode_attention(
     prefix_splits: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     verify_row: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    e4m3_dots: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
     Sequence b's query is row b of q, which may have more rows (a mixed step's: the rows
@@ -494,7 +526,9 @@ def paged_decode_attention(
     before each row's newest key (0: none); cascade programs attend over them once for the
     batch (not with a window). rope: the (cos, sin) tables [max_pos, D/2]; q and k_new are
     then unrotated and are rotated here, at position seq_len - 1. `tiles`, `splits` and
-    `prefix_splits` override the defaults (the bench's sweep)."""
+    `prefix_splits` override the defaults (the bench's sweep). e4m3_dots (an FP8 cache): the
+    scores' dots take q in e4m3 (a scale a query row) and K's tiles as stored, on the FP8
+    tensor cores where a program has a warp group (4 warps); V is still widened."""
     # q: [B+, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -527,6 +561,8 @@ def paged_decode_attention(
                              or cos.shape[1] * 2 != head_dim):
         raise ValueError("rotary tables must be [max_pos, head_dim / 2], alike")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if e4m3_dots and k_cache.dtype == torch.float8_e4m3fn:
+        precision = "e4m3"
     shared = shared_len if cascade else seq_lens  # (not read without the cascade)
     # the prefix programs and the sequences' splits are independent until the merge: on a
     # GPU they run side by side on two streams (in a graph: two branches). At one split
