@@ -115,6 +115,8 @@ def attention_cases() -> list[Case]:
         ("prefill", ta._prefill_kernel, prefill, 4, {}),
         ("prefill, FP8 cache", ta._prefill_kernel, prefill, 4,
          {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
+        ("prefill, FP8 cache, e4m3 score dots", ta._prefill_kernel,
+         prefill | dict(PRECISION="e4m3"), 4, {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
         ("prefill, head 80, window", ta._prefill_kernel,
          prefill | dict(D=80, D_PAD=128, WINDOW=37), 8, {}),
     ]

@@ -506,6 +506,14 @@ def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TI
     return min(splits, max(MIN_SPLITS, triton.next_power_of_2(-(-MAX_PROGRAMS // pairs))))
 
 
+def _precision(q: torch.Tensor, k_cache: torch.Tensor, e4m3_dots: bool) -> str:
+    """The dots' inputs: "e4m3" (scores, over an FP8 cache, when asked), "ieee" for float32
+    queries (tl.dot would round them to tf32), else "tf32" (not read for 16-bit inputs)."""
+    if e4m3_dots and k_cache.dtype == torch.float8_e4m3fn:
+        return "e4m3"
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
@@ -560,9 +568,7 @@ def paged_decode_attention(
     if rope is not None and (cos.stride(0) != sin.stride(0) or cos.stride(1) != 1
                              or cos.shape[1] * 2 != head_dim):
         raise ValueError("rotary tables must be [max_pos, head_dim / 2], alike")
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if e4m3_dots and k_cache.dtype == torch.float8_e4m3fn:
-        precision = "e4m3"
+    precision = _precision(q, k_cache, e4m3_dots)
     shared = shared_len if cascade else seq_lens  # (not read without the cascade)
     # the prefix programs and the sequences' splits are independent until the merge: on a
     # GPU they run side by side on two streams (in a graph: two branches). At one split
@@ -616,11 +622,13 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, end, d, dmask,
-                  scale_log2, stride_kb, stride_ks, stride_kh, stride_bt, BS: tl.constexpr,
+                  row_scale, stride_kb, stride_ks, stride_kh, stride_bt, BS: tl.constexpr,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys into the online softmax; MASK=False: every key is visible to every
-    query row (tiles wholly below the causal diagonal)."""
+    """One tile of keys into the online softmax (scores times row_scale, a query row's);
+    MASK=False: every key is visible to every query row (tiles wholly below the causal
+    diagonal). PRECISION "e4m3": q arrives in e4m3 and meets K's tiles as stored; V is
+    widened to float16."""
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASK:
         kmask = pos < end
@@ -638,8 +646,13 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     else:
         k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # in the queries' dtype (float16 over an FP8 cache)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if PRECISION == "e4m3":
+        v = v.to(tl.float16)
+        s = tl.dot(q, tl.trans(k))
+    else:  # in the queries' dtype (float16 over an FP8 cache)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = s * row_scale[:, None]
     if MASK:
         seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
         if WINDOW > 0:
@@ -653,7 +666,8 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="tf32"
+                                        if PRECISION == "e4m3" else PRECISION)
     return acc, m_new, l_sum
 
 
@@ -739,10 +753,12 @@ def _prefill_block(
         q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt
                     + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
-        if k_ptr.dtype.element_ty == tl.float8e4nv:
+        if k_ptr.dtype.element_ty == tl.float8e4nv and PRECISION != "e4m3":
             # e4m3 widens to float16 in one conversion an element pair (to bfloat16 in
             # three); q meets it there, clamped to float16's range
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q, q_scale = _query_rows(q, PRECISION)
+        row_scale = q_scale * scale_log2
         end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)  # past the block's last query
         if WINDOW > 0:  # every tile masked: the window's lower edge crosses them
             start = tl.maximum(0, prefix + q0 - WINDOW + 1) // BLOCK_N * BLOCK_N
@@ -755,12 +771,12 @@ def _prefill_block(
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
         for n0 in range(start, diag, BLOCK_N):
             acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
-                                          kvh, qpos, end, d, dmask, scale_log2, stride_kb,
+                                          kvh, qpos, end, d, dmask, row_scale, stride_kb,
                                           stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
                                           False, D == D_PAD, PRECISION)
         for n0 in range(diag, end, BLOCK_N):
             acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
-                                          kvh, qpos, end, d, dmask, scale_log2, stride_kb,
+                                          kvh, qpos, end, d, dmask, row_scale, stride_kb,
                                           stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
                                           True, D == D_PAD, PRECISION)
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -789,7 +805,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, window: int = 0,
     out: torch.Tensor | None = None, tiles: PrefillTiles | None = None,
-    skip_one: bool = False,
+    skip_one: bool = False, e4m3_dots: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' paged keys (prefix and the
     chunk itself, already stored): prefill, chunked prefill and mixed steps alike.
@@ -801,6 +817,8 @@ def paged_prefill_attention(
     the last positions of its seq_lens[b] keys; padding sequences are empty. Every bound is
     read on the device, so the launch depends only on T and B: a captured graph serves every
     composition of its bucket. window > 0: each query sees only its last `window` keys.
+    e4m3_dots (an FP8 cache): the scores' dots take q in e4m3 (a scale a query row) and K's
+    tiles as stored, on the FP8 tensor cores; V is still widened.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -825,7 +843,7 @@ def paged_prefill_attention(
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BS=block_size, BLOCK_N=block_n, WINDOW=window,
-        ZERO_BLOCKS=ZERO_BLOCKS, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ZERO_BLOCKS=ZERO_BLOCKS, PRECISION=_precision(q, k_cache, e4m3_dots),
         SKIP_ONE=skip_one, num_warps=warps, num_stages=stages,
     )
     return out
