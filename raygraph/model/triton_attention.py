@@ -29,11 +29,14 @@ run side by side on two streams (two branches of a captured graph). The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
 
-Over 500 lines because the three kernels (splits, cascade, merge) share their tile and
-bounds logic and are launched together; apart, each would repeat it.
+An FP8 cache is read back as float16, q meeting it there; or, with `e4m3_dots`, the
+scores' dots take q in e4m3 (a scale a query row) and K's tiles as stored, on the FP8
+tensor cores, which Triton uses from 64 dot rows: decode puts a tile's keys on the rows
+(S^T = K q^T). V is widened either way.
 
-Over 500 lines: decode (with its merge and the cascade's prefix kernel) and prefill share
-their tile loads, rotary and block-table indexing here.
+Over 500 lines because the three kernels (splits, cascade, merge) share their tile and
+bounds logic and are launched together; apart, each would repeat it. Decode and prefill
+share their tile loads, rotary, the query rows' dot operand and block-table indexing.
 """
 
 from __future__ import annotations
