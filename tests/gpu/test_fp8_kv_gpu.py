@@ -20,6 +20,21 @@ pytestmark = pytest.mark.gpu
 BS, HKV, GROUP, D = 16, 2, 4, 128
 
 
+def decode_batch(lens: list[int], spare: int = 0):
+    """FP8 caches of random entries (4x a normal's spread), one decode token per sequence of
+    `lens` keys on shuffled blocks of its own (`spare` blocks unused), and its metadata."""
+    dev = torch.device("cuda")
+    blocks = sum(-(-n // BS) for n in lens) + spare
+    kc = (4 * torch.randn(blocks + 1, BS, HKV, D, device=dev)).to(FP8_KV)
+    vc = (4 * torch.randn_like(kc, dtype=torch.float32)).to(FP8_KV)
+    perm, used, seqs = torch.randperm(blocks).tolist(), 0, []
+    for i, n in enumerate(lens):
+        nb = -(-n // BS)
+        seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
+        used += nb
+    return kc, vc, seqs, prepare_batch(StepPlan(0, seqs), BS, dev).ctx.attn
+
+
 def test_kernels_store_and_read_fp8_as_the_reference_does():
     """Decode (the step's K/V stored by the kernel) and prefill over FP8 caches: the stored
     bytes equal torch's conversion, the outputs the reference's over the same caches."""
@@ -29,15 +44,7 @@ def test_kernels_store_and_read_fp8_as_the_reference_does():
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     lens = [1, 17, 100, 300]
-    blocks = sum(-(-n // BS) for n in lens) + 4
-    kc = (4 * torch.randn(blocks + 1, BS, HKV, D, device=dev)).to(FP8_KV)
-    vc = (4 * torch.randn_like(kc, dtype=torch.float32)).to(FP8_KV)
-    perm, used, seqs = torch.randperm(blocks).tolist(), 0, []
-    for i, n in enumerate(lens):
-        nb = -(-n // BS)
-        seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
-        used += nb
-    md = prepare_batch(StepPlan(0, seqs), BS, dev).ctx.attn
+    kc, vc, seqs, md = decode_batch(lens, spare=4)
     q = torch.randn(len(lens), HKV * GROUP, D, device=dev, dtype=dt)
     k_new, v_new = 300 * torch.randn(2, len(lens), HKV, D, device=dev, dtype=dt)  # saturates
     ref_k, ref_v = kc.cpu(), vc.cpu()  # the torch path's store, on the host
@@ -67,18 +74,9 @@ def test_e4m3_score_dots_equal_the_reference_over_q_rounded_a_row(tiles):
     from raygraph.model.triton_attention import paged_decode_attention
 
     torch.manual_seed(1)
-    dev = torch.device("cuda")
     lens = [1, 40, 300, 700]
-    blocks = sum(-(-n // BS) for n in lens)
-    kc = (4 * torch.randn(blocks + 1, BS, HKV, D, device=dev)).to(FP8_KV)
-    vc = (4 * torch.randn_like(kc, dtype=torch.float32)).to(FP8_KV)
-    perm, used, seqs = torch.randperm(blocks).tolist(), 0, []
-    for i, n in enumerate(lens):
-        nb = -(-n // BS)
-        seqs.append(SeqChunk(i, [1], n - 1, perm[used: used + nb], True))
-        used += nb
-    md = prepare_batch(StepPlan(0, seqs), BS, dev).ctx.attn
-    q = torch.randn(len(lens), HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
+    kc, vc, _, md = decode_batch(lens)
+    q = torch.randn(len(lens), HKV * GROUP, D, device="cuda", dtype=torch.bfloat16)
     scale = q.float().abs().amax(-1, keepdim=True) / 448
     q_e4m3 = (q.float() / scale).to(FP8_KV).float() * scale
     ref = paged_attention_ref(q_e4m3, kc, vc, md, D**-0.5)
