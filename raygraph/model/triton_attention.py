@@ -32,7 +32,7 @@ cascade's programs exit at once) and any other length.
 An FP8 cache is read back as float16, q meeting it there; or, with `e4m3_dots`, the
 scores' dots take q in e4m3 (a scale a query row) and K's tiles as stored, on the FP8
 tensor cores, which Triton uses from 64 dot rows: decode puts a tile's keys on the rows
-(S^T = K q^T). V is widened either way.
+(S^T = K q^T, then O^T = V^T P^T). V is widened either way.
 
 Over 500 lines because the three kernels (splits, cascade, merge) share their tile and
 bounds logic and are launched together; apart, each would repeat it. Decode and prefill
@@ -162,44 +162,60 @@ def _query_rows(q, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb, stride_ks, stride_ch,
+             BS: tl.constexpr, TILE: tl.constexpr):
+    """K and V [TILE, D] as stored, of keys pos0.. of one block table (zeros from `end`),
+    and the keys' mask."""
+    pos = pos0 + tl.arange(0, TILE)
+    kmask = pos < end
+    blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
+    off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
+        + d[None, :]
+    k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
+    return k, tl.load(v_ptr + off, mask=kmask[:, None], other=0.0), kmask
+
+
+@triton.jit
 def _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
             stride_kb, stride_ks, stride_ch, BS: tl.constexpr, TILE: tl.constexpr,
             PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """Keys [start, end) of one block table into the online softmax of the rows of q (the
-    scores times q_scale, from _query_rows). An FP8 cache is read back as float16 (one
-    conversion an element pair; to bfloat16 it takes three) and q meets it in float16,
-    clamped to its range; or (PRECISION "e4m3") K's tiles meet q in e4m3 as they are read,
-    the tile's keys as the dot's rows (the FP8 tensor cores take 64 rows or more), and only
-    V is widened."""
-    t = tl.arange(0, TILE)
-    E4M3: tl.constexpr = PRECISION == "e4m3"
-    if k_ptr.dtype.element_ty == tl.float8e4nv and not E4M3:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    row_scale = q_scale * scale
-    for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
-        pos = pos0 + t
-        kmask = pos < end
-        blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
-        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
-            + d[None, :]
-        # [TILE, D], in the queries' dtype (V in float16 under e4m3 dots)
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
-        if E4M3:
-            v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float16)
-            scores = tl.trans(tl.dot(k, tl.trans(q)))  # [rows, TILE]
-        else:
-            k = k.to(q.dtype)
-            v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = scores * row_scale[:, None]
-        scores = tl.where(kmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision="tf32" if E4M3 else PRECISION)
-        m = m_new
+    """Keys [start, end) of one block table into the online softmax of the rows of q. An
+    FP8 cache is read back as float16 (one conversion an element pair; to bfloat16 it takes
+    three) and q meets it in float16, clamped to its range. PRECISION "e4m3" (q from
+    _query_rows, the scores times q_scale): the tile's keys are the dots' rows, since the
+    FP8 tensor cores take 64 rows or more: S^T = K q^T over K's e4m3 tile as read, then
+    O^T += V^T P^T in float16, the accumulator [D, rows] until the end."""
+    if PRECISION == "e4m3":
+        row_scale = q_scale * scale
+        acc_t = tl.trans(acc)
+        for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
+            k, v, kmask = _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb,
+                                   stride_ks, stride_ch, BS, TILE)
+            s_t = tl.dot(k, tl.trans(q)) * row_scale[None, :]  # [TILE, rows]
+            s_t = tl.where(kmask[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s_t, axis=0))
+            p_t = tl.exp(s_t - m_new[None, :])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p_t, axis=0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float16)),
+                                                    p_t.to(tl.float16))
+            m = m_new
+        acc = tl.trans(acc_t)
+    else:
+        if k_ptr.dtype.element_ty == tl.float8e4nv:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
+            k, v, kmask = _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb,
+                                   stride_ks, stride_ch, BS, TILE)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # [TILE, D], in the queries' dtype
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+            scores = tl.where(kmask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
     return m, l_sum, acc
 
 
