@@ -300,6 +300,8 @@ def main() -> None:
                         "chunks beside 248 decode rows; 256 sequence rows; --blocks 24576)")
     add_weight_flags(p, "; with --profile (--kv-cache-dtype: --sweep too)")
     a = p.parse_args()
+    if a.e4m3_dots and not (a.sweep and a.kv_cache_dtype == "fp8"):
+        p.error("--e4m3-dots times --sweep over an FP8 cache: add --sweep --kv-cache-dtype fp8")
     model = bench_model(a.preset, a.load_format if a.profile else "auto")
     if a.sweep:
         cfg = ServeConfig(model=model, device="cuda", graph=GraphConfig(mode="eager"),
