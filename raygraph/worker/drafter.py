@@ -13,6 +13,10 @@ kept, and so where the newest token sits, is read on the device, with no host sy
 proposal runs past a sequence's blocks it writes into lookahead blocks of its own, which
 nothing reads after that proposal (the verify step recomputes those positions). Only the
 rank that samples drafts: its proposals return with the step's tokens.
+
+Over 500 lines because the two proposers are subclasses of one Drafter, which holds what
+they share (the KV binding, the graphs of each pass and proposal loop, the staging of a
+proposal's inputs); apart, each would repeat it.
 """
 
 from __future__ import annotations
