@@ -285,8 +285,8 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     new key rotated inside, the splits, the merge if any), replayed in a graph: microseconds
     a call and the KV read rate (GB/s, counting every sequence's keys), per config (keys per
     tile, warps, stages[, splits (0: the default)[, 1: an FP8 cache's score dots in e4m3]];
-    "default": the shipped choice). Each call reads its own
-    scattered blocks (`sets` disjoint table sets, as different layers would), so small
+    "default": the shipped choice). Each call reads its own scattered blocks (`sets`
+    disjoint table sets, as different layers would), so small
     cases do not live in L2. shared > 0: every table of a set starts with the same blocks
     holding `shared` keys (a cached system prompt), and each config is timed without and
     with the cascade ("+cascade")."""
@@ -310,7 +310,9 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     row: dict = {"batch": batch, "context": context}
     for cfg in [None, *configs]:
         cfg = cfg or ()
-        tiles, splits, e4m3 = cfg[:3] or None, (cfg[3:4] or [0])[0] or None, cfg[4:5] == (1,)
+        tiles = cfg[:3] or None
+        splits = cfg[3] if len(cfg) > 3 and cfg[3] else None
+        e4m3 = len(cfg) > 4 and cfg[4] == 1
         for cascade in [False, True] if shared else [False]:
 
             def call(i: int, tiles=tiles, splits=splits, e4m3=e4m3, cascade=cascade
