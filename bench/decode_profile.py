@@ -284,10 +284,9 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
     """The decode attention kernels alone (as a served decode layer runs them: q and the
     new key rotated inside, the splits, the merge if any), replayed in a graph: microseconds
     a call and the KV read rate (GB/s, counting every sequence's keys), per config (keys per
-    tile, warps, stages[, splits (0: the default)[, 1: an FP8 cache's score dots in e4m3]];
-    "default": the shipped choice). Each call reads its own scattered blocks (`sets`
-    disjoint table sets, as different layers would), so small
-    cases do not live in L2. shared > 0: every table of a set starts with the same blocks
+    tile, warps, stages[, splits (0: the default)]; "default": the shipped choice). Each call
+    reads its own scattered blocks (`sets` disjoint table sets, as different layers would),
+    so small cases do not live in L2. shared > 0: every table of a set starts with the same blocks
     holding `shared` keys (a cached system prompt), and each config is timed without and
     with the cascade ("+cascade")."""
     from raygraph.model.triton_attention import paged_decode_attention
@@ -312,15 +311,13 @@ def attention_row(batch: int, context: int, configs: list[tuple[int, ...]], head
         cfg = cfg or ()
         tiles = cfg[:3] or None
         splits = cfg[3] if len(cfg) > 3 and cfg[3] else None
-        e4m3 = len(cfg) > 4 and cfg[4] == 1
         for cascade in [False, True] if shared else [False]:
 
-            def call(i: int, tiles=tiles, splits=splits, e4m3=e4m3, cascade=cascade
-                     ) -> torch.Tensor:
+            def call(i: int, tiles=tiles, splits=splits, cascade=cascade) -> torch.Tensor:
                 return paged_decode_attention(  # stores the step's K/V, as in a step
                     q, kc, vc, tables[i % sets], lens, head_dim**-0.5, k_new, k_new,
                     tiles=tiles, splits=splits, shared_len=shared_len if cascade else None,
-                    rope=rope, e4m3_dots=e4m3)
+                    rope=rope)
 
             name = str(cfg or "default") + ("+cascade" if cascade else "")
             try:
@@ -354,9 +351,9 @@ def main() -> None:
                         "to time, each block_m,block_n,block_k,num_warps,num_stages[,1: tiles "
                         "through TMA descriptors] (block_k is the group under --gemm-block)")
     p.add_argument("--attention", nargs="*", default=None,
-                   metavar="TILE,WARPS,STAGES[,SPLITS[,E4M3]]",
+                   metavar="TILE,WARPS,STAGES[,SPLITS]",
                    help="time the decode attention kernel alone over --cases, per config "
-                        "(SPLITS 0: the default; E4M3 1: an FP8 cache's score dots in e4m3)")
+                        "(SPLITS 0: the default)")
     p.add_argument("--head-dim", type=int, default=64, help="--attention: the head size")
     p.add_argument("--kv-fp8", action="store_true", help="--attention: an FP8 (e4m3) cache")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="KEYS",

@@ -238,10 +238,9 @@ def profile(worker: Worker, blocks: int, mixed: bool = False) -> None:
                           **graph_kernels(graph, top=30)}), flush=True)
 
 
-def sweep(worker: Worker, blocks: int, e4m3_dots: bool = False) -> None:
+def sweep(worker: Worker, blocks: int) -> None:
     """Tile configs of the prefill kernel, one layer's attention replayed in a graph (no
-    launch overhead) on the issue's compositions: microseconds per call. e4m3_dots (an FP8
-    cache): each config also with the scores' dots in e4m3."""
+    launch overhead) on the issue's compositions: microseconds per call."""
     from raygraph.model.triton_attention import paged_prefill_attention
 
     layer = worker.model.attention_layers()[0]
@@ -253,15 +252,15 @@ def sweep(worker: Worker, blocks: int, e4m3_dots: bool = False) -> None:
         q = torch.randn(num * n, layer.num_heads, layer.head_dim, device="cuda",
                         dtype=worker.dtype)
         cases.append((f"{num}x{n}", md, q))
-    for tiles, e4m3 in [((r, n, w, st), e) for r in (64, 128, 256) for n in (32, 64, 128)
-                        for w in (4, 8) for st in (1, 2, 3) for e in {False, e4m3_dots}]:
-        row = {"tiles": tiles, "e4m3_dots": e4m3}
+    for tiles in [(r, n, w, st) for r in (64, 128, 256) for n in (32, 64, 128)
+                  for w in (4, 8) for st in (1, 2, 3)]:
+        row = {"tiles": tiles}
         try:
             for name, md, q in cases:
-                def call(md=md, q=q, tiles=tiles, e4m3=e4m3):
+                def call(md=md, q=q, tiles=tiles):
                     return paged_prefill_attention(q, layer.k_cache, layer.v_cache,
                                                    md.block_tables, md.seq_lens, md.query_start,
-                                                   layer.scale, tiles=tiles, e4m3_dots=e4m3)
+                                                   layer.scale, tiles=tiles)
                 call()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -290,9 +289,6 @@ def main() -> None:
     p.add_argument("--no-ops", dest="ops", action="store_false",
                    help="skip the attention-op comparison with the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernel's tile configs only")
-    p.add_argument("--e4m3-dots", action="store_true",
-                   help="--sweep with --kv-cache-dtype fp8: each config also with the scores' "
-                        "dots in e4m3 (q rounded a row)")
     p.add_argument("--profile", action="store_true",
                    help="kernel times inside the full 2048-token prefill graph only")
     p.add_argument("--mixed", action="store_true",
@@ -300,8 +296,6 @@ def main() -> None:
                         "chunks beside 248 decode rows; 256 sequence rows; --blocks 24576)")
     add_weight_flags(p, "; with --profile (--kv-cache-dtype: --sweep too)")
     a = p.parse_args()
-    if a.e4m3_dots and not (a.sweep and a.kv_cache_dtype == "fp8"):
-        p.error("--e4m3-dots times --sweep over an FP8 cache: add --sweep --kv-cache-dtype fp8")
     model = bench_model(a.preset, a.load_format if a.profile else "auto")
     if a.sweep:
         cfg = ServeConfig(model=model, device="cuda", graph=GraphConfig(mode="eager"),
@@ -310,7 +304,7 @@ def main() -> None:
         worker = Worker(cfg, 0)
         worker.load(("127.0.0.1", 0))
         worker.allocate_kv_cache(a.blocks)
-        return sweep(worker, a.blocks, a.e4m3_dots)
+        return sweep(worker, a.blocks)
     rate = matmul_rate()
     if a.profile:
         print(json.dumps({"matmul_tflops": round(rate / 1e12, 1),

@@ -101,8 +101,6 @@ def attention_cases() -> list[Case]:
         ("decode split, FP8 cache", ta._decode_split_kernel,
          decode | dict(STAGES=ta.DECODE_TILES_FP8[2]), ta.DECODE_TILES_FP8[1],
          {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
-        ("decode split, FP8 cache, e4m3 score dots", ta._decode_split_kernel,
-         decode | dict(PRECISION="e4m3", STAGES=3), 4, {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
         ("decode one split, rotary", ta._decode_split_kernel,
          decode | dict(SPLITS=1, TOTAL=1, ROPE=True), 2, rope),
         ("decode one split, cascade, rotary", ta._decode_split_kernel,
@@ -118,8 +116,6 @@ def attention_cases() -> list[Case]:
         ("prefill", ta._prefill_kernel, prefill, 4, {}),
         ("prefill, FP8 cache", ta._prefill_kernel, prefill, 4,
          {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
-        ("prefill, FP8 cache, e4m3 score dots", ta._prefill_kernel,
-         prefill | dict(PRECISION="e4m3"), 4, {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}),
         ("prefill, head 80, window", ta._prefill_kernel,
          prefill | dict(D=80, D_PAD=128, WINDOW=37), 8, {}),
     ]
@@ -201,9 +197,7 @@ def other_cases() -> list[Case]:
 
 def main() -> int:
     for name, fn, constexprs, warps, types in attention_cases() + other_cases():
-        kernel = compile_kernel(fn, constexprs, warps, types)
-        if constexprs.get("PRECISION") == "e4m3" and "e4m3.e4m3" not in kernel.asm["ptx"]:
-            raise AssertionError(f"{name}: its score dots are not FP8 tensor-core dots")
+        compile_kernel(fn, constexprs, warps, types)
         print(f"compiled {name}", flush=True)
     return 0
 

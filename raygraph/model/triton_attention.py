@@ -29,14 +29,11 @@ run side by side on two streams (two branches of a captured graph). The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
 
-An FP8 cache is read back as float16, q meeting it there; or, with `e4m3_dots`, the
-scores' dots take q in e4m3 (a scale a query row) and K's tiles as stored, on the FP8
-tensor cores, which Triton uses from 64 dot rows: decode puts a tile's keys on the rows
-(S^T = K q^T, then O^T = V^T P^T). V is widened either way.
-
 Over 500 lines because the three kernels (splits, cascade, merge) share their tile and
-bounds logic and are launched together; apart, each would repeat it. Decode and prefill
-share their tile loads, rotary, the query rows' dot operand and block-table indexing.
+bounds logic and are launched together; apart, each would repeat it.
+
+Over 500 lines: decode (with its merge and the cascade's prefix kernel) and prefill share
+their tile loads, rotary and block-table indexing here.
 """
 
 from __future__ import annotations
@@ -150,72 +147,32 @@ def _split_range(first, end, split, SPLITS: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _query_rows(q, PRECISION: tl.constexpr):
-    """(q as the score dots take it, its scale a row). PRECISION "e4m3" (an FP8 cache):
-    q in e4m3, each row scaled so its largest magnitude is 448; else q and ones."""
-    q_scale = tl.full([q.shape[0]], 1.0, tl.float32)
-    if PRECISION == "e4m3":
-        amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
-        q_scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
-    return q, q_scale
-
-
-@triton.jit
-def _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb, stride_ks, stride_ch,
-             BS: tl.constexpr, TILE: tl.constexpr):
-    """K and V [TILE, D] as stored, of keys pos0.. of one block table (zeros from `end`),
-    and the keys' mask."""
-    pos = pos0 + tl.arange(0, TILE)
-    kmask = pos < end
-    blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
-    off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
-        + d[None, :]
-    k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
-    return k, tl.load(v_ptr + off, mask=kmask[:, None], other=0.0), kmask
-
-
-@triton.jit
-def _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
+def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
             stride_kb, stride_ks, stride_ch, BS: tl.constexpr, TILE: tl.constexpr,
             PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """Keys [start, end) of one block table into the online softmax of the rows of q. An
     FP8 cache is read back as float16 (one conversion an element pair; to bfloat16 it takes
-    three) and q meets it in float16, clamped to its range. PRECISION "e4m3" (q from
-    _query_rows, the scores times q_scale): the tile's keys are the dots' rows, since the
-    FP8 tensor cores take 64 rows or more: S^T = K q^T over K's e4m3 tile as read, then
-    O^T += V^T P^T in float16, the accumulator [D, rows] until the end."""
-    if PRECISION == "e4m3":
-        row_scale = q_scale * scale
-        acc_t = tl.trans(acc)
-        for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
-            k, v, kmask = _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb,
-                                   stride_ks, stride_ch, BS, TILE)
-            s_t = tl.dot(k, tl.trans(q)) * row_scale[None, :]  # [TILE, rows]
-            s_t = tl.where(kmask[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s_t, axis=0))
-            p_t = tl.exp(s_t - m_new[None, :])
-            alpha = tl.exp(m - m_new)
-            l_sum = l_sum * alpha + tl.sum(p_t, axis=0)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float16)),
-                                                    p_t.to(tl.float16))
-            m = m_new
-        acc = tl.trans(acc_t)
-    else:
-        if k_ptr.dtype.element_ty == tl.float8e4nv:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
-            k, v, kmask = _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb,
-                                   stride_ks, stride_ch, BS, TILE)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # [TILE, D], in the queries' dtype
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
-            scores = tl.where(kmask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+    three) and q meets it in float16, clamped to its range."""
+    t = tl.arange(0, TILE)
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
+        pos = pos0 + t
+        kmask = pos < end
+        blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
+        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
+            + d[None, :]
+        # [TILE, D], in the queries' dtype
+        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+        scores = tl.where(kmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
     return m, l_sum, acc
 
 
@@ -249,11 +206,10 @@ def _store_key(k_ptr, v_ptr, table_ptr, pos, kvh, d, k, v, stride_kb, stride_ks,
 
 
 @triton.jit
-def _fold_key(q, q_scale, k, v, m, l_sum, acc, scale, visible):
-    """One key and value into the online softmax of the rows of q (scaled by q_scale, as
-    _attend takes them) that see it (`visible`, a row mask or True): a rank-1 update. A row
-    that has seen no key yet stays empty."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * q_scale * scale
+def _fold_key(q, k, v, m, l_sum, acc, scale, visible):
+    """One key and value into the online softmax of the rows of q that see it (`visible`,
+    a row mask or True): a rank-1 update. A row that has seen no key yet stays empty."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -299,18 +255,17 @@ def _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verif
         q = _load_rotated(q_ptr, rows[:, None] * stride_qt + heads[:, None] * stride_qh,
                           valid[:, None], qpos[:, None], cos_ptr, sin_ptr, stride_c,
                           d[None, :], D, ROPE)  # [CR, D]
-        q, q_scale = _query_rows(q, PRECISION)
         m = tl.full([CR], float("-inf"), tl.float32)
         l_sum = tl.zeros([CR], tl.float32)
         acc = tl.zeros([CR, D], tl.float32)
-        m, l_sum, acc = _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr,
-                                tables_ptr + b * stride_bt, scale, 0, base, kvh, d,
-                                stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION, STAGES)
+        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
+                                scale, 0, base, kvh, d, stride_kb, stride_ks, stride_ch, BS,
+                                TILE, PRECISION, STAGES)
         for j in tl.range(0, ahead + 1):
             k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh,
                                 tl.maximum(base + j, 0), cos_ptr, sin_ptr, stride_kt,
                                 stride_kh, stride_vt, stride_vh, stride_c, d, D, ROPE)
-            m, l_sum, acc = _fold_key(q, q_scale, k_j, v_j, m, l_sum, acc, scale,
+            m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale,
                                       (i >= j) & (seq_len > 0))
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -356,14 +311,12 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
     if start < end:  # NOTE: an empty split stores nothing; the merge skips it the same way
         q = _load_rotated(q_ptr, b * stride_qt + heads[:, None] * stride_qh, gmask[:, None],
                           pos, cos_ptr, sin_ptr, stride_c, d[None, :], D, ROPE)  # [G, D]
-        q, q_scale = _query_rows(q, PRECISION)
         cached_end = end
         if STORE:  # this step's keys are folded in after the loop, from registers
             cached_end = tl.minimum(end, last - ahead)
-        m, l_sum, acc = _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr,
-                                tables_ptr + b * stride_bt, scale, start, cached_end, kvh,
-                                d, stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION,
-                                STAGES)
+        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
+                                scale, start, cached_end, kvh, d, stride_kb, stride_ks,
+                                stride_ch, BS, TILE, PRECISION, STAGES)
         if STORE:
             for j in tl.range(0, ahead):  # the verify chunk's earlier tokens
                 at = last - ahead + j
@@ -371,12 +324,10 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                     k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh, at,
                                         cos_ptr, sin_ptr, stride_kt, stride_kh, stride_vt,
                                         stride_vh, stride_c, d, D, ROPE)
-                    m, l_sum, acc = _fold_key(q, q_scale, k_j, v_j, m, l_sum, acc, scale,
-                                              True)
+                    m, l_sum, acc = _fold_key(q, k_j, v_j, m, l_sum, acc, scale, True)
             if last < end:  # NOTE: a merge of the tile's path with k_last inside the loop
                 # cost ~50% of the kernel (a layout conversion every tile); one rank-1 update
-                m, l_sum, acc = _fold_key(q, q_scale, k_last, v_last, m, l_sum, acc, scale,
-                                          True)
+                m, l_sum, acc = _fold_key(q, k_last, v_last, m, l_sum, acc, scale, True)
         if SPLITS > 1:
             _store_partials(ml_ptr, acc_ptr, (b * NUM_HEADS + heads) * TOTAL + split, m,
                             l_sum, acc, gmask, d, D)
@@ -423,13 +374,12 @@ def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, co
         q = _load_rotated(q_ptr, seq[:, None] * stride_qt + heads[:, None] * stride_qh,
                           rmask[:, None], pos[:, None], cos_ptr, sin_ptr, stride_c, d[None, :],
                           D, ROPE)  # [ROWS, D]
-        q, q_scale = _query_rows(q, PRECISION)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        m, l_sum, acc = _attend(q, q_scale, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, scale,
-                                start, end, kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE,
-                                PRECISION, STAGES)
+        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, scale, start, end,
+                                kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION,
+                                STAGES)
         _store_partials(ml_ptr, acc_ptr, (seq * NUM_HEADS + heads) * TOTAL + SPLITS + split,
                         m, l_sum, acc, rmask, d, D)
 
@@ -525,14 +475,6 @@ def num_splits(max_tokens: int, num_seqs: int, num_kv_heads: int, tile: int = TI
     return min(splits, max(MIN_SPLITS, triton.next_power_of_2(-(-MAX_PROGRAMS // pairs))))
 
 
-def _precision(q: torch.Tensor, k_cache: torch.Tensor, e4m3_dots: bool) -> str:
-    """The dots' inputs: "e4m3" (scores, over an FP8 cache, when asked), "ieee" for float32
-    queries (tl.dot would round them to tf32), else "tf32" (not read for 16-bit inputs)."""
-    if e4m3_dots and k_cache.dtype == torch.float8_e4m3fn:
-        return "e4m3"
-    return "ieee" if q.dtype == torch.float32 else "tf32"
-
-
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
@@ -541,7 +483,6 @@ def paged_decode_attention(
     prefix_splits: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     verify_row: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    e4m3_dots: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
     Sequence b's query is row b of q, which may have more rows (a mixed step's: the rows
@@ -553,9 +494,7 @@ def paged_decode_attention(
     before each row's newest key (0: none); cascade programs attend over them once for the
     batch (not with a window). rope: the (cos, sin) tables [max_pos, D/2]; q and k_new are
     then unrotated and are rotated here, at position seq_len - 1. `tiles`, `splits` and
-    `prefix_splits` override the defaults (the bench's sweep). e4m3_dots (an FP8 cache): the
-    scores' dots take q in e4m3 (a scale a query row) and K's tiles as stored, on the FP8
-    tensor cores where a program has a warp group (4 warps); V is still widened."""
+    `prefix_splits` override the defaults (the bench's sweep)."""
     # q: [B+, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -587,7 +526,7 @@ def paged_decode_attention(
     if rope is not None and (cos.stride(0) != sin.stride(0) or cos.stride(1) != 1
                              or cos.shape[1] * 2 != head_dim):
         raise ValueError("rotary tables must be [max_pos, head_dim / 2], alike")
-    precision = _precision(q, k_cache, e4m3_dots)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shared = shared_len if cascade else seq_lens  # (not read without the cascade)
     # the prefix programs and the sequences' splits are independent until the merge: on a
     # GPU they run side by side on two streams (in a graph: two branches). At one split
@@ -641,13 +580,11 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, end, d, dmask,
-                  row_scale, stride_kb, stride_ks, stride_kh, stride_bt, BS: tl.constexpr,
+                  scale_log2, stride_kb, stride_ks, stride_kh, stride_bt, BS: tl.constexpr,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys into the online softmax (scores times row_scale, a query row's);
-    MASK=False: every key is visible to every query row (tiles wholly below the causal
-    diagonal). PRECISION "e4m3": q arrives in e4m3 and meets K's tiles as stored; V is
-    widened to float16."""
+    """One tile of keys into the online softmax; MASK=False: every key is visible to every
+    query row (tiles wholly below the causal diagonal)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASK:
         kmask = pos < end
@@ -665,13 +602,8 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     else:
         k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
-    if PRECISION == "e4m3":
-        v = v.to(tl.float16)
-        s = tl.dot(q, tl.trans(k))
-    else:  # in the queries' dtype (float16 over an FP8 cache)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    s = s * row_scale[:, None]
+    k, v = k.to(q.dtype), v.to(q.dtype)  # in the queries' dtype (float16 over an FP8 cache)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASK:
         seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
         if WINDOW > 0:
@@ -685,8 +617,7 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="tf32"
-                                        if PRECISION == "e4m3" else PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_sum
 
 
@@ -772,12 +703,10 @@ def _prefill_block(
         q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt
                     + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
-        if k_ptr.dtype.element_ty == tl.float8e4nv and PRECISION != "e4m3":
+        if k_ptr.dtype.element_ty == tl.float8e4nv:
             # e4m3 widens to float16 in one conversion an element pair (to bfloat16 in
             # three); q meets it there, clamped to float16's range
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        q, q_scale = _query_rows(q, PRECISION)
-        row_scale = q_scale * scale_log2
         end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)  # past the block's last query
         if WINDOW > 0:  # every tile masked: the window's lower edge crosses them
             start = tl.maximum(0, prefix + q0 - WINDOW + 1) // BLOCK_N * BLOCK_N
@@ -790,12 +719,12 @@ def _prefill_block(
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
         for n0 in range(start, diag, BLOCK_N):
             acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
-                                          kvh, qpos, end, d, dmask, row_scale, stride_kb,
+                                          kvh, qpos, end, d, dmask, scale_log2, stride_kb,
                                           stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
                                           False, D == D_PAD, PRECISION)
         for n0 in range(diag, end, BLOCK_N):
             acc, m, l_sum = _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b,
-                                          kvh, qpos, end, d, dmask, row_scale, stride_kb,
+                                          kvh, qpos, end, d, dmask, scale_log2, stride_kb,
                                           stride_ks, stride_kh, stride_bt, BS, BLOCK_N, WINDOW,
                                           True, D == D_PAD, PRECISION)
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -824,7 +753,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, window: int = 0,
     out: torch.Tensor | None = None, tiles: PrefillTiles | None = None,
-    skip_one: bool = False, e4m3_dots: bool = False,
+    skip_one: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' paged keys (prefix and the
     chunk itself, already stored): prefill, chunked prefill and mixed steps alike.
@@ -836,8 +765,6 @@ def paged_prefill_attention(
     the last positions of its seq_lens[b] keys; padding sequences are empty. Every bound is
     read on the device, so the launch depends only on T and B: a captured graph serves every
     composition of its bucket. window > 0: each query sees only its last `window` keys.
-    e4m3_dots (an FP8 cache): the scores' dots take q in e4m3 (a scale a query row) and K's
-    tiles as stored, on the FP8 tensor cores; V is still widened.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -862,7 +789,7 @@ def paged_prefill_attention(
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BS=block_size, BLOCK_N=block_n, WINDOW=window,
-        ZERO_BLOCKS=ZERO_BLOCKS, PRECISION=_precision(q, k_cache, e4m3_dots),
+        ZERO_BLOCKS=ZERO_BLOCKS, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SKIP_ONE=skip_one, num_warps=warps, num_stages=stages,
     )
     return out

@@ -66,48 +66,6 @@ def test_kernels_store_and_read_fp8_as_the_reference_does():
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("tiles", [(64, 4, 3), (64, 2, 5)])
-def test_e4m3_score_dots_equal_the_reference_over_q_rounded_a_row(tiles):
-    """e4m3_dots over an FP8 cache (four warps: the FP8 tensor cores' warp group; two: the
-    compiler's other path): the reference's output over q rounded to e4m3 a row (its
-    largest magnitude to 448), with a split and without."""
-    from raygraph.model.triton_attention import paged_decode_attention
-
-    torch.manual_seed(1)
-    lens = [1, 40, 300, 700]
-    kc, vc, _, md = decode_batch(lens)
-    q = torch.randn(len(lens), HKV * GROUP, D, device="cuda", dtype=torch.bfloat16)
-    scale = q.float().abs().amax(-1, keepdim=True) / 448
-    q_e4m3 = (q.float() / scale).to(FP8_KV).float() * scale
-    ref = paged_attention_ref(q_e4m3, kc, vc, md, D**-0.5)
-    for splits in (1, 4):
-        got = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, D**-0.5,
-                                     tiles=tiles, splits=splits, e4m3_dots=True)
-        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-def test_e4m3_score_dots_in_prefill_equal_the_reference_over_q_rounded_a_row():
-    """The prefill kernel's e4m3_dots over an FP8 cache (a chunk after cached keys, a short
-    prompt): the reference's output over q rounded to e4m3 a row."""
-    from raygraph.model.triton_attention import paged_prefill_attention
-
-    torch.manual_seed(2)
-    dev = torch.device("cuda")
-    kc = (4 * torch.randn(64, BS, HKV, D, device=dev)).to(FP8_KV)
-    vc = (4 * torch.randn_like(kc, dtype=torch.float32)).to(FP8_KV)
-    perm = torch.randperm(63).tolist()
-    seqs = [SeqChunk(0, [1] * 300, 200, perm[:32], True),
-            SeqChunk(1, [1] * 7, 0, perm[32:33], True)]
-    md = prepare_batch(StepPlan(0, seqs), BS, dev).ctx.attn
-    q = torch.randn(md.num_tokens, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
-    scale = q.float().abs().amax(-1, keepdim=True) / 448
-    ref = paged_attention_ref((q.float() / scale).to(FP8_KV).float() * scale, kc, vc, md,
-                              D**-0.5)
-    got = paged_prefill_attention(q, kc, vc, md.block_tables, md.seq_lens, md.query_start,
-                                  D**-0.5, e4m3_dots=True)
-    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
-
-
 def test_graph_tokens_equal_eager_with_an_fp8_cache(gpu_llama):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 90, 130, 7, 60)]
