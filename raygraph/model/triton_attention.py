@@ -29,14 +29,17 @@ run side by side on two streams (two branches of a captured graph). The
 prefix's length is read on the device, so one captured graph serves 0 (no prefix: the
 cascade's programs exit at once) and any other length.
 
-Over 500 lines because the three kernels (splits, cascade, merge) share their tile and
-bounds logic and are launched together; apart, each would repeat it.
+An FP8 cache's V tiles are widened to float16 as loaded and meet P V's dot as float16
+(`_values`); K's meet q (in float16) in the dot's operand layout.
 
-Over 500 lines: decode (with its merge and the cascade's prefix kernel) and prefill share
-their tile loads, rotary and block-table indexing here.
+Over 500 lines: decode (its splits, merge and the cascade's prefix kernel) and prefill
+share their tile loads, bounds, rotary and block-table indexing here; apart, each would
+repeat them.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -46,6 +49,8 @@ from raygraph.model.triton_ops import to_cache
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 TILE = 64
+# Triton's interpreter runs no PTX: there _values converts as torch does
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 # verify chunks: rows a program attends for at most, and its warps (a tile of up to 32
 # query rows)
 CHUNK_ROWS, CHUNK_WARPS = 8, 4
@@ -164,7 +169,7 @@ def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d
             + d[None, :]
         # [TILE, D], in the queries' dtype
         k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
+        v = _values(tl.load(v_ptr + off, mask=kmask[:, None], other=0.0), q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -174,6 +179,22 @@ def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     return m, l_sum, acc
+
+
+@triton.jit
+def _values(v, dtype: tl.constexpr):
+    """A V tile in `dtype`. An e4m3 tile is widened to float16 as loaded (four values a
+    register, one conversion a pair), then meets P V's dot through shared memory as float16
+    (`ldmatrix.trans`). A plain cast would be moved to after the dot's operand layout, where
+    each thread gathers V's pairs of keys from shared memory a byte at a time; the asm is
+    marked impure so that it stays where it is."""
+    w = v.to(dtype)  # (the interpreter runs no PTX)
+    if (v.dtype == tl.float8e4nv) and not INTERPRETED:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+            "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [v], dtype=tl.float16, is_pure=False,
+            pack=4)
+    return w
 
 
 @triton.jit
@@ -602,7 +623,7 @@ def _prefill_tile(q, acc, m, l_sum, n0, k_ptr, v_ptr, tables_ptr, b, kvh, qpos, 
     else:
         k = tl.load(k_ptr + off, mask=dmask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=dmask[None, :], other=0.0)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # in the queries' dtype (float16 over an FP8 cache)
+    k, v = k.to(q.dtype), _values(v, q.dtype)  # the queries' dtype (float16 over FP8)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASK:
         seen = kmask[None, :] & (pos[None, :] <= qpos[:, None])
