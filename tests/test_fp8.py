@@ -30,7 +30,7 @@ from raygraph.model import ops
 from raygraph.model.checkpoint import CheckpointError
 from raygraph.model.loader import build_model, check_checkpoint
 from raygraph.model.parallel import Comm
-from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight, fp8_weight
+from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight, check_fp8_device, fp8_weight
 from raygraph.protocol import SamplingParams
 from raygraph.worker.worker import Worker
 from tests.conftest import (
@@ -316,3 +316,21 @@ def test_the_scaled_mm_path_on_torchs_cpu_kernel(monkeypatch, activations: str) 
     want = F.linear(*ops.dense_operands(x.float(), weight), bias.float())
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * want.abs().max().item())
+
+
+@pytest.mark.parametrize("capability,weights,cache,refused", [
+    ((8, 0), True, False, "FP8 weights"), ((8, 6), False, True, "an FP8 KV cache"),
+    ((8, 0), False, False, None), ((8, 9), True, True, None), ((9, 0), True, True, None)])
+def test_fp8_is_refused_in_one_line_on_a_gpu_older_than_ada(monkeypatch, capability, weights,
+                                                            cache, refused) -> None:
+    """A GPU without e4m3 conversions (compute capability below 8.9) refuses FP8 weights or
+    an FP8 cache when the worker loads, naming both; nothing is asked of a CPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda", 0)
+    if refused is None:
+        check_fp8_device(cuda, weights, cache)
+    else:
+        with pytest.raises(ConfigError, match=rf"^{refused} .* 8\.9 or later .* is "
+                                              rf"{capability[0]}\.{capability[1]}$"):
+            check_fp8_device(cuda, weights, cache)
+    check_fp8_device(torch.device("cpu"), True, True)

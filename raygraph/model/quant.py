@@ -24,6 +24,8 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 INV_FP8_MAX = 1.0 / FP8_MAX
 # the smallest scale: an all-zero row or token quantizes to zeros, not to NaN
 MIN_SCALE = 1e-12
+# e4m3 conversions and FP8 tensor cores: Ada, Hopper and later
+FP8_CAPABILITY = (8, 9)
 # GEMMs of this many rows or fewer (decode) multiply x as it is, whatever the weight's
 # activation scheme: such a GEMM streams its weight, so rounding x to e4m3 first saves no
 # time (it costs a pass over x) and loses accuracy. Larger ones run on FP8 tensor cores.
@@ -53,6 +55,19 @@ class Fp8Weight:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W in `dtype`: [out, in]."""
         return dequantize(self.data, self.scale, self.group).to(dtype)
+
+
+def check_fp8_device(device: torch.device, weights: bool, cache: bool) -> None:
+    """FP8 weights or an FP8 KV cache on a GPU older than Ada: one clear error when the worker
+    loads, not a kernel compile failure at the first step. A CPU runs the reference path."""
+    if device.type != "cuda" or not (weights or cache):
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_CAPABILITY:
+        what = "FP8 weights (--quantization fp8 or an FP8 checkpoint) need" if weights else \
+            "an FP8 KV cache (--kv-cache-dtype fp8) needs"
+        raise ConfigError(f"{what} a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                          f"{device} is {major}.{minor}")
 
 
 def _per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:

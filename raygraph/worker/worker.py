@@ -39,6 +39,7 @@ from raygraph.memory.stats import MemoryStats, SleepStats
 from raygraph.model.loader import build_model
 from raygraph.model.ops import FP8_KV
 from raygraph.model.parallel import Comm
+from raygraph.model.quant import check_fp8_device
 from raygraph.process import freeze_heap, setup_logging
 from raygraph.protocol import (
     WORKER_CALLS,
@@ -200,6 +201,8 @@ class Worker:
             comm, ep_comm = self._groups()
         self.model_cfg = self.cfg.model_cfg()
         self.cfg.parallel.check_model(self.model_cfg)
+        check_fp8_device(self.device, self.model_cfg.quant is not None,
+                         self.cfg.cache.cache_dtype == "fp8")
         self.offload: OffloadEngine | None = None
         if self.cfg.offload.budget_bytes is None:
             self.model = build_model(self.model_cfg, comm, self.dtype, self.device, ep_comm,
