@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_speculative import served, spec_config
+from tests.test_speculative_served import served, spec_config
 
 pytestmark = pytest.mark.gpu
 
@@ -126,7 +126,7 @@ def test_an_eagle3_head_keeps_greedy_tokens(mode, blocks, eagle3_head):
 def test_eagle3_proposals_follow_the_heads_math_on_gpu(eagle3_head):
     """The proposals of the graphs (decode kernel, Triton GEMMs) against the head's math from
     scratch on the same GPU: 90% equal (different kernels round differently)."""
-    from tests.test_speculative import eagle3_reference
+    from tests.test_speculative_served import eagle3_reference
 
     record: dict = {}
     served("eagle3", "graph", 12, device="cuda", draft=eagle3_head, record=record)
