@@ -90,6 +90,21 @@ def test_top1_agreement_on_the_training_text(models) -> None:
     assert abs(r.ppl_fp8 / r.ppl_ref - 1) <= 0.01
 
 
+def test_as_served_logits_are_one_steps_where_nothing_is_rounded(models) -> None:
+    """The measure's served mode (a prompt in one step, then a decode step a token, each
+    reading the keys the steps before stored): the unquantized model's logits equal one
+    step's over the whole window to float32's tolerance; the FP8 model's decoded rows,
+    whose activations are not rounded at one row, differ from its one-step rows."""
+    measure, ref, fp8 = models
+    ids = measure.windows(inspect.getdoc(json))[0][:80]
+    torch.testing.assert_close(measure.logits(ref, ids, prompt=20), measure.logits(ref, ids),
+                               rtol=1e-4, atol=1e-4)
+    served, whole = measure.logits(fp8, ids, prompt=20), measure.logits(fp8, ids)
+    # the prompt's rows: the same math in a step of another shape
+    torch.testing.assert_close(served[:20], whole[:20], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(served[20:], whole[20:], rtol=1e-4, atol=1e-4)
+
+
 def test_the_option_as_flag_keyword_and_toml(tmp_path: Path) -> None:
     from raygraph.cli import add_serve_args, serve_config
 
