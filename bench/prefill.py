@@ -15,7 +15,7 @@ to 2048 tokens captured first; capture seconds, graph memory and launches report
   ~10 ms, bench/RESULTS.md).
 - 2048-token steps (1 x 2048, 16 x 128, 64 x 32) against the GEMM floor:
   2 x parameters x tokens / the bf16 matmul rate of an 8192^3 torch.mm measured here.
-Also, per layer, the attention op alone on the issue's compositions: the torch reference
+Also, per layer, the attention op alone on the served prefill compositions: the torch reference
 (first call, then warm) against the Triton kernel.
 """
 
@@ -110,7 +110,7 @@ def _ms(fn, *args) -> list[float]:
 
 
 def attention_ops(worker: Worker, blocks: int) -> list[dict]:
-    """One layer's attention on the issue's compositions: reference first/warm vs kernel."""
+    """One layer's attention on the served prefill compositions: reference first/warm vs kernel."""
     from raygraph.model.ops import paged_attention_ref
     from raygraph.model.triton_attention import paged_prefill_attention
 
@@ -240,7 +240,7 @@ def profile(worker: Worker, blocks: int, mixed: bool = False) -> None:
 
 def sweep(worker: Worker, blocks: int) -> None:
     """Tile configs of the prefill kernel, one layer's attention replayed in a graph (no
-    launch overhead) on the issue's compositions: microseconds per call."""
+    launch overhead) on the served prefill compositions: microseconds per call."""
     from raygraph.model.triton_attention import paged_prefill_attention
 
     layer = worker.model.attention_layers()[0]

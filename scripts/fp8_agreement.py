@@ -6,7 +6,7 @@ tests/test_fp8_kv.py assert on the same measure.
 --as-served P computes the compared model's logits as serving does: each window's first P
 tokens in one prefill step (past DECODE_ROWS rows its GEMMs round activations to e4m3),
 then every later token in a decode step of its own (one row: activations as they are),
-and compares the positions decoded.
+and compares the predictions of the decoded tokens.
 
     python scripts/fp8_agreement.py FILE [--model DIR] [--windows N] [--kv-cache-dtype fp8]
         [--quantization auto|fp8] [--as-served P]

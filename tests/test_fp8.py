@@ -320,17 +320,20 @@ def test_the_scaled_mm_path_on_torchs_cpu_kernel(monkeypatch, activations: str) 
 
 @pytest.mark.parametrize("capability,weights,cache,refused", [
     ((8, 0), True, False, "FP8 weights"), ((8, 6), False, True, "an FP8 KV cache"),
+    ((8, 6), True, True, "FP8 weights .* and an FP8 KV cache"),
     ((8, 0), False, False, None), ((8, 9), True, True, None), ((9, 0), True, True, None)])
 def test_fp8_is_refused_in_one_line_on_a_gpu_older_than_ada(monkeypatch, capability, weights,
                                                             cache, refused) -> None:
-    """A GPU without e4m3 conversions (compute capability below 8.9) refuses FP8 weights or
-    an FP8 cache when the worker loads, naming both; nothing is asked of a CPU."""
+    """A GPU without e4m3 conversions (compute capability below 8.9) refuses FP8 weights and
+    an FP8 cache when the worker loads, naming what asked for FP8 and the GPU's capability;
+    nothing is asked of a CPU."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda", 0)
     if refused is None:
         check_fp8_device(cuda, weights, cache)
     else:
-        with pytest.raises(ConfigError, match=rf"^{refused} .* 8\.9 or later .* is "
-                                              rf"{capability[0]}\.{capability[1]}$"):
+        with pytest.raises(ConfigError, match=rf"^{refused} .* on cuda:0: compute capability "
+                                              rf"{capability[0]}\.{capability[1]}; FP8 needs "
+                                              r"8\.9 or later"):
             check_fp8_device(cuda, weights, cache)
     check_fp8_device(torch.device("cpu"), True, True)

@@ -8,6 +8,7 @@ offsets, fp32 for split partials, bf16 otherwise, unless a case says), the rest 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import triton
@@ -203,17 +204,39 @@ def other_cases() -> list[Case]:
     ]
 
 
-# kernels whose FP8 V tiles must reach the tensor cores as float16 through `ldmatrix`,
-# never gathered from shared memory a byte at a time (triton_attention._values); at the 8B's
-# head (at 64 the newest key's fold, after the loop, gathers a few bytes)
-NO_BYTE_GATHERS = {"decode one split, FP8 cache, head 128, rotary"}
+def no_byte_gathers(ptx: str) -> str | None:
+    """An FP8 V tile reaches the tensor cores as float16 through `ldmatrix`, never gathered
+    from shared memory a byte at a time (triton_attention._values)."""
+    if re.search(r"ld\.shared(\.v[24])?\.b8\b", ptx):
+        return "reads its V tiles a byte at a time"
+    return None
+
+
+def loads_after_the_wait(ptx: str) -> str | None:
+    """Under PDL, no global load and no async copy before the wait for the previous kernel
+    (a pipelined loop's prologue must follow `await_inputs`)."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = min((i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0),
+                default=len(ptx))
+    return None if 0 <= wait < first else "loads before its PDL wait"
+
+
+# PTX checks by case: at the 8B's head (at 64 the newest key's fold, after the loop, gathers a
+# few bytes), and the row kernel's pipelined runs
+PTX_CHECKS = {"decode one split, FP8 cache, head 128, rotary": no_byte_gathers,
+              "row gemv fp8 + silu*mul, runs pipelined": loads_after_the_wait}
 
 
 def main() -> int:
-    for name, fn, constexprs, warps, types in attention_cases() + other_cases():
+    cases = attention_cases() + other_cases()
+    unknown = set(PTX_CHECKS) - {name for name, *_ in cases}
+    if unknown:
+        raise AssertionError(f"PTX checks for no case: {sorted(unknown)}")
+    for name, fn, constexprs, warps, types in cases:
         kernel = compile_kernel(fn, constexprs, warps, types)
-        if name in NO_BYTE_GATHERS and "ld.shared.b8" in kernel.asm["ptx"]:
-            raise AssertionError(f"{name}: reads its V tiles a byte at a time")
+        problem = PTX_CHECKS[name](kernel.asm["ptx"]) if name in PTX_CHECKS else None
+        if problem:
+            raise AssertionError(f"{name}: {problem}")
         print(f"compiled {name}", flush=True)
     return 0
 

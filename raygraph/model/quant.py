@@ -64,10 +64,11 @@ def check_fp8_device(device: torch.device, weights: bool, cache: bool) -> None:
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < FP8_CAPABILITY:
-        what = "FP8 weights (--quantization fp8 or an FP8 checkpoint) need" if weights else \
-            "an FP8 KV cache (--kv-cache-dtype fp8) needs"
-        raise ConfigError(f"{what} a GPU of compute capability 8.9 or later (Ada, Hopper); "
-                          f"{device} is {major}.{minor}")
+        what = " and ".join(n for n, on in (
+            ("FP8 weights (--quantization fp8 or an FP8 checkpoint)", weights),
+            ("an FP8 KV cache (--kv-cache-dtype fp8)", cache)) if on)
+        raise ConfigError(f"{what} on {device}: compute capability {major}.{minor}; FP8 needs "
+                          "8.9 or later (Ada, Hopper)")
 
 
 def _per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:

@@ -189,7 +189,7 @@ def _values(v, dtype: tl.constexpr):
     each thread gathers V's pairs of keys from shared memory a byte at a time; the asm is
     marked impure so that it stays where it is."""
     w = v.to(dtype)  # (the interpreter runs no PTX)
-    if (v.dtype == tl.float8e4nv) and not INTERPRETED:
+    if (v.dtype == tl.float8e4nv) and (dtype == tl.float16) and not INTERPRETED:
         w = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
             "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [v], dtype=tl.float16, is_pure=False,

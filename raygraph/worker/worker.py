@@ -229,6 +229,7 @@ class Worker:
             triton_pdl.set_enabled(self.offload is None)
         draft = self.cfg.draft_cfg() if self.samples else None
         if draft is not None:  # before the KV cache is sized around what is in use
+            check_fp8_device(self.device, draft.quant is not None, False)
             self.drafter = make_drafter(self.cfg, draft, self.model, self.dtype, self.device)
             self.sleep_memory.take_drafter(self.drafter, self.model)
             # the drafter's time in a step (catch-up, proposal): two, as for the host copies
