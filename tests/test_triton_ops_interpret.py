@@ -96,21 +96,6 @@ def test_skinny_gemms_with_their_epilogues(interpreted, m):
                                **tol)
 
 
-def test_the_row_kernels_pipelined_runs_equal_its_prefetched_runs(interpreted):
-    """The row kernel over runs of 64 (four a row), its next run loaded by hand (1 stage) or
-    its runs pipelined (3): the same products summed in the same order, so the same values,
-    plain with a bias (100 rows: the last tile masked) and gate|up with silu*mul."""
-    gemv = interpreted("triton_gemv")
-    torch.manual_seed(3)
-    x = torch.randn(1, 256, dtype=torch.float16)
-    w, bias = torch.randn(100, 256, dtype=torch.float16) * 0.05, torch.randn(100).half()
-    gu = torch.randn(2 * 64, 256, dtype=torch.float16) * 0.05
-    for sum_each in (False, True):
-        by_hand, piped = (gemv.GemvConfig(4, 64, 4, stages, sum_each) for stages in (1, 3))
-        assert torch.equal(gemv.gemv(x, w, bias, piped), gemv.gemv(x, w, bias, by_hand))
-        assert torch.equal(gemv.gemv_silu_mul(x, gu, piped), gemv.gemv_silu_mul(x, gu, by_hand))
-
-
 def test_the_row_kernel_takes_only_runs_that_divide_k():
     """The row kernel's K runs are not masked: a run that does not divide K (a tuning
     sweep's config) is refused before it reads past a row; the ones row_config picks divide

@@ -181,15 +181,13 @@ def _gemv1_kernel(
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
     GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
     weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
     row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
-    a grouped weight's tile holds BK / GROUP groups. STAGES 1: each program loads its next
-    tile one run ahead, the first before its input is ready (PDL); more: Triton pipelines
-    the runs' loads STAGES - 1 ahead through shared memory, all after the input is ready."""
+    a grouped weight's tile holds BK / GROUP groups."""
     launch_next(PDL)
     pid = tl.program_id(0)
     if EPILOGUE == 2:
@@ -210,34 +208,23 @@ def _gemv1_kernel(
     width: tl.constexpr = 1 if SUM_EACH else BK
     acc = tl.zeros([rows.shape[0], width], tl.float32)
     acc_b = tl.zeros([rows.shape[0], width], tl.float32)
-    if STAGES > 1:
-        await_inputs(PDL)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
-            w = tl.load(w_a + k0, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-            acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
-            if EPILOGUE != 0:
-                wb = tl.load(w_b + k0, eviction_policy="evict_first")
-                acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
-    else:
-        # the first tiles load before the input is ready (PDL), each next one ahead of its use
-        w = tl.load(w_a, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-        wb = w
+    # the first tiles load before the input is ready (PDL), each next one ahead of its use
+    w = tl.load(w_a, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+    wb = w
+    if EPILOGUE != 0:
+        wb = tl.load(w_b, eviction_policy="evict_first")
+    await_inputs(PDL)
+    for k0 in range(0, K, BK):
+        more = k0 + BK < K
+        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
+        w_next = tl.load(w_a + k0 + BK, mask=nmask[:, None] & more, other=0.0,
+                         eviction_policy="evict_first")
+        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
+        w = w_next
         if EPILOGUE != 0:
-            wb = tl.load(w_b, eviction_policy="evict_first")
-        await_inputs(PDL)
-        for k0 in range(0, K, BK):
-            more = k0 + BK < K
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
-            w_next = tl.load(w_a + k0 + BK, mask=nmask[:, None] & more, other=0.0,
-                             eviction_policy="evict_first")
-            acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
-            w = w_next
-            if EPILOGUE != 0:
-                wb_next = tl.load(w_b + k0 + BK, mask=more, other=0.0,
-                                  eviction_policy="evict_first")
-                acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
-                wb = wb_next
+            wb_next = tl.load(w_b + k0 + BK, mask=more, other=0.0, eviction_policy="evict_first")
+            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
+            wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if FP8 and GROUP == K:
@@ -390,8 +377,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
             raise ValueError(f"runs of {fixed['BK']} do not divide K {k}")
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, STAGES=cfg.num_stages,
-            **fixed, **pdl(x, 1))
+            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
