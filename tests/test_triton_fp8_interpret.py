@@ -84,18 +84,19 @@ def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     return F.linear(activations_as_quantized(x, w).float(), w32, b32)
 
 
-def row_cfg(gemv, m: int, sum_each: bool = False):
-    """M = 1: tiles of 256 columns (two groups, two tiles over K), whole or each tile summed
-    as it is read; else the defaults."""
-    return gemv.GemvConfig(4, 256, 4, 1, sum_each) if m == 1 else None
+# the row kernel's tiles (M = 1): runs of 256 columns (two groups, two runs over K), whole
+# or each summed as it is read; runs of 128 two ahead; one run of 1024 of which K fills half
+ROW_TILES = {"whole": (4, 256, 4, 1), "summed": (4, 256, 4, 1, True),
+             "two ahead": (4, 128, 4, 2, True), "past K": (4, 1024, 4, 1, True)}
 
 
-@pytest.mark.parametrize("m, sum_each", [(1, False), (1, True), (3, False), (8, False)])
+@pytest.mark.parametrize("m, tile", [(1, "whole"), (1, "summed"), (1, "two ahead"),
+                                     (1, "past K"), (3, None), (8, None)])
 @pytest.mark.parametrize("activations", ["none", "dynamic"])
 @pytest.mark.parametrize("group", [K, 128])
-def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m, sum_each):
+def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m, tile):
     gemv = exact_e4m3
-    cfg = row_cfg(gemv, m, sum_each)
+    cfg = gemv.GemvConfig(*ROW_TILES[tile]) if tile else None
     seed = m + group + len(activations)
     x = tokens(m, seed)
     w = fp8_weight(96, group, activations, seed)  # 96: not a multiple of the tile

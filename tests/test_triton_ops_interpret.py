@@ -96,16 +96,33 @@ def test_skinny_gemms_with_their_epilogues(interpreted, m):
                                **tol)
 
 
-def test_the_row_kernel_takes_only_runs_that_divide_k():
-    """The row kernel's K runs are not masked: a run that does not divide K (a tuning
-    sweep's config) is refused before it reads past a row; the ones row_config picks divide
-    every shard, and the 8B's narrow shards (fewer than 4096 rows over K 4096, or 4096
-    over K 2048) take 2 rows a program."""
+@pytest.mark.parametrize("cfg", [(2, 1024, 2, 1), (4, 1024, 4, 2, True), (2, 512, 2, 2)])
+def test_the_row_kernel_masks_a_last_run_past_k(interpreted, cfg):
+    """K 3584 in runs of 1024 (the last one half past K) or 512, one or two runs ahead: rows
+    and columns past the weight read nothing. x and the weights are views of rows padded
+    with NaN, so a tile that read past K would turn the sums NaN."""
+    gemv = interpreted("triton_gemv")
+    torch.manual_seed(3)
+    dt, k = torch.float16, 3584
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.full((t.shape[0], 1024), float("nan"), dtype=dt)], 1)[:, :k]
+
+    x, w = padded(torch.randn(1, k, dtype=dt)), padded(torch.randn(66, k, dtype=dt) * 0.02)
+    got = gemv.gemv(x, w, None, gemv.GemvConfig(*cfg))
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()),
+                               **tolerance(dt))
+    gu = padded(torch.randn(2 * 64, k, dtype=dt) * 0.02)
+    got = gemv.gemv_silu_mul(x, gu, gemv.GemvConfig(*cfg))
+    torch.testing.assert_close(got.float(), ops.silu_and_mul(F.linear(x.float(), gu.float())),
+                               **tolerance(dt))
+
+
+def test_row_configs_of_narrow_shards():
+    """The 8B's narrow shards (fewer than 4096 rows over K 4096, or 4096 over K 2048) take 2
+    rows a program; llama-1b's o its own tiles."""
     from raygraph.model import triton_gemv as gemv
 
-    x, w = torch.randn(1, 3584, dtype=torch.float16), torch.randn(64, 3584, dtype=torch.float16)
-    with pytest.raises(ValueError, match="do not divide K 3584"):
-        gemv.gemv(x, w, None, gemv.GemvConfig(2, 1024, 2, 1))
     assert gemv.row_config(1536, 4096) == gemv.GemvConfig(2, 1024, 2, 1)
     assert gemv.row_config(4096, 2048) == gemv.GemvConfig(2, 1024, 2, 1)
     assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles

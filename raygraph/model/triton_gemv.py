@@ -50,7 +50,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int
+    num_stages: int  # the row kernel: K runs in flight beyond the one it multiplies (1, 2)
     sum_each: bool = False  # the row kernel: reduce each tile at once (fewer registers)
 
 
@@ -158,11 +158,13 @@ def _gemv_kernel(
 def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
                   K: tl.constexpr, BK: tl.constexpr):
     """[rows, BK] the row kernel's products of x [1, BK] (float32) and a weight tile; a
-    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups)."""
+    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups; those past K
+    read no scale)."""
     p = w.to(tl.float32) * x
     if FP8 and GROUP < K:
         groups: tl.constexpr = BK // GROUP
-        s = tl.load(ws_rows[:, None] + k0 // GROUP + tl.arange(0, groups)[None, :])
+        g = k0 // GROUP + tl.arange(0, groups)[None, :]
+        s = tl.load(ws_rows[:, None] + g, mask=g < K // GROUP, other=0.0)
         p = tl.reshape(tl.reshape(p, (p.shape[0], groups, GROUP)) * s[:, :, None], p.shape)
     return p
 
@@ -176,18 +178,32 @@ def _reduced(p, SUM_EACH: tl.constexpr):
 
 
 @triton.jit
+def _run(w_rows, k0, rmask, rk, K: tl.constexpr, BK: tl.constexpr):
+    """The row kernel's weight tile of K run k0 (e4m3 or the activation dtype): rows off
+    `rmask`, and columns past K (the last run of a K that BK does not divide) read 0; a run
+    starting at or past K reads nothing."""
+    if K % BK == 0:
+        mask = rmask[:, None] & (k0 < K)
+    else:
+        mask = rmask[:, None] & (k0 + rk < K)[None, :]
+    return tl.load(w_rows + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _gemv1_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
     GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
-    PDL: tl.constexpr,
+    AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
     weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
     row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
-    a grouped weight's tile holds BK / GROUP groups."""
+    a grouped weight's tile holds BK / GROUP groups. Each program keeps AHEAD (1 or 2) runs'
+    tiles in flight beyond the one it multiplies; the first ones load before its input is
+    ready (PDL)."""
     launch_next(PDL)
     pid = tl.program_id(0)
     if EPILOGUE == 2:
@@ -197,6 +213,7 @@ def _gemv1_kernel(
         rows = pid * BN + tl.arange(0, BN)
         partner = rows + N  # SILU_MUL: the up row beside gate row n
     nmask = rows < N
+    bmask = partner == partner  # every partner row exists
     rk = tl.arange(0, BK)
     w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
@@ -208,23 +225,32 @@ def _gemv1_kernel(
     width: tl.constexpr = 1 if SUM_EACH else BK
     acc = tl.zeros([rows.shape[0], width], tl.float32)
     acc_b = tl.zeros([rows.shape[0], width], tl.float32)
-    # the first tiles load before the input is ready (PDL), each next one ahead of its use
-    w = tl.load(w_a, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-    wb = w
+    w = _run(w_a, 0, nmask, rk, K, BK)
+    w1 = _run(w_a, BK, nmask, rk, K, BK) if AHEAD == 2 else w
+    wb, wb1 = w, w
     if EPILOGUE != 0:
-        wb = tl.load(w_b, eviction_policy="evict_first")
+        wb = _run(w_b, 0, bmask, rk, K, BK)
+        wb1 = _run(w_b, BK, bmask, rk, K, BK) if AHEAD == 2 else wb
     await_inputs(PDL)
     for k0 in range(0, K, BK):
-        more = k0 + BK < K
-        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
-        w_next = tl.load(w_a + k0 + BK, mask=nmask[:, None] & more, other=0.0,
-                         eviction_policy="evict_first")
+        if K % BK == 0:
+            x = tl.load(x_ptr + k0 + rk)
+        else:
+            x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        w_next = _run(w_a, k0 + AHEAD * BK, nmask, rk, K, BK)
         acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
-        w = w_next
+        if AHEAD == 2:
+            w, w1 = w1, w_next
+        else:
+            w = w_next
         if EPILOGUE != 0:
-            wb_next = tl.load(w_b + k0 + BK, mask=more, other=0.0, eviction_policy="evict_first")
+            wb_next = _run(w_b, k0 + AHEAD * BK, bmask, rk, K, BK)
             acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
-            wb = wb_next
+            if AHEAD == 2:
+                wb, wb1 = wb1, wb_next
+            else:
+                wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if FP8 and GROUP == K:
@@ -373,11 +399,12 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
-        if k % fixed["BK"]:  # its K runs are not masked
-            raise ValueError(f"runs of {fixed['BK']} do not divide K {k}")
+        # its runs ahead are registers of its own loop, not a pipeline Triton builds
+        fixed["num_stages"] = 1
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
+            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, AHEAD=cfg.num_stages,
+            **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
