@@ -85,13 +85,13 @@ def reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
 
 
 # the row kernel's tiles (M = 1): runs of 256 columns (two groups, two runs over K), whole
-# or each summed as it is read; runs of 128 two ahead; one run of 1024 of which K fills half
+# or each summed as it is read; one run of 1024 of which K fills half
 ROW_TILES = {"whole": (4, 256, 4, 1), "summed": (4, 256, 4, 1, True),
-             "two ahead": (4, 128, 4, 2, True), "past K": (4, 1024, 4, 1, True)}
+             "past K": (2, 1024, 4, 1, True)}
 
 
-@pytest.mark.parametrize("m, tile", [(1, "whole"), (1, "summed"), (1, "two ahead"),
-                                     (1, "past K"), (3, None), (8, None)])
+@pytest.mark.parametrize("m, tile", [(1, "whole"), (1, "summed"), (1, "past K"), (3, None),
+                                     (8, None)])
 @pytest.mark.parametrize("activations", ["none", "dynamic"])
 @pytest.mark.parametrize("group", [K, 128])
 def test_fp8_skinny_gemms_match_the_reference(exact_e4m3, group, activations, m, tile):
@@ -359,9 +359,10 @@ def test_w8a8_gemm_refuses_what_it_cannot_tile(interpreted):
                                     "llama-1b"])
 def test_skinny_tiles_divide_every_shard_of_the_presets(preset):
     """Every tile the skinny kernels pick for a preset's decode GEMMs, at TP 1 to 8, in bf16
-    and FP8: K runs that divide K (the kernels load K unmasked: a run past the end reads
-    another row's bytes or faults), whole rotation pairs, gate|up widths that split into
-    whole column runs."""
+    and FP8: K runs that divide K (the tensor-core kernel loads K unmasked: a run past the
+    end reads another row's bytes or faults; the row kernel masks a last run, and takes a
+    row in one run), whole rotation pairs, gate|up widths that split into whole column
+    runs."""
     gemv = pytest.importorskip("raygraph.model.triton_gemv", reason="needs triton")
     from bench.checkpoints import PRESETS
 
@@ -387,7 +388,7 @@ def test_skinny_tiles_divide_every_shard_of_the_presets(preset):
             else:
                 cfg = gemv.default_config(n, k, fp8)
             where = f"{preset} TP={tp} {name} [{n}, {k}] fp8={fp8} rows={rows}: {cfg}"
-            assert k % cfg.block_k == 0, where
+            assert k % cfg.block_k == 0 or rows == 1 and cfg.block_k >= k, where
             if name == "gate_up":
                 assert n % cfg.block_n == 0, where
             if name == "qkv":

@@ -96,11 +96,11 @@ def test_skinny_gemms_with_their_epilogues(interpreted, m):
                                **tol)
 
 
-@pytest.mark.parametrize("cfg", [(2, 1024, 2, 1), (4, 1024, 4, 2, True), (2, 512, 2, 2)])
+@pytest.mark.parametrize("cfg", [(2, 1024, 2, 1), (4, 1024, 4, 1, True), (2, 4096, 4, 1, True)])
 def test_the_row_kernel_masks_a_last_run_past_k(interpreted, cfg):
-    """K 3584 in runs of 1024 (the last one half past K) or 512, one or two runs ahead: rows
-    and columns past the weight read nothing. x and the weights are views of rows padded
-    with NaN, so a tile that read past K would turn the sums NaN."""
+    """K 3584 in runs of 1024 (the last one half past K) or in one run of 4096: rows and
+    columns past the weight read nothing. x and the weights are views of rows padded with
+    NaN, so a tile that read past K would turn the sums NaN."""
     gemv = interpreted("triton_gemv")
     torch.manual_seed(3)
     dt, k = torch.float16, 3584
@@ -128,6 +128,9 @@ def test_row_configs_of_narrow_shards():
     assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles
     assert gemv.row_config(4096, 4096) == gemv.GemvConfig(4, 1024, 4, 1, True)
     assert gemv.row_config(4096, 3584).block_k == 512
+    # an FP8 down projection: one run of 2 rows up to ONE_RUN_FP8 columns, then runs of 1024
+    assert gemv.row_config(4096, 14336, True) == gemv.GemvConfig(2, 16384, 4, 1, True)
+    assert gemv.row_config(8192, 28672, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
 
 
 def test_lora_shrink_and_expand(interpreted):

@@ -44,13 +44,14 @@ MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scale
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
+ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
 
 class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int  # the row kernel: K runs in flight beyond the one it multiplies (1, 2)
+    num_stages: int
     sum_each: bool = False  # the row kernel: reduce each tile at once (fewer registers)
 
 
@@ -195,15 +196,15 @@ def _gemv1_kernel(
     stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
     GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
-    AHEAD: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
     reductions over K and tiles can be narrow: many programs, several per SM, keep more
     weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
     row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
-    a grouped weight's tile holds BK / GROUP groups. Each program keeps AHEAD (1 or 2) runs'
-    tiles in flight beyond the one it multiplies; the first ones load before its input is
-    ready (PDL)."""
+    a grouped weight's tile holds BK / GROUP groups. A program loads each next run of K while
+    it multiplies one, the first before its input is ready (PDL); a run may pass K (a whole
+    row in one run: all of a program's bytes in flight at once)."""
     launch_next(PDL)
     pid = tl.program_id(0)
     if EPILOGUE == 2:
@@ -226,11 +227,9 @@ def _gemv1_kernel(
     acc = tl.zeros([rows.shape[0], width], tl.float32)
     acc_b = tl.zeros([rows.shape[0], width], tl.float32)
     w = _run(w_a, 0, nmask, rk, K, BK)
-    w1 = _run(w_a, BK, nmask, rk, K, BK) if AHEAD == 2 else w
-    wb, wb1 = w, w
+    wb = w
     if EPILOGUE != 0:
         wb = _run(w_b, 0, bmask, rk, K, BK)
-        wb1 = _run(w_b, BK, bmask, rk, K, BK) if AHEAD == 2 else wb
     await_inputs(PDL)
     for k0 in range(0, K, BK):
         if K % BK == 0:
@@ -238,19 +237,13 @@ def _gemv1_kernel(
         else:
             x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
         x = x.to(tl.float32)[None, :]
-        w_next = _run(w_a, k0 + AHEAD * BK, nmask, rk, K, BK)
+        w_next = _run(w_a, k0 + BK, nmask, rk, K, BK)
         acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
-        if AHEAD == 2:
-            w, w1 = w1, w_next
-        else:
-            w = w_next
+        w = w_next
         if EPILOGUE != 0:
-            wb_next = _run(w_b, k0 + AHEAD * BK, bmask, rk, K, BK)
+            wb_next = _run(w_b, k0 + BK, bmask, rk, K, BK)
             acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
-            if AHEAD == 2:
-                wb, wb1 = wb1, wb_next
-            else:
-                wb = wb_next
+            wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if FP8 and GROUP == K:
@@ -286,11 +279,15 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
     (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
     shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
-    summed as it is read so the registers hold more weight in flight (an over-long K, a
-    down projection: 8 rows over runs of 1024). bf16: up to 4096 columns 4 a program (the
+    summed as it is read so the registers hold more weight in flight; a longer K (a down
+    projection) 2 rows a program in one run of up to ONE_RUN_FP8 columns, so all of a
+    program's bytes are in flight at once (the 8B's down: 16.7 us against 20.8 over runs of
+    1024), and past that 8 rows over runs of 1024. bf16: up to 4096 columns 4 a program (the
     8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024; so too
     a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
     programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
+    if fp8 and 8192 < k <= ONE_RUN_FP8:
+        return GemvConfig(2, triton.next_power_of_2(k), 4, 1, True)
     if fp8 and k > 8192:
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
@@ -399,12 +396,9 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
-        # its runs ahead are registers of its own loop, not a pipeline Triton builds
-        fixed["num_stages"] = 1
         _gemv1_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, AHEAD=cfg.num_stages,
-            **fixed, **pdl(x, 1))
+            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
