@@ -14,10 +14,11 @@ disappears:
 Rounding follows the unfused ops: the GEMM result is cast to the activation dtype before
 the epilogue arithmetic, as torch would have stored it.
 
-One token (M = 1, batch-1 decode) takes a second kernel with the same epilogues: no
-tensor-core tile to fill, so each program reduces 2-4 columns with FMAs and there are
-several programs per SM. More weight bytes are in flight, and the small GEMMs stream
-faster (bench/RESULTS.md, third decode pass).
+Up to ROW_TOKENS tokens (batch-1 to batch-4 decode) take a second kernel with the same
+epilogues: no tensor-core tile to fill, so each program reduces 2-8 columns with FMAs for
+every token at once and there are several programs per SM. More weight bytes are in
+flight, and the small GEMMs stream faster (bench/RESULTS.md, third decode pass and "Two to
+four tokens through the row kernel").
 
 FP8 weights (`Fp8Weight`) stream as their e4m3 bytes: the kernels widen each tile in
 registers and apply the float32 scales, one a row (at the end) or one a row and GROUP input
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
-from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
+from raygraph.model.triton_pdl import MAX_ROWS, await_inputs, launch_next, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
@@ -44,6 +45,7 @@ MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scale
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
+ROW_TOKENS = MAX_ROWS  # up to this many tokens the row kernel (its steps launch with PDL)
 ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
 
@@ -171,11 +173,19 @@ def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _reduced(p, SUM_EACH: tl.constexpr):
-    """A tile's products as the row kernel accumulates them: whole, or summed per row."""
-    if SUM_EACH:
-        p = tl.sum(p, axis=1, keep_dims=True)
-    return p
+def _accumulate(acc, x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
+                K: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr, M: tl.constexpr):
+    """acc plus a weight tile [rows, BK] times x [MP, BK] (float32): one token, acc [rows,
+    width], the products whole or (SUM_EACH) summed per row; more, acc [MP, rows], each
+    token's products summed per row."""
+    if M == 1:
+        p = _row_products(x, w, ws_rows, k0, FP8, GROUP, K, BK)
+        if SUM_EACH:
+            p = tl.sum(p, axis=1, keep_dims=True)
+    else:
+        wf = _row_products(1.0, w, ws_rows, k0, FP8, GROUP, K, BK)
+        p = tl.sum(wf[None, :, :] * x[:, None, :], axis=2)
+    return acc + p
 
 
 @triton.jit
@@ -191,20 +201,38 @@ def _run(w_rows, k0, rmask, rk, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _tokens(x_ptr, rm, stride_xm, k0, rk, M: tl.constexpr, K: tl.constexpr,
+            BK: tl.constexpr):
+    """x's run k0 for the row kernel: [MP, BK] float32, tokens past M and columns past K 0
+    (one token: loaded as a row, then given its token axis)."""
+    if M == 1:
+        if K % BK == 0:
+            x = tl.load(x_ptr + k0 + rk)
+        else:
+            x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
+        x = x[None, :]
+    else:
+        ptrs = x_ptr + rm[:, None] * stride_xm + k0 + rk[None, :]
+        x = tl.load(ptrs, mask=(rm < M)[:, None] & (k0 + rk < K)[None, :], other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _gemv1_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
-    stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xm, stride_wn,
+    stride_ws, stride_om, stride_c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SUM_EACH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
-    reductions over K and tiles can be narrow: many programs, several per SM, keep more
-    weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
-    row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
-    a grouped weight's tile holds BK / GROUP groups. A program loads each next run of K while
-    it multiplies one, the first before its input is ready (PDL); a run may pass K (a whole
-    row in one run: all of a program's bytes in flight at once)."""
+    """A few tokens (M <= ROW_TOKENS): no tensor-core tile to fill, so a program's columns
+    are FMA reductions over K and tiles can be narrow: many programs, several per SM, keep
+    more weight bytes in flight than one 16-column dot tile per SM, and each weight element
+    is read once for all M tokens. SILU_MUL and ROTARY stream two row sets: gate and up rows,
+    or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but a grouped weight's tile
+    holds BK / GROUP groups. A program loads each next run of K while it multiplies one, the
+    first before its input is ready (PDL); a run may pass K (a whole row in one run: all of
+    a program's bytes in flight at once)."""
     launch_next(PDL)
     pid = tl.program_id(0)
     if EPILOGUE == 2:
@@ -215,37 +243,46 @@ def _gemv1_kernel(
         partner = rows + N  # SILU_MUL: the up row beside gate row n
     nmask = rows < N
     bmask = partner == partner  # every partner row exists
+    rm = tl.arange(0, triton.next_power_of_2(M))
     rk = tl.arange(0, BK)
     w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     # FP8 scale rows (a masked-off row reads row 0's)
     s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
     s_b = ws_ptr + partner.to(tl.int64) * stride_ws
-    # SUM_EACH: [rows] sums, each tile reduced as it is read, so the registers hold the
-    # weight tiles in flight rather than [rows, BK] partial products
-    width: tl.constexpr = 1 if SUM_EACH else BK
-    acc = tl.zeros([rows.shape[0], width], tl.float32)
-    acc_b = tl.zeros([rows.shape[0], width], tl.float32)
+    # one token: [rows, width] partial sums, each tile whole or (SUM_EACH) reduced as it is
+    # read, so the registers hold the weight tiles in flight rather than [rows, BK] products
+    if M == 1:
+        width: tl.constexpr = 1 if SUM_EACH else BK
+        acc = tl.zeros([rows.shape[0], width], tl.float32)
+    else:
+        acc = tl.zeros([rm.shape[0], rows.shape[0]], tl.float32)
+    acc_b = acc
     w = _run(w_a, 0, nmask, rk, K, BK)
     wb = w
     if EPILOGUE != 0:
         wb = _run(w_b, 0, bmask, rk, K, BK)
     await_inputs(PDL)
     for k0 in range(0, K, BK):
-        if K % BK == 0:
-            x = tl.load(x_ptr + k0 + rk)
-        else:
-            x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
-        x = x.to(tl.float32)[None, :]
+        x = _tokens(x_ptr, rm, stride_xm, k0, rk, M, K, BK)
         w_next = _run(w_a, k0 + BK, nmask, rk, K, BK)
-        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
+        acc = _accumulate(acc, x, w, s_a, k0, FP8, GROUP, K, BK, SUM_EACH, M)
         w = w_next
         if EPILOGUE != 0:
             wb_next = _run(w_b, k0 + BK, bmask, rk, K, BK)
-            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
+            acc_b = _accumulate(acc_b, x, wb, s_b, k0, FP8, GROUP, K, BK, SUM_EACH, M)
             wb = wb_next
-    y = tl.sum(acc, axis=1)
-    y_b = tl.sum(acc_b, axis=1)
+    # one token: [rows] sums, stored at `rows`; more: [MP, rows], each token's at its row
+    if M == 1:
+        y, y_b = tl.sum(acc, axis=1), tl.sum(acc_b, axis=1)
+        at, at_b, smask = rows, partner, nmask
+        pos = tl.load(pos_ptr)
+    else:
+        y, y_b = acc, acc_b
+        at = rm[:, None] * stride_om + rows[None, :]
+        at_b = rm[:, None] * stride_om + partner[None, :]
+        smask = (rm < M)[:, None] & nmask[None, :]
+        pos = tl.load(pos_ptr + rm, mask=rm < M, other=0)[:, None]
     if FP8 and GROUP == K:
         y *= tl.load(s_a)
         if EPILOGUE != 0:
@@ -256,26 +293,25 @@ def _gemv1_kernel(
             y_b += tl.load(b_ptr + partner).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if EPILOGUE == 0:
-        tl.store(out_ptr + rows, y.to(dtype), mask=nmask)
+        tl.store(out_ptr + at, y.to(dtype), mask=smask)
     elif EPILOGUE == 1:
-        tl.store(out_ptr + rows, _silu_mul(y.to(dtype), y_b.to(dtype)), mask=nmask)
+        tl.store(out_ptr + at, _silu_mul(y.to(dtype), y_b.to(dtype)), mask=smask)
     else:
         a = y.to(dtype).to(tl.float32)
         b = y_b.to(dtype).to(tl.float32)
-        pos = tl.load(pos_ptr)
         d = rows % HEAD_DIM
         cos = tl.load(cos_ptr + pos * stride_c + d)
         sin = tl.load(sin_ptr + pos * stride_c + d)
         rot = rows < ROT_ROWS
-        tl.store(out_ptr + rows, tl.where(rot, a * cos - b * sin, a).to(dtype))
-        tl.store(out_ptr + partner, tl.where(rot, b * cos + a * sin, b).to(dtype))
+        tl.store(out_ptr + at, tl.where(rot, a * cos - b * sin, a).to(dtype), mask=smask)
+        tl.store(out_ptr + at_b, tl.where(rot, b * cos + a * sin, b).to(dtype), mask=smask)
 
 
 def _longest(k: int, runs: tuple[int, ...]) -> int:
     return next(b for b in runs if k % b == 0)
 
 
-def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
+def row_config(n: int, k: int, fp8: bool = False, tokens: int = 1) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
     (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
     shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
@@ -286,6 +322,8 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024; so too
     a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
     programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
+    if tokens > 1:  # x's run is held per token too: shorter runs
+        return GemvConfig(8 if fp8 else 4, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8 and 8192 < k <= ONE_RUN_FP8:
         return GemvConfig(2, triton.next_power_of_2(k), 4, 1, True)
     if fp8 and k > 8192:
@@ -368,12 +406,18 @@ def _operands(w: Weight) -> _Operands:
     return _Operands(w.data, w.scale, True, group)
 
 
-def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
+def _row_kernel(x: torch.Tensor) -> bool:
+    """Whether x's tokens take the row kernel: up to ROW_TOKENS of them, in half precision
+    (float32 x keeps the tensor-core kernel's ieee dot)."""
+    return x.shape[0] <= ROW_TOKENS and x.dtype != torch.float32
+
+
+def _block_k(block_k: int, ops: _Operands, row_kernel: bool) -> int:
     """A grouped FP8 weight's tiles: one group (the tensor-core kernel scales each tile's
     product) or whole groups (the row kernel)."""
     if not ops.fp8 or ops.group == ops.data.shape[1]:
         return block_k
-    return max(block_k, ops.group) if rows == 1 else ops.group
+    return max(block_k, ops.group) if row_kernel else ops.group
 
 
 def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> bool:
@@ -392,13 +436,14 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     k = o.data.shape[1]
     fixed = dict(N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
                  ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, BN=cfg.block_n,
-                 BK=_block_k(cfg.block_k, o, x.shape[0]), num_warps=cfg.num_warps,
+                 BK=_block_k(cfg.block_k, o, _row_kernel(x)), num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
-    if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
+    if _row_kernel(x):
         _gemv1_kernel[(programs,)](
-            x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
-            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
+            x, o.data, o.scales, b, out, pos, cos, sin, x.stride(0), o.data.stride(0),
+            o.scales.stride(0), out.stride(0), cos.stride(0), M=x.shape[0],
+            SUM_EACH=cfg.sum_each, **fixed, **pdl(x, x.shape[0]))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
@@ -414,7 +459,8 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8)."""
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else default_config(n, k, fp8))
+    cfg = cfg or (row_config(n, k, fp8, x.shape[0]) if _row_kernel(x)
+                  else default_config(n, k, fp8))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
@@ -422,7 +468,8 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
 def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
     n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else silu_mul_config(n, k, fp8))
+    cfg = cfg or (row_config(n, k, fp8, x.shape[0]) if _row_kernel(x)
+                  else silu_mul_config(n, k, fp8))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -435,7 +482,7 @@ def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
     """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
+    cfg = cfg or (row_config(n, k, fp8, x.shape[0]) if _row_kernel(x)
                   else rotary_config(n, k, head_dim, fp8))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
