@@ -158,34 +158,48 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
-                  K: tl.constexpr, BK: tl.constexpr):
-    """[rows, BK] the row kernel's products of x [1, BK] (float32) and a weight tile; a
-    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups; those past K
-    read no scale)."""
-    p = w.to(tl.float32) * x
+def _widened(w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+             BK: tl.constexpr):
+    """A weight tile [rows, BK] in float32, a grouped FP8 tile's scaled per group (a tile
+    holds BK / GROUP whole groups; those past K read no scale)."""
+    wf = w.to(tl.float32)
     if FP8 and GROUP < K:
         groups: tl.constexpr = BK // GROUP
         g = k0 // GROUP + tl.arange(0, groups)[None, :]
         s = tl.load(ws_rows[:, None] + g, mask=g < K // GROUP, other=0.0)
-        p = tl.reshape(tl.reshape(p, (p.shape[0], groups, GROUP)) * s[:, :, None], p.shape)
-    return p
+        wf = tl.reshape(tl.reshape(wf, (wf.shape[0], groups, GROUP)) * s[:, :, None], wf.shape)
+    return wf
 
 
 @triton.jit
-def _accumulate(acc, x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
-                K: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr, M: tl.constexpr):
-    """acc plus a weight tile [rows, BK] times x [MP, BK] (float32): one token, acc [rows,
-    width], the products whole or (SUM_EACH) summed per row; more, acc [MP, rows], each
-    token's products summed per row."""
-    if M == 1:
-        p = _row_products(x, w, ws_rows, k0, FP8, GROUP, K, BK)
-        if SUM_EACH:
-            p = tl.sum(p, axis=1, keep_dims=True)
+def _token(acc, wf, x_ptr, k0, rk, K: tl.constexpr, BK: tl.constexpr,
+           SUM_EACH: tl.constexpr):
+    """acc plus one token's products with a widened tile: [rows, BK], or (SUM_EACH) summed
+    per row, so the registers hold the weight tiles in flight rather than partial products.
+    Columns past K read x as 0."""
+    if K % BK == 0:
+        x = tl.load(x_ptr + k0 + rk)
     else:
-        wf = _row_products(1.0, w, ws_rows, k0, FP8, GROUP, K, BK)
-        p = tl.sum(wf[None, :, :] * x[:, None, :], axis=2)
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
+    p = wf * x.to(tl.float32)[None, :]
+    if SUM_EACH:
+        p = tl.sum(p, axis=1, keep_dims=True)
     return acc + p
+
+
+@triton.jit
+def _tokens(a0, a1, a2, a3, wf, x_ptr, stride_xm, k0, rk, M: tl.constexpr, K: tl.constexpr,
+            BK: tl.constexpr, SUM_EACH: tl.constexpr):
+    """Each of the M (<= 4) tokens' sums plus its products with the tile: the tile is
+    widened once and multiplied by every token."""
+    a0 = _token(a0, wf, x_ptr, k0, rk, K, BK, SUM_EACH)
+    if M > 1:
+        a1 = _token(a1, wf, x_ptr + stride_xm, k0, rk, K, BK, SUM_EACH)
+    if M > 2:
+        a2 = _token(a2, wf, x_ptr + 2 * stride_xm, k0, rk, K, BK, SUM_EACH)
+    if M > 3:
+        a3 = _token(a3, wf, x_ptr + 3 * stride_xm, k0, rk, K, BK, SUM_EACH)
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -201,20 +215,37 @@ def _run(w_rows, k0, rmask, rk, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _tokens(x_ptr, rm, stride_xm, k0, rk, M: tl.constexpr, K: tl.constexpr,
-            BK: tl.constexpr):
-    """x's run k0 for the row kernel: [MP, BK] float32, tokens past M and columns past K 0
-    (one token: loaded as a row, then given its token axis)."""
-    if M == 1:
-        if K % BK == 0:
-            x = tl.load(x_ptr + k0 + rk)
-        else:
-            x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
-        x = x[None, :]
+def _store_token(out_ptr, pos_ptr, cos_ptr, sin_ptr, b_ptr, acc, acc_b, s_a, s_b, rows,
+                 partner, nmask, stride_c, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
+                 GROUP: tl.constexpr, K: tl.constexpr):
+    """One token's output row from its sums: scaled (FP8, a scale a row), biased, then
+    stored plain, as silu(gate) * up, or rotated at the token's position."""
+    y = tl.sum(acc, axis=1)
+    y_b = tl.sum(acc_b, axis=1)
+    if FP8 and GROUP == K:
+        y *= tl.load(s_a)
+        if EPILOGUE != 0:
+            y_b *= tl.load(s_b)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
+        if EPILOGUE == 2:
+            y_b += tl.load(b_ptr + partner).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if EPILOGUE == 0:
+        tl.store(out_ptr + rows, y.to(dtype), mask=nmask)
+    elif EPILOGUE == 1:
+        tl.store(out_ptr + rows, _silu_mul(y.to(dtype), y_b.to(dtype)), mask=nmask)
     else:
-        ptrs = x_ptr + rm[:, None] * stride_xm + k0 + rk[None, :]
-        x = tl.load(ptrs, mask=(rm < M)[:, None] & (k0 + rk < K)[None, :], other=0.0)
-    return x.to(tl.float32)
+        a = y.to(dtype).to(tl.float32)
+        b = y_b.to(dtype).to(tl.float32)
+        pos = tl.load(pos_ptr)
+        d = rows % HEAD_DIM
+        cos = tl.load(cos_ptr + pos * stride_c + d)
+        sin = tl.load(sin_ptr + pos * stride_c + d)
+        rot = rows < ROT_ROWS
+        tl.store(out_ptr + rows, tl.where(rot, a * cos - b * sin, a).to(dtype))
+        tl.store(out_ptr + partner, tl.where(rot, b * cos + a * sin, b).to(dtype))
 
 
 @triton.jit
@@ -227,12 +258,12 @@ def _gemv1_kernel(
 ):
     """A few tokens (M <= ROW_TOKENS): no tensor-core tile to fill, so a program's columns
     are FMA reductions over K and tiles can be narrow: many programs, several per SM, keep
-    more weight bytes in flight than one 16-column dot tile per SM, and each weight element
-    is read once for all M tokens. SILU_MUL and ROTARY stream two row sets: gate and up rows,
-    or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but a grouped weight's tile
-    holds BK / GROUP groups. A program loads each next run of K while it multiplies one, the
-    first before its input is ready (PDL); a run may pass K (a whole row in one run: all of
-    a program's bytes in flight at once)."""
+    more weight bytes in flight than one 16-column dot tile per SM, and each weight tile is
+    read and widened once for all M tokens (a sum each). SILU_MUL and ROTARY stream two row
+    sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but a
+    grouped weight's tile holds BK / GROUP groups. A program loads each next run of K while
+    it multiplies one, the first before its input is ready (PDL); a run may pass K (a whole
+    row in one run: all of a program's bytes in flight at once)."""
     launch_next(PDL)
     pid = tl.program_id(0)
     if EPILOGUE == 2:
@@ -243,68 +274,39 @@ def _gemv1_kernel(
         partner = rows + N  # SILU_MUL: the up row beside gate row n
     nmask = rows < N
     bmask = partner == partner  # every partner row exists
-    rm = tl.arange(0, triton.next_power_of_2(M))
     rk = tl.arange(0, BK)
     w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     # FP8 scale rows (a masked-off row reads row 0's)
     s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
     s_b = ws_ptr + partner.to(tl.int64) * stride_ws
-    # one token: [rows, width] partial sums, each tile whole or (SUM_EACH) reduced as it is
-    # read, so the registers hold the weight tiles in flight rather than [rows, BK] products
-    if M == 1:
-        width: tl.constexpr = 1 if SUM_EACH else BK
-        acc = tl.zeros([rows.shape[0], width], tl.float32)
-    else:
-        acc = tl.zeros([rm.shape[0], rows.shape[0]], tl.float32)
-    acc_b = acc
+    # each token's [rows, width] sums (those past M stay unused)
+    width: tl.constexpr = 1 if SUM_EACH else BK
+    a0 = tl.zeros([rows.shape[0], width], tl.float32)
+    a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
     w = _run(w_a, 0, nmask, rk, K, BK)
     wb = w
     if EPILOGUE != 0:
         wb = _run(w_b, 0, bmask, rk, K, BK)
     await_inputs(PDL)
     for k0 in range(0, K, BK):
-        x = _tokens(x_ptr, rm, stride_xm, k0, rk, M, K, BK)
         w_next = _run(w_a, k0 + BK, nmask, rk, K, BK)
-        acc = _accumulate(acc, x, w, s_a, k0, FP8, GROUP, K, BK, SUM_EACH, M)
+        wf = _widened(w, s_a, k0, FP8, GROUP, K, BK)
+        a0, a1, a2, a3 = _tokens(a0, a1, a2, a3, wf, x_ptr, stride_xm, k0, rk, M, K, BK,
+                                 SUM_EACH)
         w = w_next
         if EPILOGUE != 0:
             wb_next = _run(w_b, k0 + BK, bmask, rk, K, BK)
-            acc_b = _accumulate(acc_b, x, wb, s_b, k0, FP8, GROUP, K, BK, SUM_EACH, M)
+            wf = _widened(wb, s_b, k0, FP8, GROUP, K, BK)
+            b0, b1, b2, b3 = _tokens(b0, b1, b2, b3, wf, x_ptr, stride_xm, k0, rk, M, K, BK,
+                                     SUM_EACH)
             wb = wb_next
-    # one token: [rows] sums, stored at `rows`; more: [MP, rows], each token's at its row
-    if M == 1:
-        y, y_b = tl.sum(acc, axis=1), tl.sum(acc_b, axis=1)
-        at, at_b, smask = rows, partner, nmask
-        pos = tl.load(pos_ptr)
-    else:
-        y, y_b = acc, acc_b
-        at = rm[:, None] * stride_om + rows[None, :]
-        at_b = rm[:, None] * stride_om + partner[None, :]
-        smask = (rm < M)[:, None] & nmask[None, :]
-        pos = tl.load(pos_ptr + rm, mask=rm < M, other=0)[:, None]
-    if FP8 and GROUP == K:
-        y *= tl.load(s_a)
-        if EPILOGUE != 0:
-            y_b *= tl.load(s_b)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
-        if EPILOGUE == 2:
-            y_b += tl.load(b_ptr + partner).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if EPILOGUE == 0:
-        tl.store(out_ptr + at, y.to(dtype), mask=smask)
-    elif EPILOGUE == 1:
-        tl.store(out_ptr + at, _silu_mul(y.to(dtype), y_b.to(dtype)), mask=smask)
-    else:
-        a = y.to(dtype).to(tl.float32)
-        b = y_b.to(dtype).to(tl.float32)
-        d = rows % HEAD_DIM
-        cos = tl.load(cos_ptr + pos * stride_c + d)
-        sin = tl.load(sin_ptr + pos * stride_c + d)
-        rot = rows < ROT_ROWS
-        tl.store(out_ptr + at, tl.where(rot, a * cos - b * sin, a).to(dtype), mask=smask)
-        tl.store(out_ptr + at_b, tl.where(rot, b * cos + a * sin, b).to(dtype), mask=smask)
+    for m in tl.static_range(M):
+        acc = a0 if m == 0 else a1 if m == 1 else a2 if m == 2 else a3
+        acc_b = b0 if m == 0 else b1 if m == 1 else b2 if m == 2 else b3
+        _store_token(out_ptr + m * stride_om, pos_ptr + m, cos_ptr, sin_ptr, b_ptr, acc, acc_b,
+                     s_a, s_b, rows, partner, nmask, stride_c, EPILOGUE, HAS_BIAS, HEAD_DIM,
+                     ROT_ROWS, FP8, GROUP, K)
 
 
 def _longest(k: int, runs: tuple[int, ...]) -> int:
@@ -323,7 +325,7 @@ def row_config(n: int, k: int, fp8: bool = False, tokens: int = 1) -> GemvConfig
     a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
     programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
     if tokens > 1:  # x's run is held per token too: shorter runs
-        return GemvConfig(8 if fp8 else 4, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
+        return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1, True)
     if fp8 and 8192 < k <= ONE_RUN_FP8:
         return GemvConfig(2, triton.next_power_of_2(k), 4, 1, True)
     if fp8 and k > 8192:
