@@ -137,7 +137,7 @@ def other_cases() -> list[Case]:
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
                 ROT_ROWS=2560, FP8=False, GROUP=2048, BM=gv.BM, BN=32, BK=128,
                 PRECISION="tf32", F16=False)
-    row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP")} | {"M": 1}
+    row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP")}
     # FP8 weights: one scale a row, or one a row and 128 columns
     fp8 = dict(FP8=True)
     fp8_dot = fp8 | dict(F16=True)
@@ -180,9 +180,6 @@ def other_cases() -> list[Case]:
         ("row gemv fp8, the 8B's down in one run past K", gv._gemv1_kernel,
          row | fp8 | dict(N=4096, K=14336, GROUP=14336, EPILOGUE=gv.PLAIN, HAS_BIAS=False,
                           BN=2, BK=16384, SUM_EACH=True), 4, e4m3),
-        ("row gemv fp8 + silu*mul, 3 tokens", gv._gemv1_kernel,
-         row | fp8 | dict(M=3, N=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False, BN=8, BK=1024,
-                          SUM_EACH=True), 4, e4m3),
         ("row gemv fp8 128-groups + rotary", gv._gemv1_kernel,
          row | fp8 | dict(GROUP=128, EPILOGUE=gv.ROTARY, HAS_BIAS=False, BN=4, BK=2048,
                              SUM_EACH=False), 4,

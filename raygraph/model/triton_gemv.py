@@ -14,11 +14,10 @@ disappears:
 Rounding follows the unfused ops: the GEMM result is cast to the activation dtype before
 the epilogue arithmetic, as torch would have stored it.
 
-Up to ROW_TOKENS tokens (batch-1 to batch-4 decode) take a second kernel with the same
-epilogues: no tensor-core tile to fill, so each program reduces 2-8 columns with FMAs for
-every token at once and there are several programs per SM. More weight bytes are in
-flight, and the small GEMMs stream faster (bench/RESULTS.md, third decode pass and "Two to
-four tokens through the row kernel").
+One token (M = 1, batch-1 decode) takes a second kernel with the same epilogues: no
+tensor-core tile to fill, so each program reduces 2-4 columns with FMAs and there are
+several programs per SM. More weight bytes are in flight, and the small GEMMs stream
+faster (bench/RESULTS.md, third decode pass).
 
 FP8 weights (`Fp8Weight`) stream as their e4m3 bytes: the kernels widen each tile in
 registers and apply the float32 scales, one a row (at the end) or one a row and GROUP input
@@ -35,7 +34,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
-from raygraph.model.triton_pdl import MAX_ROWS, await_inputs, launch_next, pdl
+from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
@@ -45,7 +44,6 @@ MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scale
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
-ROW_TOKENS = MAX_ROWS  # up to this many tokens the row kernel (its steps launch with PDL)
 ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
 
@@ -158,48 +156,26 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _widened(w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-             BK: tl.constexpr):
-    """A weight tile [rows, BK] in float32, a grouped FP8 tile's scaled per group (a tile
-    holds BK / GROUP whole groups; those past K read no scale)."""
-    wf = w.to(tl.float32)
+def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
+                  K: tl.constexpr, BK: tl.constexpr):
+    """[rows, BK] the row kernel's products of x [1, BK] (float32) and a weight tile; a
+    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups; those past K
+    read no scale)."""
+    p = w.to(tl.float32) * x
     if FP8 and GROUP < K:
         groups: tl.constexpr = BK // GROUP
         g = k0 // GROUP + tl.arange(0, groups)[None, :]
         s = tl.load(ws_rows[:, None] + g, mask=g < K // GROUP, other=0.0)
-        wf = tl.reshape(tl.reshape(wf, (wf.shape[0], groups, GROUP)) * s[:, :, None], wf.shape)
-    return wf
+        p = tl.reshape(tl.reshape(p, (p.shape[0], groups, GROUP)) * s[:, :, None], p.shape)
+    return p
 
 
 @triton.jit
-def _token(acc, wf, x_ptr, k0, rk, K: tl.constexpr, BK: tl.constexpr,
-           SUM_EACH: tl.constexpr):
-    """acc plus one token's products with a widened tile: [rows, BK], or (SUM_EACH) summed
-    per row, so the registers hold the weight tiles in flight rather than partial products.
-    Columns past K read x as 0."""
-    if K % BK == 0:
-        x = tl.load(x_ptr + k0 + rk)
-    else:
-        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
-    p = wf * x.to(tl.float32)[None, :]
+def _reduced(p, SUM_EACH: tl.constexpr):
+    """A tile's products as the row kernel accumulates them: whole, or summed per row."""
     if SUM_EACH:
         p = tl.sum(p, axis=1, keep_dims=True)
-    return acc + p
-
-
-@triton.jit
-def _tokens(a0, a1, a2, a3, wf, x_ptr, stride_xm, k0, rk, M: tl.constexpr, K: tl.constexpr,
-            BK: tl.constexpr, SUM_EACH: tl.constexpr):
-    """Each of the M (<= 4) tokens' sums plus its products with the tile: the tile is
-    widened once and multiplied by every token."""
-    a0 = _token(a0, wf, x_ptr, k0, rk, K, BK, SUM_EACH)
-    if M > 1:
-        a1 = _token(a1, wf, x_ptr + stride_xm, k0, rk, K, BK, SUM_EACH)
-    if M > 2:
-        a2 = _token(a2, wf, x_ptr + 2 * stride_xm, k0, rk, K, BK, SUM_EACH)
-    if M > 3:
-        a3 = _token(a3, wf, x_ptr + 3 * stride_xm, k0, rk, K, BK, SUM_EACH)
-    return a0, a1, a2, a3
+    return p
 
 
 @triton.jit
@@ -215,12 +191,59 @@ def _run(w_rows, k0, rmask, rk, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _store_token(out_ptr, pos_ptr, cos_ptr, sin_ptr, b_ptr, acc, acc_b, s_a, s_b, rows,
-                 partner, nmask, stride_c, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
-                 GROUP: tl.constexpr, K: tl.constexpr):
-    """One token's output row from its sums: scaled (FP8, a scale a row), biased, then
-    stored plain, as silu(gate) * up, or rotated at the token's position."""
+def _gemv1_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
+    stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
+    reductions over K and tiles can be narrow: many programs, several per SM, keep more
+    weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
+    row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
+    a grouped weight's tile holds BK / GROUP groups. A program loads each next run of K while
+    it multiplies one, the first before its input is ready (PDL); a run may pass K (a whole
+    row in one run: all of a program's bytes in flight at once)."""
+    launch_next(PDL)
+    pid = tl.program_id(0)
+    if EPILOGUE == 2:
+        rows = _pair_base(pid, BN // 2, HEAD_DIM) + tl.arange(0, BN // 2)
+        partner = rows + HEAD_DIM // 2
+    else:
+        rows = pid * BN + tl.arange(0, BN)
+        partner = rows + N  # SILU_MUL: the up row beside gate row n
+    nmask = rows < N
+    bmask = partner == partner  # every partner row exists
+    rk = tl.arange(0, BK)
+    w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    # FP8 scale rows (a masked-off row reads row 0's)
+    s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
+    s_b = ws_ptr + partner.to(tl.int64) * stride_ws
+    # SUM_EACH: [rows] sums, each tile reduced as it is read, so the registers hold the
+    # weight tiles in flight rather than [rows, BK] partial products
+    width: tl.constexpr = 1 if SUM_EACH else BK
+    acc = tl.zeros([rows.shape[0], width], tl.float32)
+    acc_b = tl.zeros([rows.shape[0], width], tl.float32)
+    w = _run(w_a, 0, nmask, rk, K, BK)
+    wb = w
+    if EPILOGUE != 0:
+        wb = _run(w_b, 0, bmask, rk, K, BK)
+    await_inputs(PDL)
+    for k0 in range(0, K, BK):
+        if K % BK == 0:
+            x = tl.load(x_ptr + k0 + rk)
+        else:
+            x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        w_next = _run(w_a, k0 + BK, nmask, rk, K, BK)
+        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
+        w = w_next
+        if EPILOGUE != 0:
+            wb_next = _run(w_b, k0 + BK, bmask, rk, K, BK)
+            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
+            wb = wb_next
     y = tl.sum(acc, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if FP8 and GROUP == K:
@@ -248,72 +271,11 @@ def _store_token(out_ptr, pos_ptr, cos_ptr, sin_ptr, b_ptr, acc, acc_b, s_a, s_b
         tl.store(out_ptr + partner, tl.where(rot, b * cos + a * sin, b).to(dtype))
 
 
-@triton.jit
-def _gemv1_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xm, stride_wn,
-    stride_ws, stride_om, stride_c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SUM_EACH: tl.constexpr, PDL: tl.constexpr,
-):
-    """A few tokens (M <= ROW_TOKENS): no tensor-core tile to fill, so a program's columns
-    are FMA reductions over K and tiles can be narrow: many programs, several per SM, keep
-    more weight bytes in flight than one 16-column dot tile per SM, and each weight tile is
-    read and widened once for all M tokens (a sum each). SILU_MUL and ROTARY stream two row
-    sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but a
-    grouped weight's tile holds BK / GROUP groups. A program loads each next run of K while
-    it multiplies one, the first before its input is ready (PDL); a run may pass K (a whole
-    row in one run: all of a program's bytes in flight at once)."""
-    launch_next(PDL)
-    pid = tl.program_id(0)
-    if EPILOGUE == 2:
-        rows = _pair_base(pid, BN // 2, HEAD_DIM) + tl.arange(0, BN // 2)
-        partner = rows + HEAD_DIM // 2
-    else:
-        rows = pid * BN + tl.arange(0, BN)
-        partner = rows + N  # SILU_MUL: the up row beside gate row n
-    nmask = rows < N
-    bmask = partner == partner  # every partner row exists
-    rk = tl.arange(0, BK)
-    w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    # FP8 scale rows (a masked-off row reads row 0's)
-    s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
-    s_b = ws_ptr + partner.to(tl.int64) * stride_ws
-    # each token's [rows, width] sums (those past M stay unused)
-    width: tl.constexpr = 1 if SUM_EACH else BK
-    a0 = tl.zeros([rows.shape[0], width], tl.float32)
-    a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
-    w = _run(w_a, 0, nmask, rk, K, BK)
-    wb = w
-    if EPILOGUE != 0:
-        wb = _run(w_b, 0, bmask, rk, K, BK)
-    await_inputs(PDL)
-    for k0 in range(0, K, BK):
-        w_next = _run(w_a, k0 + BK, nmask, rk, K, BK)
-        wf = _widened(w, s_a, k0, FP8, GROUP, K, BK)
-        a0, a1, a2, a3 = _tokens(a0, a1, a2, a3, wf, x_ptr, stride_xm, k0, rk, M, K, BK,
-                                 SUM_EACH)
-        w = w_next
-        if EPILOGUE != 0:
-            wb_next = _run(w_b, k0 + BK, bmask, rk, K, BK)
-            wf = _widened(wb, s_b, k0, FP8, GROUP, K, BK)
-            b0, b1, b2, b3 = _tokens(b0, b1, b2, b3, wf, x_ptr, stride_xm, k0, rk, M, K, BK,
-                                     SUM_EACH)
-            wb = wb_next
-    for m in tl.static_range(M):
-        acc = a0 if m == 0 else a1 if m == 1 else a2 if m == 2 else a3
-        acc_b = b0 if m == 0 else b1 if m == 1 else b2 if m == 2 else b3
-        _store_token(out_ptr + m * stride_om, pos_ptr + m, cos_ptr, sin_ptr, b_ptr, acc, acc_b,
-                     s_a, s_b, rows, partner, nmask, stride_c, EPILOGUE, HAS_BIAS, HEAD_DIM,
-                     ROT_ROWS, FP8, GROUP, K)
-
-
 def _longest(k: int, runs: tuple[int, ...]) -> int:
     return next(b for b in runs if k % b == 0)
 
 
-def row_config(n: int, k: int, fp8: bool = False, tokens: int = 1) -> GemvConfig:
+def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
     (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
     shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
@@ -324,8 +286,6 @@ def row_config(n: int, k: int, fp8: bool = False, tokens: int = 1) -> GemvConfig
     8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024; so too
     a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
     programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
-    if tokens > 1:  # x's run is held per token too: shorter runs
-        return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1, True)
     if fp8 and 8192 < k <= ONE_RUN_FP8:
         return GemvConfig(2, triton.next_power_of_2(k), 4, 1, True)
     if fp8 and k > 8192:
@@ -408,18 +368,12 @@ def _operands(w: Weight) -> _Operands:
     return _Operands(w.data, w.scale, True, group)
 
 
-def _row_kernel(x: torch.Tensor) -> bool:
-    """Whether x's tokens take the row kernel: up to ROW_TOKENS of them, in half precision
-    (float32 x keeps the tensor-core kernel's ieee dot)."""
-    return x.shape[0] <= ROW_TOKENS and x.dtype != torch.float32
-
-
-def _block_k(block_k: int, ops: _Operands, row_kernel: bool) -> int:
+def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
     """A grouped FP8 weight's tiles: one group (the tensor-core kernel scales each tile's
     product) or whole groups (the row kernel)."""
     if not ops.fp8 or ops.group == ops.data.shape[1]:
         return block_k
-    return max(block_k, ops.group) if row_kernel else ops.group
+    return max(block_k, ops.group) if rows == 1 else ops.group
 
 
 def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> bool:
@@ -438,14 +392,13 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
     k = o.data.shape[1]
     fixed = dict(N=n, K=k, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HEAD_DIM=head_dim,
                  ROT_ROWS=rot_rows, FP8=o.fp8, GROUP=o.group, BN=cfg.block_n,
-                 BK=_block_k(cfg.block_k, o, _row_kernel(x)), num_warps=cfg.num_warps,
+                 BK=_block_k(cfg.block_k, o, x.shape[0]), num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
-    if _row_kernel(x):
+    if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
         _gemv1_kernel[(programs,)](
-            x, o.data, o.scales, b, out, pos, cos, sin, x.stride(0), o.data.stride(0),
-            o.scales.stride(0), out.stride(0), cos.stride(0), M=x.shape[0],
-            SUM_EACH=cfg.sum_each, **fixed, **pdl(x, x.shape[0]))
+            x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
+            o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
         return out
     _gemv_kernel[(programs,)](
         x, o.data, o.scales, b, out, pos, cos, sin,
@@ -461,8 +414,7 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
          cfg: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8)."""
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8, x.shape[0]) if _row_kernel(x)
-                  else default_config(n, k, fp8))
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else default_config(n, k, fp8))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
@@ -470,8 +422,7 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
 def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
     n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8, x.shape[0]) if _row_kernel(x)
-                  else silu_mul_config(n, k, fp8))
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else silu_mul_config(n, k, fp8))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -484,7 +435,7 @@ def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
     """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8, x.shape[0]) if _row_kernel(x)
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
                   else rotary_config(n, k, head_dim, fp8))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")

@@ -57,7 +57,6 @@ def await_inputs(PDL: tl.constexpr):
 
 
 _enabled = True  # this process's switch (set_enabled)
-MAX_ROWS = 4  # steps of up to this many tokens launch with PDL: their GEMVs are row kernels
 
 
 def set_enabled(on: bool) -> None:
@@ -82,6 +81,6 @@ def pdl(x: torch.Tensor, rows: int, allowed: bool = True) -> dict:
     early dependent takes room they need: such steps measured slower with PDL
     (bench/RESULTS.md, "One-token steps with programmatic dependent launch").
     Off on the CPU (Triton's interpreter has no grid dependency control)."""
-    if allowed and _enabled and rows <= MAX_ROWS and x.is_cuda and _supported(x.device.index or 0):
+    if allowed and _enabled and rows == 1 and x.is_cuda and _supported(x.device.index or 0):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -285,9 +285,9 @@ def test_graphs_launched_with_pdl_equal_plain_stream_order(gpu_llama, monkeypatc
                                                           quantization):
     """Programmatic dependent launch only moves when kernels start: the decode graph's logits
     with it equal, bit for bit, those of the same kernels launched in plain stream order
-    (a kernel reading its input before the one before finished would differ). Steps of up
-    to triton_pdl.MAX_ROWS tokens (launched with PDL) between steps of 5 and 8 rows
-    (launched in order), bf16 and FP8 weights."""
+    (a kernel reading its input before the one before finished would differ). One-token
+    steps (launched with PDL) between steps of 5 and 8 rows (launched in order), bf16 and
+    FP8 weights."""
     from raygraph.model import triton_pdl
 
     one_row = torch.empty(1, device="cuda")
@@ -309,7 +309,7 @@ def test_graphs_launched_with_pdl_equal_plain_stream_order(gpu_llama, monkeypatc
     plain, overlapped = build(False), build(True)
     triton_pdl._supported.cache_clear()
     rng = random.Random(7)
-    for rows in (1, 5, 3, 8, 4, 1, 2, 1):  # a race would show only now and then
+    for rows in (1, 5, 8, 1, 1, 1):  # a race would show only now and then
         seqs, block = [], 0
         for i in range(rows):
             ctx = rng.randrange(0, 200)
