@@ -313,8 +313,12 @@ def default_config(rows: int, k: int, fp8: bool = False) -> GemvConfig:
 
 
 def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
-    """gate|up streams two weight rows per output column: wider, shorter tiles. The tile
-    must divide n (ops only sends n % 16 == 0 here)."""
+    """gate|up streams two weight rows per output column: wider, shorter tiles (FP8: 64
+    columns over runs of 256 in 3 stages, 32.2 us for the 8B's at 8 rows against 40.0 at 32
+    columns and 4 stages; bench/RESULTS.md, "Two to sixteen rows"). The tile must divide n
+    (ops only sends n % 16 == 0 here)."""
+    if fp8 and n % 64 == 0 and n >= 4096 and k % 256 == 0:
+        return GemvConfig(64, 256, 4, 3)
     if fp8 and n % 32 == 0 and n >= 4096 and k % 256 == 0:
         return GemvConfig(32, 256, 4, 4)
     if n % 64 == 0 and n >= 4096:
