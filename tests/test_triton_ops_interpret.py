@@ -116,6 +116,15 @@ def test_the_row_kernel_masks_a_last_run_past_k(interpreted, cfg):
     got = gemv.gemv_silu_mul(x, gu, gemv.GemvConfig(*cfg))
     torch.testing.assert_close(got.float(), ops.silu_and_mul(F.linear(x.float(), gu.float())),
                                **tolerance(dt))
+    hq, hk, d = 2, 1, 32  # q|k|v heads: each program's partner rows take their own runs
+    wqkv = padded(torch.randn((hq + 2 * hk) * d, k, dtype=dt) * 0.02)
+    cos, sin = rope_tables(d, 64, 10000.0)
+    pos = torch.tensor([5])
+    got = gemv.gemv_rotary(x, wqkv, None, pos, cos, sin, d, hq + hk, gemv.GemvConfig(*cfg))
+    q, kk, v = F.linear(x.float(), wqkv.float()).split([hq * d, hk * d, hk * d], dim=-1)
+    q, kk = ops.rotary(q.view(1, hq, d), kk.view(1, hk, d), cos, sin, pos)
+    torch.testing.assert_close(got.float(), torch.cat([q.flatten(1), kk.flatten(1), v], 1),
+                               **tolerance(dt))
 
 
 def test_row_configs_of_narrow_shards():
@@ -128,8 +137,14 @@ def test_row_configs_of_narrow_shards():
     assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles
     assert gemv.row_config(4096, 4096) == gemv.GemvConfig(4, 1024, 4, 1, True)
     assert gemv.row_config(4096, 3584).block_k == 512
-    # an FP8 down projection: one run of 2 rows up to ONE_RUN_FP8 columns, then runs of 1024
-    assert gemv.row_config(4096, 14336, True) == gemv.GemvConfig(2, 16384, 4, 1, True)
+    # FP8 rows past 8192 columns: one run of 2 rows where they fill 7/8 of it, up to
+    # ONE_RUN_FP8 columns; else 8 rows over runs of 1024
+    one_run = gemv.GemvConfig(2, 16384, 4, 1, True)
+    assert gemv.row_config(4096, 8192, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
+    assert gemv.row_config(4096, 14336, True) == one_run  # the 8B's down
+    assert gemv.row_config(4096, 16384, True) == one_run
+    assert gemv.row_config(4096, 12288, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
+    assert gemv.row_config(8192, 16384 + 1024, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
     assert gemv.row_config(8192, 28672, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
 
 

@@ -279,15 +279,16 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
     (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
     shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
-    summed as it is read so the registers hold more weight in flight; a longer K (a down
-    projection) 2 rows a program in one run of up to ONE_RUN_FP8 columns, so all of a
-    program's bytes are in flight at once ("A down projection in one run"), and past that 8
-    rows over runs of 1024. bf16: up to 4096 columns 4 a program (the
+    summed as it is read so the registers hold more weight in flight; K past 8192 (a down
+    projection) 2 rows a program in one run of up to ONE_RUN_FP8 columns where K fills at
+    least 7/8 of it, so all of a program's bytes are in flight at once ("A down projection
+    in one run"), else 8 rows over runs of 1024. bf16: up to 4096 columns 4 a program (the
     8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024; so too
     a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
     programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
-    if fp8 and 8192 < k <= ONE_RUN_FP8:
-        return GemvConfig(2, triton.next_power_of_2(k), 4, 1, True)
+    run = triton.next_power_of_2(k)
+    if fp8 and 8192 < k and run <= ONE_RUN_FP8 and 8 * k >= 7 * run:
+        return GemvConfig(2, run, 4, 1, True)
     if fp8 and k > 8192:
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
@@ -315,7 +316,7 @@ def default_config(rows: int, k: int, fp8: bool = False) -> GemvConfig:
 def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """gate|up streams two weight rows per output column: wider, shorter tiles (FP8: 64
     columns over runs of 256 in 3 stages, the fastest on the 8B's at 2-16 rows;
-    bench/RESULTS.md, "Two to sixteen rows"). The tile must divide n (ops only sends
+    bench/RESULTS.md, "Since: gate|up's tile"). The tile must divide n (ops only sends
     n % 16 == 0 here)."""
     if fp8 and n % 64 == 0 and n >= 4096 and k % 256 == 0:
         return GemvConfig(64, 256, 4, 3)
