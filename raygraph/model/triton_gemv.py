@@ -214,7 +214,7 @@ def _gemv1_kernel(
         rows = pid * BN + tl.arange(0, BN)
         partner = rows + N  # SILU_MUL: the up row beside gate row n
     nmask = rows < N
-    bmask = partner == partner  # every partner row exists
+    bmask = tl.full(partner.shape, True, tl.int1)  # every partner row exists
     rk = tl.arange(0, BK)
     w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
