@@ -27,6 +27,7 @@ multiplied as it is (`quant.DECODE_ROWS`).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,7 @@ MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scale
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no PTX to run
 ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
 
@@ -67,8 +69,15 @@ def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
 def _dot_operand(x, F16: tl.constexpr):
     """x as the tensor-core dot takes it: as loaded, or (F16) in float16, clamped to its
     range (a bfloat16 x keeps all its bits there unless it is below float16's normal
-    range)."""
-    if F16 and x.dtype != tl.float16:
+    range). A bfloat16 pair converts in one instruction, in the layout x is loaded in: as
+    an impure asm the compiler cannot sink it into the dot's operand layout, where every
+    warp would convert the whole tile."""
+    if F16 and x.dtype == tl.bfloat16 and not INTERPRETED:
+        x = tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
+            "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }",
+            "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
+    elif F16 and x.dtype != tl.float16:
         x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return x
 
@@ -330,7 +339,11 @@ def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
 
 def rotary_config(n: int, k: int, head_dim: int, fp8: bool = False) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
-    else 16 (ops only sends head_dim % 16 == 0 here)."""
+    else 16 (ops only sends head_dim % 16 == 0 here); FP8, 64 columns over runs of 256 in 3
+    stages where they fit (the 8B's at 2-16 rows: bench/RESULTS.md, "x in float16 for every
+    FP8 GEMM")."""
+    if fp8 and n % 64 == 0 and (head_dim // 2) % 32 == 0 and k % 256 == 0:
+        return GemvConfig(64, 256, 4, 3)
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
         return GemvConfig(32, 512, 4, 3) if fp8 and k % 512 == 0 else GemvConfig(32, 128, 4, 6)
     return GemvConfig(16, 256 if k % 256 == 0 else 128, 4, 4)
@@ -381,12 +394,12 @@ def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
     return max(block_k, ops.group) if rows == 1 else ops.group
 
 
-def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> bool:
+def _f16_dot(o: _Operands, dtype: torch.dtype) -> bool:
     """Whether the tensor-core kernel meets e4m3 tiles with x in float16 rather than
-    bfloat16. Each warp converts all of x's tile but only its share of the weight's, so it
-    pays where a program streams two weight rows a column (gate and up) and costs where it
-    streams one (bench/RESULTS.md, one-token GEMVs)."""
-    return o.fp8 and dtype == torch.bfloat16 and epilogue == SILU_MUL
+    bfloat16: e4m3 widens to float16 in one conversion a pair, to bfloat16 in three, and x
+    converts once a program as loaded (`_dot_operand`), so every FP8 GEMM at 2-16 rows
+    gains (bench/RESULTS.md, "x in float16 for every FP8 GEMM")."""
+    return o.fp8 and dtype == torch.bfloat16
 
 
 def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Tensor,
@@ -409,7 +422,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
         x, o.data, o.scales, b, out, pos, cos, sin,
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
         cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
-        F16=_f16_dot(o, x.dtype, epilogue),
+        F16=_f16_dot(o, x.dtype),
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
     return out

@@ -166,6 +166,28 @@ def test_decode_rows_read_the_fp8_weight(monkeypatch, activations, rows, group) 
                                atol=8 * BF16_EPS * qkv_ref.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [2, DECODE_ROWS])
+def test_decode_rows_take_bfloat16_x_as_float16_clamped(rows) -> None:
+    """The skinny kernel meets e4m3 tiles with bfloat16 x converted to float16 as loaded (an
+    asm the interpreter cannot run): every bfloat16 value of float16's range kept exactly,
+    a larger one clamped to 65504. So each row equals the float32 product of
+    x.clamp().half() and the dequantized weight within the output's rounding, the clamped
+    rows too (an unclamped x would give inf or a 15x larger row), plain and gate|up alike."""
+    from raygraph.model import triton_gemv
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    x[0, 5], x[-1, 9] = 1e6, -3e5  # past float16's range
+    w = weight(512, 1024, "none")
+    want = F.linear(x.float().clamp(-65504, 65504).half().float(), w.dequantize(torch.float32))
+    gate, up = want.chunk(2, dim=-1)
+    for got, ref in [(triton_gemv.gemv(x, w), want),
+                     (triton_gemv.gemv_silu_mul(x, w), F.silu(gate) * up)]:
+        for r in range(rows):  # each row's error scales with its own magnitude
+            torch.testing.assert_close(got[r].float(), ref[r], rtol=0,
+                                       atol=8 * BF16_EPS * ref[r].abs().max().item())
+
+
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
 def test_fp8_linears_capture_and_replay(rows) -> None:
     """No host sync on either path: replay gives the eager result bitwise."""
