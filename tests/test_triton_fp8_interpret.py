@@ -428,3 +428,32 @@ def test_the_float16_dot_meets_e4m3_with_x_clamped_to_float16(exact_e4m3, monkey
         check(got[rows], want[rows])
     monkeypatch.setattr(gemv, "_f16_dot", lambda *args: False)  # x kept whole: not equal
     assert not torch.allclose(gemv.gemv_silu_mul(x, gu)[1], want[1], rtol=1e-3)
+
+
+def test_gate_up_stores_float16_rows_computed_in_xs_dtype(exact_e4m3) -> None:
+    """half=True (gate|up feeding an FP8 down at decode rows): the rows computed as in x's
+    dtype, then stored in float16 clamped to its range (65504, not inf); a GEMM given
+    another output dtype rounds its result to that one."""
+    gemv = exact_e4m3
+    x = tokens(3, 5).float()
+    x[1, 7] = 1e4  # gate and up past float16's range on row 1
+    gu = fp8_weight(2 * 64, K, "none", 11)
+    whole = gemv.gemv_silu_mul(x, gu)
+    half = gemv.gemv_silu_mul(x, gu, half=True)
+    assert half.dtype == torch.float16 and whole.abs().max() > 65504
+    assert torch.equal(half, whole.clamp(-65504, 65504).half())
+    x16 = tokens(3, 6)
+    w = fp8_weight(64, K, "none", 12)
+    assert torch.equal(gemv.gemv(x16, w, out_dtype=torch.float32).half(), gemv.gemv(x16, w))
+
+
+@pytest.mark.parametrize("group", [K, 128])
+def test_float16_rows_standing_for_another_dtype_give_it(group) -> None:
+    """Rows marked STANDS_FOR that a GEMM other than the skinny FP8 kernel takes (here: any,
+    on the CPU) go back to the dtype they stand for, exactly, and so does the result."""
+    x = tokens(4, 7).to(torch.bfloat16)
+    h = x.half()
+    setattr(h, ops.STANDS_FOR, torch.bfloat16)
+    for w in (fp8_weight(64, group, "dynamic", 13), torch.randn(64, K, dtype=torch.bfloat16)):
+        got, want = ops.linear(h, w), ops.linear(x, w)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)

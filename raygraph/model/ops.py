@@ -89,6 +89,21 @@ def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int | None = Non
             and x.dtype == torch.bfloat16 and feeds.group == k and k % 16 == 0)
 
 
+# the attribute of float16 rows standing for rows of another dtype (the activations'
+# bfloat16): its values clamped to float16's range, exact there but below its normal
+# range. gate|up stores them so for an FP8 down projection at decode rows, whose float16
+# dot takes them as they are; anything else converts them back (exactly).
+STANDS_FOR = "raygraph_float16_for"
+
+
+def _halves_for(x: torch.Tensor, feeds: Fp8Layout | None) -> bool:
+    """Whether gate|up's fused kernel, on x, stores its result in float16 (STANDS_FOR): it
+    feeds an FP8 GEMM (`feeds`) at 2 to DECODE_ROWS bfloat16 rows, which the tensor-core
+    skinny kernel multiplies in float16 (bench/RESULTS.md, "float16 rows for the down
+    projection")."""
+    return feeds is not None and x.dtype == torch.bfloat16 and 1 < x.shape[0] <= DECODE_ROWS
+
+
 def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
     if quantized is not None:
         setattr(x, QUANTIZED, quantized)
@@ -174,7 +189,11 @@ def _skinny_operands(x: torch.Tensor, weight: Weight, shape_ok: bool
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias), as F.linear."""
+    """x @ weight^T (+ bias), as F.linear. Float16 rows standing for another dtype's give
+    that dtype (STANDS_FOR)."""
+    stands_for = getattr(x, STANDS_FOR, None)
+    if stands_for is not None and not (isinstance(weight, Fp8Weight) and _skinny(x, weight)):
+        x, stands_for = x.to(stands_for), None
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight, bias)
         if y is not None:
@@ -183,7 +202,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if skinny:
         from raygraph.model.triton_gemv import gemv
 
-        return gemv(x, weight, bias)
+        return gemv(x, weight, bias, out_dtype=stands_for)
     return F.linear(x, weight, bias)
 
 
@@ -200,7 +219,11 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Fp8Layout | None
     if fused:
         from raygraph.model.triton_gemv import gemv_silu_mul
 
-        return gemv_silu_mul(x, weight)
+        if not _halves_for(x, feeds):
+            return gemv_silu_mul(x, weight)
+        y = gemv_silu_mul(x, weight, half=True)
+        setattr(y, STANDS_FOR, x.dtype)
+        return y
     return silu_and_mul(F.linear(x, weight))
 
 

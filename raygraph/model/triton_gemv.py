@@ -96,12 +96,13 @@ def _gemv_kernel(
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    F16: tl.constexpr,
+    F16: tl.constexpr, HALF_OUT: tl.constexpr,
 ):
     """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
     weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
     added. F16: the dot runs in float16 (`_dot_operand`; e4m3 is exact there): e4m3 widens
-    to float16 in one conversion a pair of values, to bfloat16 in three."""
+    to float16 in one conversion a pair of values, to bfloat16 in three. HALF_OUT: the
+    result computed in x's dtype, stored in float16 clamped to its range (`gemv_silu_mul`)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
@@ -142,7 +143,7 @@ def _gemv_kernel(
             acc_up *= tl.load(s_rows + N * stride_ws)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty if HALF_OUT else out_ptr.dtype.element_ty
     # as torch stores the GEMM output: rounded to the activation dtype
     y = acc.to(dtype)
     out = out_ptr + rm[:, None] * stride_om + rows[None, :]
@@ -161,6 +162,8 @@ def _gemv_kernel(
         signed_sin = tl.where((cols < hb)[None, :], -sin, sin)
         x = y.to(tl.float32)
         y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(dtype)
+    if HALF_OUT:
+        y = tl.clamp(y.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     tl.store(out, y, mask=smask)
 
 
@@ -423,27 +426,34 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
         cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
         F16=_f16_dot(o, x.dtype),
+        HALF_OUT=out.dtype == torch.float16 and x.dtype != torch.float16,
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
     return out
 
 
 def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
-         cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8)."""
+         cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8), in `out_dtype` (x's
+    unless given: float16 rows standing for bfloat16 ones give bfloat16)."""
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else default_config(n, k, fp8))
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
 
-def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]."""
+def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None,
+                  half: bool = False) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]. half
+    (2+ rows): computed as in x's dtype, stored in float16 clamped to its range, as an FP8
+    GEMM's float16 dot takes it."""
     n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else silu_mul_config(n, k, fp8))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if half and x.shape[0] == 1:
+        raise ValueError("float16 rows are the tensor-core kernel's (2+ rows)")
+    out = torch.empty(x.shape[0], n, dtype=torch.float16 if half else x.dtype, device=x.device)
     return _launch(x, w, None, out, n, SILU_MUL, n // cfg.block_n, cfg)
 
 

@@ -188,6 +188,27 @@ def test_decode_rows_take_bfloat16_x_as_float16_clamped(rows) -> None:
                                        atol=8 * BF16_EPS * ref[r].abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, 2, DECODE_ROWS])
+def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(rows) -> None:
+    """At 2 to DECODE_ROWS rows gate|up stores its rows in float16 for an FP8 down
+    projection (ops.STANDS_FOR): the bfloat16 rows it would have stored, converted; the
+    down projection's output bit for bit the one from those bfloat16 rows, in bfloat16.
+    One row (the row kernel) stays bfloat16."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    gu, down = weight(2 * 2048, 1024, "dynamic"), weight(1024, 2048, "dynamic")
+    h = ops.linear_silu_and_mul(x, gu, Fp8Layout(2048, "dynamic"))
+    plain = ops.linear_silu_and_mul(x, gu)
+    assert plain.dtype == torch.bfloat16
+    if rows == 1:
+        assert h.dtype == torch.bfloat16 and not hasattr(h, ops.STANDS_FOR)
+        return
+    assert h.dtype == torch.float16 and getattr(h, ops.STANDS_FOR) == torch.bfloat16
+    assert torch.equal(h, plain.half())
+    y = ops.linear(h, down)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ops.linear(plain, down))
+
+
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
 def test_fp8_linears_capture_and_replay(rows) -> None:
     """No host sync on either path: replay gives the eager result bitwise."""
