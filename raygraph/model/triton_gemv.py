@@ -314,11 +314,14 @@ def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     return GemvConfig(2, _longest(k, (1024, 512, 256, 128)), 2, 1)
 
 
-def default_config(rows: int, k: int, fp8: bool = False) -> GemvConfig:
+def default_config(rows: int, k: int, fp8: bool = False, x_half: bool = False) -> GemvConfig:
     """Enough programs to cover the SMs, each streaming a long run of K. Up to 8192 rows
     (FP8: any) 32 columns over runs of 512, chosen with bench/decode_profile.py on the 8B
     shapes at 2-8 rows (bench/RESULTS.md, decode GEMMs alone); wider (an lm_head) 32
-    columns over runs of 256."""
+    columns over runs of 256. FP8 with x already float16 (x_half; the down projection fed
+    by gate|up) runs of 256 in 4 stages ("float16 rows for the down projection")."""
+    if fp8 and x_half and k % 256 == 0:
+        return GemvConfig(32, 256, 4, 4)
     if k % 512 == 0 and (fp8 or rows <= 8192):
         return GemvConfig(32, 512, 4, 3)
     block_n = 16 if rows <= 8192 else 32
@@ -437,7 +440,8 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8), in `out_dtype` (x's
     unless given: float16 rows standing for bfloat16 ones give bfloat16)."""
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else default_config(n, k, fp8))
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
+                  else default_config(n, k, fp8, x.dtype == torch.float16))
     out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
     return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
