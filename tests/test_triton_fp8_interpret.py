@@ -444,7 +444,9 @@ def test_gate_up_stores_float16_rows_computed_in_xs_dtype(exact_e4m3) -> None:
     assert torch.equal(half, whole.clamp(-65504, 65504).half())
     x16 = tokens(3, 6)
     w = fp8_weight(64, K, "none", 12)
-    assert torch.equal(gemv.gemv(x16, w, out_dtype=torch.float32).half(), gemv.gemv(x16, w))
+    wide = gemv.gemv(x16, w, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and not torch.equal(wide, wide.half().float())
+    assert torch.equal(wide.half(), gemv.gemv(x16, w))
 
 
 @pytest.mark.parametrize("group", [K, 128])
@@ -457,3 +459,26 @@ def test_float16_rows_standing_for_another_dtype_give_it(group) -> None:
     for w in (fp8_weight(64, group, "dynamic", 13), torch.randn(64, K, dtype=torch.bfloat16)):
         got, want = ops.linear(h, w), ops.linear(x, w)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_gate_up_stores_float16_rows_only_for_a_down_the_skinny_kernels_take() -> None:
+    """ops._halves_for: 2 to DECODE_ROWS bfloat16 rows feeding an FP8 GEMM whose K and
+    scale groups the skinny kernels take; anything else keeps its dtype."""
+    pytest.importorskip("raygraph.model.triton_gemv", reason="needs triton")
+    from raygraph.model.quant import DECODE_ROWS, Fp8Layout
+
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert ops._halves_for(x, Fp8Layout(2048, "dynamic"), 2048)  # one scale a row
+    assert ops._halves_for(x, Fp8Layout(128, "none"), 2048)  # a scale a row and 128 columns
+    assert ops._halves_for(x[:2], Fp8Layout(2048, "dynamic"), 2048)
+    assert ops._halves_for(torch.zeros(DECODE_ROWS, 64, dtype=torch.bfloat16),
+                           Fp8Layout(2048, "dynamic"), 2048)
+    for rows, layout, k in [(x[:1], Fp8Layout(2048, "dynamic"), 2048),  # the row kernel's
+                            (torch.zeros(DECODE_ROWS + 1, 64, dtype=torch.bfloat16),
+                             Fp8Layout(2048, "dynamic"), 2048),  # a W8A8 GEMM's
+                            (x.float(), Fp8Layout(2048, "dynamic"), 2048),
+                            (x.half(), Fp8Layout(2048, "dynamic"), 2048),
+                            (x, None, 2048),  # not an FP8 GEMM
+                            (x, Fp8Layout(2240, "dynamic"), 2240),  # K not 128-aligned
+                            (x, Fp8Layout(96, "dynamic"), 2016)]:  # groups not a power of 2
+        assert not ops._halves_for(rows, layout, k), (rows.shape, rows.dtype, layout, k)

@@ -136,11 +136,11 @@ def other_cases() -> list[Case]:
     rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
                 ROT_ROWS=2560, FP8=False, GROUP=2048, BM=gv.BM, BN=32, BK=128,
-                PRECISION="tf32", F16=False, HALF_OUT=False)
+                PRECISION="tf32", F16=gv.X_AS_IS, HALF_OUT=False)
     row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP")}
     # FP8 weights: one scale a row, or one a row and 128 columns
     fp8 = dict(FP8=True)
-    fp8_dot = fp8 | dict(F16=True)
+    fp8_dot = fp8 | dict(F16=gv.X_HALF_ONCE)
     e4m3 = rope | {"w_ptr": "*fp8e4nv"}
     slots = {"order_ptr": "*i32", "slot_ptr": "*i32"}
     w8a8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
@@ -173,11 +173,14 @@ def other_cases() -> list[Case]:
          gemv | fp8_dot | dict(N=8192, EPILOGUE=gv.SILU_MUL, BN=64), 4, e4m3),
         ("skinny gemm fp8 128-groups + rotary", gv._gemv_kernel,
          gemv | fp8_dot | dict(GROUP=128), 4, e4m3),
+        ("skinny gemm fp8 128-groups + silu*mul, x converted in the dot", gv._gemv_kernel,
+         gemv | fp8 | dict(N=8192, GROUP=128, EPILOGUE=gv.SILU_MUL, BN=64,
+                           F16=gv.X_HALF_IN_DOT), 4, e4m3),
         ("skinny gemm fp8 + silu*mul, float16 rows out", gv._gemv_kernel,
          gemv | fp8_dot | dict(N=14336, K=4096, GROUP=4096, EPILOGUE=gv.SILU_MUL, BN=64,
                                BK=256, HALF_OUT=True), 4, e4m3 | {"out_ptr": "*fp16"}),
         ("skinny gemm fp8, float16 rows in (the 8B's down)", gv._gemv_kernel,
-         gemv | fp8_dot | dict(N=4096, K=14336, GROUP=14336, EPILOGUE=gv.PLAIN, BK=512), 4,
+         gemv | fp8 | dict(N=4096, K=14336, GROUP=14336, EPILOGUE=gv.PLAIN, BK=256), 4,
          e4m3 | {"x_ptr": "*fp16"}),
         ("skinny gemm fp8, the 8B's q|k|v + rotary", gv._gemv_kernel,
          gemv | fp8_dot | dict(N=6144, K=4096, GROUP=4096, HEAD_DIM=128, ROT_ROWS=5120, BN=64,

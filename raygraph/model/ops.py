@@ -90,18 +90,21 @@ def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int | None = Non
 
 
 # the attribute of float16 rows standing for rows of another dtype (the activations'
-# bfloat16): its values clamped to float16's range, exact there but below its normal
-# range. gate|up stores them so for an FP8 down projection at decode rows, whose float16
-# dot takes them as they are; anything else converts them back (exactly).
+# bfloat16): its values clamped to float16's range (exact within its normal range).
+# gate|up stores them so for an FP8 down projection at decode rows, whose float16 dot
+# takes them as they are; anything else converts them back.
 STANDS_FOR = "raygraph_float16_for"
 
 
-def _halves_for(x: torch.Tensor, feeds: Fp8Layout | None) -> bool:
-    """Whether gate|up's fused kernel, on x, stores its result in float16 (STANDS_FOR): it
-    feeds an FP8 GEMM (`feeds`) at 2 to DECODE_ROWS bfloat16 rows, which the tensor-core
-    skinny kernel multiplies in float16 (bench/RESULTS.md, "float16 rows for the down
-    projection")."""
-    return feeds is not None and x.dtype == torch.bfloat16 and 1 < x.shape[0] <= DECODE_ROWS
+def _halves_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int) -> bool:
+    """Whether gate|up's fused kernel, on x, stores its result [T, k] in float16
+    (STANDS_FOR): it feeds an FP8 GEMM (`feeds`) the skinny kernels take, at 2 to
+    DECODE_ROWS bfloat16 rows, which they multiply in float16 (bench/RESULTS.md, "float16
+    rows for the down projection")."""
+    from raygraph.model.triton_gemv import fp8_columns_ok
+
+    return (feeds is not None and x.dtype == torch.bfloat16 and 1 < x.shape[0] <= DECODE_ROWS
+            and fp8_columns_ok(k, feeds.group))
 
 
 def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
@@ -219,7 +222,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Fp8Layout | None
     if fused:
         from raygraph.model.triton_gemv import gemv_silu_mul
 
-        if not _halves_for(x, feeds):
+        if not _halves_for(x, feeds, weight.shape[0] // 2):
             return gemv_silu_mul(x, weight)
         y = gemv_silu_mul(x, weight, half=True)
         setattr(y, STANDS_FOR, x.dtype)

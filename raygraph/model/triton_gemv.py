@@ -45,6 +45,7 @@ MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scale
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
+X_AS_IS, X_HALF_IN_DOT, X_HALF_ONCE = 0, 1, 2  # how the tensor-core kernel's dot takes x
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no PTX to run
 ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
@@ -66,19 +67,29 @@ def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _dot_operand(x, F16: tl.constexpr):
-    """x as the tensor-core dot takes it: as loaded, or (F16) in float16, clamped to its
-    range (a bfloat16 x keeps all its bits there unless it is below float16's normal
-    range). A bfloat16 pair converts in one instruction, in the layout x is loaded in: as
-    an impure asm the compiler cannot sink it into the dot's operand layout, where every
-    warp would convert the whole tile."""
-    if F16 and x.dtype == tl.bfloat16 and not INTERPRETED:
-        x = tl.inline_asm_elementwise(
+def _to_float16(v, ONCE: tl.constexpr):
+    """v in float16, clamped to its range, NaN kept (a bfloat16 value keeps all its bits
+    within float16's normal range). ONCE: a bfloat16 pair in one instruction (the clamp
+    included), an impure asm the compiler cannot move: converted in the layout v has, not
+    sunk into where it is used."""
+    if ONCE and v.dtype == tl.bfloat16 and not INTERPRETED:
+        v = tl.inline_asm_elementwise(
             "{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
             "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }",
-            "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
-    elif F16 and x.dtype != tl.float16:
-        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            "=r,r", [v], dtype=tl.float16, is_pure=False, pack=2)
+    else:
+        v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0,
+                     propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+    return v
+
+
+@triton.jit
+def _dot_operand(x, F16: tl.constexpr):
+    """x as the tensor-core dot takes it: as loaded (F16 = X_AS_IS), or in float16
+    (`_to_float16`) converted once as loaded (X_HALF_ONCE) or where the dot takes it
+    (X_HALF_IN_DOT: every warp converts the whole tile)."""
+    if F16 != 0 and x.dtype != tl.float16:
+        x = _to_float16(x, F16 == 2)
     return x
 
 
@@ -163,7 +174,7 @@ def _gemv_kernel(
         x = y.to(tl.float32)
         y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(dtype)
     if HALF_OUT:
-        y = tl.clamp(y.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        y = _to_float16(y, True)
     tl.store(out, y, mask=smask)
 
 
@@ -318,8 +329,9 @@ def default_config(rows: int, k: int, fp8: bool = False, x_half: bool = False) -
     """Enough programs to cover the SMs, each streaming a long run of K. Up to 8192 rows
     (FP8: any) 32 columns over runs of 512, chosen with bench/decode_profile.py on the 8B
     shapes at 2-8 rows (bench/RESULTS.md, decode GEMMs alone); wider (an lm_head) 32
-    columns over runs of 256. FP8 with x already float16 (x_half; the down projection fed
-    by gate|up) runs of 256 in 4 stages ("float16 rows for the down projection")."""
+    columns over runs of 256. FP8 with x already float16 (x_half: the down projection fed
+    by gate|up, timed on the 8B's; a float16 model's FP8 GEMMs take it too, untimed) runs
+    of 256 in 4 stages ("float16 rows for the down projection")."""
     if fp8 and x_half and k % 256 == 0:
         return GemvConfig(32, 256, 4, 4)
     if k % 512 == 0 and (fp8 or rows <= 8192):
@@ -346,8 +358,8 @@ def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
 def rotary_config(n: int, k: int, head_dim: int, fp8: bool = False) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
     else 16 (ops only sends head_dim % 16 == 0 here); FP8, 64 columns over runs of 256 in 3
-    stages where they fit (the 8B's at 2-16 rows: bench/RESULTS.md, "x in float16 for every
-    FP8 GEMM")."""
+    stages where they fit (timed on the 8B's, bfloat16 x, at 2-16 rows: bench/RESULTS.md,
+    "x in float16 for every FP8 GEMM")."""
     if fp8 and n % 64 == 0 and (head_dim // 2) % 32 == 0 and k % 256 == 0:
         return GemvConfig(64, 256, 4, 3)
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
@@ -368,12 +380,18 @@ def _supports_fp8(x: torch.Tensor, w: Fp8Weight) -> bool:
     """An FP8 weight's: e4m3 rows, float32 scales one a row or one a row and a power-of-two
     group of 16+ columns (a tile is one group, or whole groups)."""
     k, groups = w.shape[1], w.scale.shape[1]
-    group_ok = groups == 1 or (w.group >= 16 and w.group & (w.group - 1) == 0
-                               and k % w.group == 0 and w.scale.stride(1) == 1)
     return (x.dim() == 2 and x.shape[0] <= MAX_M_FP8
             and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and w.data.dtype == FP8 and w.data.stride(1) == 1
-            and k % 128 == 0 and w.scale.dtype == torch.float32 and group_ok)
+            and fp8_columns_ok(k, k if groups == 1 else w.group)
+            and (groups == 1 or w.scale.stride(1) == 1) and w.scale.dtype == torch.float32)
+
+
+def fp8_columns_ok(k: int, group: int) -> bool:
+    """An FP8 weight's K and input columns per scale that the kernels take: K a multiple of
+    128, one scale a row (group K) or a power-of-two group of 16+ columns dividing K."""
+    return k % 128 == 0 and (group == k or group >= 16 and group & (group - 1) == 0
+                             and k % group == 0)
 
 
 class _Operands(NamedTuple):
@@ -400,12 +418,16 @@ def _block_k(block_k: int, ops: _Operands, rows: int) -> int:
     return max(block_k, ops.group) if rows == 1 else ops.group
 
 
-def _f16_dot(o: _Operands, dtype: torch.dtype) -> bool:
-    """Whether the tensor-core kernel meets e4m3 tiles with x in float16 rather than
-    bfloat16: e4m3 widens to float16 in one conversion a pair, to bfloat16 in three, and x
-    converts once a program as loaded (`_dot_operand`), so every FP8 GEMM at 2-16 rows
-    gains (bench/RESULTS.md, "x in float16 for every FP8 GEMM")."""
-    return o.fp8 and dtype == torch.bfloat16
+def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> int:
+    """How the tensor-core kernel meets e4m3 tiles with bfloat16 x: in float16 (e4m3 widens
+    to float16 in one conversion a pair, to bfloat16 in three), x converted once a program
+    as loaded; a grouped gate|up, whose tiles are one group wide, converts it where the dot
+    takes it: the extra pass through shared memory costs it more (bench/RESULTS.md, "x in
+    float16 for every FP8 GEMM")."""
+    if not (o.fp8 and dtype == torch.bfloat16):
+        return X_AS_IS
+    grouped = o.group < o.data.shape[1]
+    return X_HALF_IN_DOT if grouped and epilogue == SILU_MUL else X_HALF_ONCE
 
 
 def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Tensor,
@@ -428,7 +450,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
         x, o.data, o.scales, b, out, pos, cos, sin,
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
         cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
-        F16=_f16_dot(o, x.dtype),
+        F16=_f16_dot(o, x.dtype, epilogue),
         HALF_OUT=out.dtype == torch.float16 and x.dtype != torch.float16,
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)

@@ -188,26 +188,48 @@ def test_decode_rows_take_bfloat16_x_as_float16_clamped(rows) -> None:
                                        atol=8 * BF16_EPS * ref[r].abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 2, DECODE_ROWS])
-def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(rows) -> None:
+@pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS])
+def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(monkeypatch, rows) -> None:
     """At 2 to DECODE_ROWS rows gate|up stores its rows in float16 for an FP8 down
-    projection (ops.STANDS_FOR): the bfloat16 rows it would have stored, converted; the
-    down projection's output, in bfloat16, the one from those bfloat16 rows (its own tile:
-    float32 sums in another order). One row (the row kernel) stays bfloat16."""
+    projection (ops.STANDS_FOR), which takes them as they are: the bfloat16 rows it would
+    have stored, converted (past float16's range clamped, NaN kept); the down projection's
+    output, in bfloat16, the one from those bfloat16 rows (its own tile: float32 sums in
+    another order). One row (the row kernel) and float32 x keep their dtype."""
+    from raygraph.model import triton_gemv
+
     torch.manual_seed(rows)
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    x[0, 3] = float("nan")
+    if rows > 1:
+        x[1] *= 300  # gate and up past float16's range
     gu, down = weight(2 * 2048, 1024, "dynamic"), weight(1024, 2048, "dynamic")
-    h = ops.linear_silu_and_mul(x, gu, Fp8Layout(2048, "dynamic"))
+    layout = Fp8Layout(2048, "dynamic")
+    h = ops.linear_silu_and_mul(x, gu, layout)
     plain = ops.linear_silu_and_mul(x, gu)
-    assert plain.dtype == torch.bfloat16
+    assert plain.dtype == torch.bfloat16 and plain[0].isnan().all()
+    assert ops.linear_silu_and_mul(x.float(), gu, layout).dtype == torch.float32
     if rows == 1:
         assert h.dtype == torch.bfloat16 and not hasattr(h, ops.STANDS_FOR)
         return
     assert h.dtype == torch.float16 and getattr(h, ops.STANDS_FOR) == torch.bfloat16
-    assert torch.equal(h, plain.half())
+    assert plain[1].abs().max() > 65504
+    # (clamped in float32: bfloat16 rounds 65504 to 65536, past float16's range)
+    torch.testing.assert_close(h, plain.float().clamp(-65504, 65504).half(), rtol=0, atol=0,
+                               equal_nan=True)
+    seen = []
+    gemv = triton_gemv.gemv
+
+    def recording(x, *args, **kwargs):
+        seen.append(x.dtype)
+        return gemv(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_gemv, "gemv", recording)
     y, want = ops.linear(h, down), ops.linear(plain, down)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, want, rtol=0, atol=8 * BF16_EPS * want.abs().max().item())
+    assert seen == [torch.float16, torch.bfloat16]  # the float16 rows taken as they are
+    assert y.dtype == torch.bfloat16 and y[0].isnan().all() and want[0].isnan().all()
+    for r in range(1, rows):  # each row's error scales with its own magnitude
+        torch.testing.assert_close(y[r], want[r], rtol=0,
+                                   atol=8 * BF16_EPS * want[r].abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
