@@ -453,8 +453,9 @@ def test_gate_up_stores_float16_rows_computed_in_xs_dtype(exact_e4m3) -> None:
 def test_float16_rows_standing_for_another_dtype_give_it(group) -> None:
     """Rows marked STANDS_FOR that a GEMM other than the skinny FP8 kernel takes (here: any,
     on the CPU) go back to the dtype they stand for, exactly, and so does the result."""
-    x = tokens(4, 7).to(torch.bfloat16)
+    x = tokens(4, 7).to(torch.bfloat16).half().to(torch.bfloat16)  # values both dtypes hold
     h = x.half()
+    assert torch.equal(h.to(torch.bfloat16), x)
     setattr(h, ops.STANDS_FOR, torch.bfloat16)
     for w in (fp8_weight(64, group, "dynamic", 13), torch.randn(64, K, dtype=torch.bfloat16)):
         got, want = ops.linear(h, w), ops.linear(x, w)

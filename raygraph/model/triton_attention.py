@@ -39,18 +39,14 @@ repeat them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.triton_ops import to_cache
+from raygraph.model.triton_ops import INTERPRETED, to_cache
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 TILE = 64
-# Triton's interpreter runs no PTX: there _values converts as torch does
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 # verify chunks: rows a program attends for at most, and its warps (a tile of up to 32
 # query rows)
 CHUNK_ROWS, CHUNK_WARPS = 8, 4
@@ -188,12 +184,13 @@ def _values(v, dtype: tl.constexpr):
     (`ldmatrix.trans`). A plain cast would be moved to after the dot's operand layout, where
     each thread gathers V's pairs of keys from shared memory a byte at a time; the asm is
     marked impure so that it stays where it is."""
-    w = v.to(dtype)  # (the interpreter runs no PTX)
     if (v.dtype == tl.float8e4nv) and (dtype == tl.float16) and not INTERPRETED:
         w = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
             "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [v], dtype=tl.float16, is_pure=False,
             pack=4)
+    else:
+        w = v.to(dtype)
     return w
 
 

@@ -27,7 +27,6 @@ multiplied as it is (`quant.DECODE_ROWS`).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
+from raygraph.model.triton_ops import INTERPRETED
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
@@ -46,7 +46,6 @@ BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked sto
 
 PLAIN, SILU_MUL, ROTARY = 0, 1, 2
 X_AS_IS, X_HALF_IN_DOT, X_HALF_ONCE = 0, 1, 2  # how the tensor-core kernel's dot takes x
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no PTX to run
 ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
 

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
+
+# Triton's interpreter (CPU tests) runs no PTX: kernels with inline asm convert as torch does
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
