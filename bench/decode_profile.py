@@ -148,9 +148,12 @@ def time_graph(fn, reps: int = 20) -> float:
     return statistics.median(ts) / reps
 
 
-def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
+def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None,
+               act: torch.dtype | None = None):
     """fn(i): the decode GEMM `name` on weight copy i (cuBLAS when cfg is None; the skinny
-    kernels' own choice for the rows when cfg is "auto")."""
+    kernels' own choice for the rows when cfg is "auto"). `act`: x's float16 rows stand for
+    that dtype's, as a norm or gate|up feeding an FP8 GEMM stores them (gate|up then stores
+    float16 rows too, for the down projection)."""
     from raygraph.model import triton_gemv as tg
 
     m, half = x.shape[0], 32
@@ -163,10 +166,10 @@ def _gemm_call(name: str, x: torch.Tensor, ws: list[torch.Tensor], cfg=None):
         if cfg is None:
             return F.linear(x, w)
         if name == "qkv+rotary":
-            return tg.gemv_rotary(x, w, None, pos, table, table, 2 * half, 40, own)
+            return tg.gemv_rotary(x, w, None, pos, table, table, 2 * half, 40, own, act)
         if name == "gate_up+silu":
-            return tg.gemv_silu_mul(x, w, own)
-        return tg.gemv(x, w, None, own)
+            return tg.gemv_silu_mul(x, w, own, act is not None, act)
+        return tg.gemv(x, w, None, own, act)
 
     return fn
 
@@ -212,13 +215,15 @@ def _block_call(x: torch.Tensor, ws: list[Fp8Weight], dequant: bool, cfg=None):
 
 def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
               ms: tuple[int, ...] = (1, 8), fp8: bool = False,
-              fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0) -> None:
+              fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0,
+              x_half: bool = False) -> None:
     """cuBLAS on bf16 weights against the Triton configs, on bf16 weights or (fp8) the same
     weights quantized per row: microseconds and the weight bytes' GB/s. Past 8 rows FP8
     also times the W8A8 GEMMs: _scaled_mm and the Triton FP8 GEMM (its own tiles and
     `fp8_configs`). block > 0: the weights quantized per row and `block` columns instead;
     past the decode rows the GEMM as served (ops.linear: the Triton GEMM with scales per
-    group) against the weight dequantized to bf16 and cuBLAS (the path it replaced)."""
+    group) against the weight dequantized to bf16 and cuBLAS (the path it replaced).
+    x_half: the Triton configs take x as float16 rows standing for bf16 ones (at 2+ rows)."""
     from raygraph.model.quant import quantize
     from raygraph.model.triton_gemv import GemvConfig
 
@@ -233,6 +238,7 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         t = time_graph(_gemm_call(name, x, ws))
         row = {"gemm": name, "n": n, "k": k, "m": m, "fp8": fp8, "block": block,
+               "x_half": x_half,
                "cublas_us": round(1e6 * t, 2), "cublas_GBps": round(n * k * 2 / t / 1e9)}
         if block and m > DECODE_ROWS:
             for key, dequant in [("block_gemm_us", False), ("block_dequant_us", True)]:
@@ -249,7 +255,9 @@ def gemm_rows(name: str, n: int, k: int, configs: list[tuple[int, ...] | str],
         for cfg in configs if m <= (DECODE_ROWS if fp8 else 8) else []:  # what they serve
             try:
                 own = cfg if cfg == "auto" else GemvConfig(*cfg)
-                t = time_graph(_gemm_call(name, x, own_ws, own))
+                half = x_half and m > 1
+                t = time_graph(_gemm_call(name, x.half() if half else x, own_ws, own,
+                                          torch.bfloat16 if half else None))
                 row[f"triton{cfg}"] = [round(1e6 * t, 2), round(size / t / 1e9)]
             except Exception as e:  # a config the shape cannot tile: say so
                 row[f"triton{cfg}"] = type(e).__name__
@@ -270,11 +278,11 @@ def gemm_shapes(preset: str, tp: int = 1) -> dict[str, tuple[int, int]]:
 def gemm_table(configs: list[tuple[int, ...] | str], ms: tuple[int, ...] = (1, 8),
                preset: str = "llama-1b", fp8: bool = False,
                fp8_configs: list[tuple[str, tuple[int, ...]]] = (), block: int = 0,
-               tp: int = 1) -> None:
+               tp: int = 1, x_half: bool = False) -> None:
     for name, (n, k) in gemm_shapes(preset, tp).items():
         if (fp8 or block) and name == "lm_head":
             continue  # stays in the model's dtype
-        gemm_rows(name, n, k, configs, ms, fp8, fp8_configs, block)
+        gemm_rows(name, n, k, configs, ms, fp8, fp8_configs, block, x_half)
         torch.cuda.empty_cache()
 
 
@@ -342,6 +350,9 @@ def main() -> None:
     p.add_argument("--gemm-configs", nargs="+", default=None,
                    help="Triton configs to time, each block_n,block_k,num_warps,num_stages, "
                         "or auto (the kernels' own choice for the rows)")
+    p.add_argument("--gemm-x-half", action="store_true",
+                   help="the Triton configs at 2+ rows take x in float16 standing for bf16 "
+                        "(as FP8 layers' norms and gate|up store it for them)")
     p.add_argument("--gemm-block", type=int, default=0, metavar="COLUMNS",
                    help="block-scaled FP8 weights (a scale a row and COLUMNS columns, as "
                         "the 128 x 128 format): past 16 rows the served GEMM against the "
@@ -380,7 +391,7 @@ def main() -> None:
         fp8_configs = [("triton_fp8", tuple(int(v) for v in c.split(",")))
                        for c in a.fp8_gemm_configs]
         gemm_table(configs, tuple(a.gemm_m), a.preset, a.gemm_fp8, fp8_configs, a.gemm_block,
-                   a.tp)
+                   a.tp, a.gemm_x_half)
     if a.gemm_only:
         return
     model = bench_model(a.preset, a.load_format)

@@ -444,9 +444,59 @@ def test_gate_up_stores_float16_rows_computed_in_xs_dtype(exact_e4m3) -> None:
     assert torch.equal(half, whole.clamp(-65504, 65504).half())
     x16 = tokens(3, 6)
     w = fp8_weight(64, K, "none", 12)
-    wide = gemv.gemv(x16, w, out_dtype=torch.float32)
+    wide = gemv.gemv(x16, w, act=torch.float32)
     assert wide.dtype == torch.float32 and not torch.equal(wide, wide.half().float())
     assert torch.equal(wide.half(), gemv.gemv(x16, w))
+
+
+def test_norms_store_float16_rows_computed_in_the_activation_dtype(interpreted) -> None:
+    """half=True (a norm feeding an FP8 GEMM at decode rows): the normed rows computed as
+    in the activation dtype (here float32: the interpreter has no bfloat16), then stored in
+    float16 clamped to its range (65504, not inf), NaN kept; the residual sum unchanged."""
+    k_ops = interpreted("triton_ops")
+    torch.manual_seed(3)
+    x, r = torch.randn(2, 4, 96)
+    w = torch.rand(96) + 0.5
+    w[7] = 1e6  # column 7 past float16's range on every row
+    x[2, 5] = float("nan")
+    whole = k_ops.rms_norm(x, w, 1e-6)[0]
+    half = k_ops.rms_norm(x, w, 1e-6, half=True)[0]
+    assert half.dtype == torch.float16 and whole.abs().nan_to_num().max() > 65504
+    assert not torch.equal(whole, whole.half().float())  # float32 rows: not float16's
+    torch.testing.assert_close(half, whole.clamp(-65504, 65504).half(), rtol=0, atol=0,
+                               equal_nan=True)
+    got, total, _ = k_ops.add_rms_norm(x, r, w, 1e-6, half=True)
+    want, want_total, _ = k_ops.add_rms_norm(x, r, w, 1e-6)
+    assert got.dtype == torch.float16 and total.dtype == torch.float32
+    torch.testing.assert_close(total, want_total, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, want.clamp(-65504, 65504).half(), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("group", [K, 128])
+def test_gemms_compute_float16_rows_in_the_dtype_they_stand_for(exact_e4m3, group) -> None:
+    """`act`: float16 x standing for another dtype's rows (here float32) gives that dtype,
+    computed in it (the plain, rotary and silu*mul epilogues round to `act`, not to x's
+    float16), the same as x widened to it; gate|up with half=True stores float16 rows from
+    it. One row (the row kernel) takes no such rows."""
+    gemv = exact_e4m3
+    x16 = tokens(3, 8)
+    x32 = x16.float()
+    w, gu = fp8_weight(HQ * D + 2 * HK * D, group, "none", 14), fp8_weight(2 * 64, group,
+                                                                           "none", 15)
+    cos, sin = rope_tables(D, 64, 10000.0)
+    pos = torch.tensor([3, 9, 60])
+    for run in (lambda x, **a: gemv.gemv(x, w, **a),
+                lambda x, **a: gemv.gemv_rotary(x, w, None, pos, cos, sin, D, HQ + HK, **a),
+                lambda x, **a: gemv.gemv_silu_mul(x, gu, **a)):
+        got, want = run(x16, act=torch.float32), run(x32)
+        assert got.dtype == torch.float32 and not torch.equal(got, got.half().float())
+        check(got, want)
+    half = gemv.gemv_silu_mul(x16, gu, half=True, act=torch.float32)
+    assert half.dtype == torch.float16
+    assert torch.equal(half, gemv.gemv_silu_mul(x16, gu, act=torch.float32).half())
+    with pytest.raises(ValueError, match="tensor-core"):
+        gemv.gemv(x16[:1], w, act=torch.float32)
 
 
 @pytest.mark.parametrize("group", [K, 128])
@@ -460,11 +510,21 @@ def test_float16_rows_standing_for_another_dtype_give_it(group) -> None:
     for w in (fp8_weight(64, group, "dynamic", 13), torch.randn(64, K, dtype=torch.bfloat16)):
         got, want = ops.linear(h, w), ops.linear(x, w)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        got, want = ops.linear_silu_and_mul(h, w), ops.linear_silu_and_mul(x, w)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    w = fp8_weight(HQ * D + 2 * HK * D, group, "dynamic", 16)
+    cos, sin = rope_tables(D, 64, 10000.0)
+    pos = torch.tensor([1, 5, 8, 40])
+    got = ops.linear_rotary(h, w, None, pos, cos, sin, D, HQ, HK)
+    want = ops.linear_rotary(x, w, None, pos, cos, sin, D, HQ, HK)
+    for a, b in zip(got[:3], want[:3]):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
-def test_gate_up_stores_float16_rows_only_for_a_down_the_skinny_kernels_take() -> None:
-    """ops._halves_for: 2 to DECODE_ROWS bfloat16 rows feeding an FP8 GEMM whose K and
-    scale groups the skinny kernels take; anything else keeps its dtype."""
+def test_float16_rows_only_for_an_fp8_gemm_the_skinny_kernels_take() -> None:
+    """ops._halves_for: 2 to DECODE_ROWS bfloat16 rows (or float16 rows standing for them)
+    feeding an FP8 GEMM whose K and scale groups the skinny kernels take; anything else
+    keeps its dtype."""
     pytest.importorskip("raygraph.model.triton_gemv", reason="needs triton")
     from raygraph.model.quant import DECODE_ROWS, Fp8Layout
 
@@ -474,11 +534,15 @@ def test_gate_up_stores_float16_rows_only_for_a_down_the_skinny_kernels_take() -
     assert ops._halves_for(x[:2], Fp8Layout(2048, "dynamic"), 2048)
     assert ops._halves_for(torch.zeros(DECODE_ROWS, 64, dtype=torch.bfloat16),
                            Fp8Layout(2048, "dynamic"), 2048)
+    marked = x.half()
+    setattr(marked, ops.STANDS_FOR, torch.bfloat16)
+    assert ops._halves_for(marked, Fp8Layout(2048, "dynamic"), 2048)
     for rows, layout, k in [(x[:1], Fp8Layout(2048, "dynamic"), 2048),  # the row kernel's
                             (torch.zeros(DECODE_ROWS + 1, 64, dtype=torch.bfloat16),
                              Fp8Layout(2048, "dynamic"), 2048),  # a W8A8 GEMM's
                             (x.float(), Fp8Layout(2048, "dynamic"), 2048),
-                            (x.half(), Fp8Layout(2048, "dynamic"), 2048),
+                            (x.half(), Fp8Layout(2048, "dynamic"), 2048),  # a float16 model's
+                            (x[None], Fp8Layout(2048, "dynamic"), 2048),  # not rows
                             (x, None, 2048),  # not an FP8 GEMM
                             (x, Fp8Layout(2240, "dynamic"), 2240),  # K not 128-aligned
                             (x, Fp8Layout(96, "dynamic"), 2016)]:  # groups not a power of 2

@@ -12,6 +12,7 @@ import re
 import sys
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -136,7 +137,7 @@ def other_cases() -> list[Case]:
     rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     gemv = dict(N=3072, K=2048, EPILOGUE=gv.ROTARY, HAS_BIAS=False, HEAD_DIM=64,
                 ROT_ROWS=2560, FP8=False, GROUP=2048, BM=gv.BM, BN=32, BK=128,
-                PRECISION="tf32", F16=gv.X_AS_IS, HALF_OUT=False)
+                PRECISION="tf32", F16=gv.X_AS_IS, ACT=tl.bfloat16)
     row = {k: gemv[k] for k in ("N", "K", "HEAD_DIM", "ROT_ROWS", "FP8", "GROUP")}
     # FP8 weights: one scale a row, or one a row and 128 columns
     fp8 = dict(FP8=True)
@@ -150,6 +151,8 @@ def other_cases() -> list[Case]:
         ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048, QUANT=False, KEEP=True), 4, {}),
         ("add_rms_norm", op._add_rms_norm_kernel, dict(BLOCK=2048, QUANT=False, KEEP=True), 4,
          {}),
+        ("add_rms_norm, float16 rows out", op._add_rms_norm_kernel,
+         dict(BLOCK=4096, QUANT=False, KEEP=True), 4, {"out_ptr": "*fp16"}),
         ("add_rms_norm, e4m3 rows only", op._add_rms_norm_kernel,
          dict(BLOCK=4096, QUANT=True, KEEP=False), 4,
          quantized),
@@ -178,13 +181,19 @@ def other_cases() -> list[Case]:
                            F16=gv.X_HALF_IN_DOT), 4, e4m3),
         ("skinny gemm fp8 + silu*mul, float16 rows out", gv._gemv_kernel,
          gemv | fp8_dot | dict(N=14336, K=4096, GROUP=4096, EPILOGUE=gv.SILU_MUL, BN=64,
-                               BK=256, HALF_OUT=True), 4, e4m3 | {"out_ptr": "*fp16"}),
+                               BK=256), 4, e4m3 | {"out_ptr": "*fp16"}),
         ("skinny gemm fp8, float16 rows in (the 8B's down)", gv._gemv_kernel,
          gemv | fp8 | dict(N=4096, K=14336, GROUP=14336, EPILOGUE=gv.PLAIN, BK=256), 4,
          e4m3 | {"x_ptr": "*fp16"}),
         ("skinny gemm fp8, the 8B's q|k|v + rotary", gv._gemv_kernel,
          gemv | fp8_dot | dict(N=6144, K=4096, GROUP=4096, HEAD_DIM=128, ROT_ROWS=5120, BN=64,
                                BK=256), 4, e4m3),
+        ("skinny gemm fp8, float16 rows in, the 8B's q|k|v + rotary", gv._gemv_kernel,
+         gemv | fp8 | dict(N=6144, K=4096, GROUP=4096, HEAD_DIM=128, ROT_ROWS=5120, BN=64,
+                           BK=256), 4, e4m3 | {"x_ptr": "*fp16"}),
+        ("skinny gemm fp8 + silu*mul, float16 rows in and out", gv._gemv_kernel,
+         gemv | fp8 | dict(N=14336, K=4096, GROUP=4096, EPILOGUE=gv.SILU_MUL, BN=64, BK=256),
+         4, e4m3 | {"x_ptr": "*fp16", "out_ptr": "*fp16"}),
         ("row gemv fp8 + silu*mul", gv._gemv1_kernel,
          row | fp8 | dict(N=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False, BN=2, BK=1024,
                              SUM_EACH=True), 2,

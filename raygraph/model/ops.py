@@ -90,21 +90,42 @@ def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int | None = Non
 
 
 # the attribute of float16 rows standing for rows of another dtype (the activations'
-# bfloat16): its values clamped to float16's range (exact within its normal range).
-# gate|up stores them so for an FP8 down projection at decode rows, whose float16 dot
-# takes them as they are; anything else converts them back.
+# bfloat16): its values clamped to float16's range (exact within its normal range). The
+# norms and gate|up store them so for an FP8 GEMM at decode rows, whose float16 dot takes
+# them as they are and computes in the dtype they stand for; anything else converts them
+# back (`_restored`).
 STANDS_FOR = "raygraph_float16_for"
 
 
+def _act(x: torch.Tensor) -> torch.dtype:
+    """The activation dtype x's rows hold: the one they stand for, else x's."""
+    return getattr(x, STANDS_FOR, x.dtype)
+
+
+def _restored(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype its rows stand for (x itself if they stand for none)."""
+    act = getattr(x, STANDS_FOR, None)
+    return x if act is None else x.to(act)
+
+
 def _halves_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int) -> bool:
-    """Whether gate|up's fused kernel, on x, stores its result [T, k] in float16
-    (STANDS_FOR): it feeds an FP8 GEMM (`feeds`) the skinny kernels take, at 2 to
+    """Whether the op making [T, k] from x (a norm, or gate|up's fused kernel) stores it in
+    float16 (STANDS_FOR): it feeds an FP8 GEMM (`feeds`) the skinny kernels take, at 2 to
     DECODE_ROWS bfloat16 rows, which they multiply in float16 (bench/RESULTS.md, "float16
     rows for the down projection")."""
     from raygraph.model.triton_gemv import fp8_columns_ok
 
-    return (feeds is not None and x.dtype == torch.bfloat16 and 1 < x.shape[0] <= DECODE_ROWS
+    return (feeds is not None and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and _act(x) == torch.bfloat16 and 1 < x.shape[0] <= DECODE_ROWS
             and fp8_columns_ok(k, feeds.group))
+
+
+def _marked(x: torch.Tensor, half: bool) -> torch.Tensor:
+    """x, marked as float16 rows standing for bfloat16 ones where `half` made them so."""
+    if half:
+        setattr(x, STANDS_FOR, torch.bfloat16)
+    return x
 
 
 def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
@@ -113,11 +134,12 @@ def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
     return x
 
 
-def _fused(fn, *args, quantize: bool):
+def _fused(fn, *args, quantize: bool, **half):
     """A fused op's kernel call: where it quantizes its result for an FP8 GEMM, that GEMM
     reads only the e4m3 rows (FP8 layers take no LoRA delta), so the rows are not also
-    stored in the activation dtype: their result is a stand-in (triton_ops._outputs)."""
-    return fn(*args, quantize, keep=not quantize)
+    stored in the activation dtype: their result is a stand-in (triton_ops._outputs).
+    A norm's `half`: stored in float16 rows standing for them (_halves_for)."""
+    return fn(*args, quantize, keep=not quantize, **half)
 
 
 def _block_gemm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -182,9 +204,11 @@ def _skinny_operands(x: torch.Tensor, weight: Weight, shape_ok: bool
                      ) -> tuple[torch.Tensor, Weight, bool]:
     """(x, W, whether the skinny kernels take them). An FP8 weight they do not take (or any
     on the CPU) becomes dense_operands, which they may take; `shape_ok`: the fused op's own
-    shape condition."""
+    shape condition. x's float16 rows standing for another dtype's only go to the skinny
+    kernels as they are."""
     if shape_ok and _skinny(x, weight):
         return x, weight, True
+    x = _restored(x)
     if not isinstance(weight, Fp8Weight):
         return x, weight, False
     x, weight = dense_operands(x, weight)
@@ -194,9 +218,8 @@ def _skinny_operands(x: torch.Tensor, weight: Weight, shape_ok: bool
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias), as F.linear. Float16 rows standing for another dtype's give
     that dtype (STANDS_FOR)."""
-    stands_for = getattr(x, STANDS_FOR, None)
-    if stands_for is not None and not (isinstance(weight, Fp8Weight) and _skinny(x, weight)):
-        x, stands_for = x.to(stands_for), None
+    if not (isinstance(weight, Fp8Weight) and _skinny(x, weight)):
+        x = _restored(x)
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight, bias)
         if y is not None:
@@ -205,7 +228,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if skinny:
         from raygraph.model.triton_gemv import gemv
 
-        return gemv(x, weight, bias, out_dtype=stands_for)
+        return gemv(x, weight, bias, act=_act(x))
     return F.linear(x, weight, bias)
 
 
@@ -222,11 +245,8 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Fp8Layout | None
     if fused:
         from raygraph.model.triton_gemv import gemv_silu_mul
 
-        if not _halves_for(x, feeds, weight.shape[0] // 2):
-            return gemv_silu_mul(x, weight)
-        y = gemv_silu_mul(x, weight, half=True)
-        setattr(y, STANDS_FOR, x.dtype)
-        return y
+        half = _halves_for(x, feeds, weight.shape[0] // 2)
+        return _marked(gemv_silu_mul(x, weight, half=half, act=_act(x)), half)
     return silu_and_mul(F.linear(x, weight))
 
 
@@ -247,7 +267,7 @@ def linear_rotary(
         from raygraph.model.triton_gemv import gemv_rotary
 
         qkv = gemv_rotary(x, weight, bias, positions, cos_table, sin_table, head_dim,
-                          num_q_heads + num_k_heads)
+                          num_q_heads + num_k_heads, act=_act(x))
         q, k, v = qkv.split(sizes, dim=-1)
         rope = None
     else:
@@ -293,8 +313,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if kernels(x):
         from raygraph.model.triton_ops import rms_norm as fused
 
-        return _with_quantized(*_fused(fused, x, weight, eps,
-                                       quantize=_quantizes_for(x, feeds)))
+        half = _halves_for(x, feeds, x.shape[-1])
+        out, quantized = _fused(fused, x, weight, eps, quantize=_quantizes_for(x, feeds),
+                                half=half)
+        return _with_quantized(_marked(out, half), quantized)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -310,9 +332,10 @@ def add_rms_norm(
     if kernels(x):
         from raygraph.model.triton_ops import add_rms_norm as fused
 
+        half = _halves_for(x, feeds, x.shape[-1])
         out, total, quantized = _fused(fused, x, residual, weight, eps,
-                                       quantize=_quantizes_for(x, feeds))
-        return _with_quantized(out, quantized), total
+                                       quantize=_quantizes_for(x, feeds), half=half)
+        return _with_quantized(_marked(out, half), quantized), total
     total = x + residual
     return rms_norm(total, weight, eps), total
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
-from raygraph.model.triton_ops import INTERPRETED
+from raygraph.model.triton_ops import TL_DTYPES, to_float16
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
@@ -66,29 +66,12 @@ def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _to_float16(v, ONCE: tl.constexpr):
-    """v in float16, clamped to its range, NaN kept (a bfloat16 value keeps all its bits
-    within float16's normal range). ONCE: a bfloat16 pair in one instruction (the clamp
-    included), an impure asm the compiler cannot move: converted in the layout v has, not
-    sunk into where it is used."""
-    if ONCE and v.dtype == tl.bfloat16 and not INTERPRETED:
-        v = tl.inline_asm_elementwise(
-            "{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
-            "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }",
-            "=r,r", [v], dtype=tl.float16, is_pure=False, pack=2)
-    else:
-        v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0,
-                     propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
-    return v
-
-
-@triton.jit
 def _dot_operand(x, F16: tl.constexpr):
     """x as the tensor-core dot takes it: as loaded (F16 = X_AS_IS), or in float16
-    (`_to_float16`) converted once as loaded (X_HALF_ONCE) or where the dot takes it
+    (`to_float16`) converted once as loaded (X_HALF_ONCE) or where the dot takes it
     (X_HALF_IN_DOT: every warp converts the whole tile)."""
     if F16 != 0 and x.dtype != tl.float16:
-        x = _to_float16(x, F16 == 2)
+        x = to_float16(x, F16 == 2)
     return x
 
 
@@ -106,13 +89,14 @@ def _gemv_kernel(
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    F16: tl.constexpr, HALF_OUT: tl.constexpr,
+    F16: tl.constexpr, ACT: tl.constexpr,
 ):
     """FP8: w is e4m3 with float32 scales ws [N, K / GROUP] (GROUP = K: one a row); a grouped
     weight's tiles are one group wide (BK = GROUP), each tile's product scaled as it is
     added. F16: the dot runs in float16 (`_dot_operand`; e4m3 is exact there): e4m3 widens
-    to float16 in one conversion a pair of values, to bfloat16 in three. HALF_OUT: the
-    result computed in x's dtype, stored in float16 clamped to its range (`gemv_silu_mul`)."""
+    to float16 in one conversion a pair of values, to bfloat16 in three. ACT: the dtype the
+    result is computed in, as torch would store it (x's, or the one float16 x stands for);
+    a float16 out of another ACT stores it clamped to float16's range (`to_float16`)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
@@ -153,16 +137,15 @@ def _gemv_kernel(
             acc_up *= tl.load(s_rows + N * stride_ws)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    dtype = x_ptr.dtype.element_ty if HALF_OUT else out_ptr.dtype.element_ty
     # as torch stores the GEMM output: rounded to the activation dtype
-    y = acc.to(dtype)
+    y = acc.to(ACT)
     out = out_ptr + rm[:, None] * stride_om + rows[None, :]
     smask = mmask[:, None] & nmask[None, :]
     if EPILOGUE == 1:
-        y = _silu_mul(y, acc_up.to(dtype))
+        y = _silu_mul(y, acc_up.to(ACT))
     elif EPILOGUE == 2:
         # each column's partner through a 0/1 permutation matrix: exact in fp32 accumulation
-        swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(dtype)
+        swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(ACT)
         partner = tl.dot(y, swap, input_precision=PRECISION)
         pos = tl.load(pos_ptr + rm, mask=mmask, other=0)
         d = rows % HEAD_DIM % half
@@ -171,9 +154,9 @@ def _gemv_kernel(
         # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (neox)
         signed_sin = tl.where((cols < hb)[None, :], -sin, sin)
         x = y.to(tl.float32)
-        y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(dtype)
-    if HALF_OUT:
-        y = _to_float16(y, True)
+        y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(ACT)
+    if out_ptr.dtype.element_ty != ACT:
+        y = to_float16(y, True)
     tl.store(out, y, mask=smask)
 
 
@@ -339,7 +322,7 @@ def default_config(rows: int, k: int, fp8: bool = False, x_half: bool = False) -
     return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
 
 
-def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
+def silu_mul_config(n: int, k: int, fp8: bool = False, x_half: bool = False) -> GemvConfig:
     """gate|up streams two weight rows per output column: wider, shorter tiles (FP8: 64
     columns over runs of 256 in 3 stages, the fastest on the 8B's at 2-16 rows;
     bench/RESULTS.md, "Since: gate|up's tile"). The tile must divide n (ops only sends
@@ -354,7 +337,8 @@ def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     return cfg if n % cfg.block_n == 0 else cfg._replace(block_n=16)
 
 
-def rotary_config(n: int, k: int, head_dim: int, fp8: bool = False) -> GemvConfig:
+def rotary_config(n: int, k: int, head_dim: int, fp8: bool = False,
+                  x_half: bool = False) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
     else 16 (ops only sends head_dim % 16 == 0 here); FP8, 64 columns over runs of 256 in 3
     stages where they fit (timed on the 8B's, bfloat16 x, at 2-16 rows: bench/RESULTS.md,
@@ -430,8 +414,10 @@ def _f16_dot(o: _Operands, dtype: torch.dtype, epilogue: int) -> int:
 
 
 def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Tensor,
-            n: int, epilogue: int, programs: int, cfg: GemvConfig, rope=None,
-            head_dim: int = 0, rot_rows: int = 0) -> torch.Tensor:
+            act: torch.dtype, n: int, epilogue: int, programs: int, cfg: GemvConfig,
+            rope=None, head_dim: int = 0, rot_rows: int = 0) -> torch.Tensor:
+    """Launches the row kernel (one token) or the tensor-core kernel, which computes in
+    `act` whatever x's and out's dtypes (float16 rows standing for `act`'s)."""
     pos, cos, sin = rope if rope is not None else (out, out, out)
     o = _operands(w)
     k = o.data.shape[1]
@@ -449,49 +435,63 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
         x, o.data, o.scales, b, out, pos, cos, sin,
         x.shape[0], x.stride(0), o.data.stride(0), o.scales.stride(0), out.stride(0),
         cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
-        F16=_f16_dot(o, x.dtype, epilogue),
-        HALF_OUT=out.dtype == torch.float16 and x.dtype != torch.float16,
+        F16=_f16_dot(o, x.dtype, epilogue), ACT=TL_DTYPES[act],
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
     return out
 
 
+def _act(x: torch.Tensor, act: torch.dtype | None) -> torch.dtype:
+    """The dtype the kernels compute x's product in: `act` (the dtype float16 rows stand
+    for), else x's. The row kernel (one token) takes no float16 rows standing for others."""
+    if act is not None and act != x.dtype and x.shape[0] == 1:
+        raise ValueError("float16 rows standing for another dtype are the tensor-core "
+                         "kernel's (2+ rows)")
+    return act or x.dtype
+
+
 def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
-         cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8), in `out_dtype` (x's
-    unless given: float16 rows standing for bfloat16 ones give bfloat16)."""
+         cfg: GemvConfig | None = None, act: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ bias) for M <= MAX_M (MAX_M_FP8), computed and returned in
+    `act` (x's unless given: float16 rows standing for bfloat16 ones give bfloat16)."""
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
                   else default_config(n, k, fp8, x.dtype == torch.float16))
-    out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
-    return _launch(x, w, bias, out, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
+    act = _act(x, act)
+    out = torch.empty(x.shape[0], n, dtype=act, device=x.device)
+    return _launch(x, w, bias, out, act, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
 
 def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None,
-                  half: bool = False) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2]. half
-    (2+ rows): computed as in x's dtype, stored in float16 clamped to its range, as an FP8
-    GEMM's float16 dot takes it."""
+                  half: bool = False, act: torch.dtype | None = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) with w = [gate | up] stacked on rows: [M, N/2],
+    computed in `act` (as gemv). half (2+ rows): stored in float16 clamped to its range
+    (rows standing for `act`'s), as an FP8 GEMM's float16 dot takes them."""
     n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1 else silu_mul_config(n, k, fp8))
+    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
+                  else silu_mul_config(n, k, fp8, x.dtype == torch.float16))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     if half and x.shape[0] == 1:
         raise ValueError("float16 rows are the tensor-core kernel's (2+ rows)")
-    out = torch.empty(x.shape[0], n, dtype=torch.float16 if half else x.dtype, device=x.device)
-    return _launch(x, w, None, out, n, SILU_MUL, n // cfg.block_n, cfg)
+    act = _act(x, act)
+    out = torch.empty(x.shape[0], n, dtype=torch.float16 if half else act, device=x.device)
+    return _launch(x, w, None, out, act, n, SILU_MUL, n // cfg.block_n, cfg)
 
 
 def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                head_dim: int, rot_heads: int, cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox)."""
+                head_dim: int, rot_heads: int, cfg: GemvConfig | None = None,
+                act: torch.dtype | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) over head-major rows, the first `rot_heads` heads rotated (neox);
+    computed and returned in `act` (as gemv)."""
     # w: [num_heads * head_dim, K]; cos/sin: [max_pos, head_dim / 2] fp32
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
-                  else rotary_config(n, k, head_dim, fp8))
+                  else rotary_config(n, k, head_dim, fp8, x.dtype == torch.float16))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, w, bias, out, n, ROTARY, n // cfg.block_n, cfg,
+    act = _act(x, act)
+    out = torch.empty(x.shape[0], n, dtype=act, device=x.device)
+    return _launch(x, w, bias, out, act, n, ROTARY, n // cfg.block_n, cfg,
                    (positions, cos, sin), head_dim, rot_heads * head_dim)

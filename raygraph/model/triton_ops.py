@@ -14,6 +14,27 @@ from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 # Triton's interpreter (CPU tests) runs no PTX: kernels with inline asm convert as torch does
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
+# float16 rows standing for rows of another dtype (ops.STANDS_FOR): kernels take the
+# activations' dtype as a constexpr, to compute in it whatever dtype their rows are stored in
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def to_float16(v, ONCE: tl.constexpr):
+    """v in float16, clamped to its range, NaN kept (a bfloat16 value keeps all its bits
+    within float16's normal range). ONCE: a bfloat16 pair in one instruction (the clamp
+    included), an impure asm the compiler cannot move: converted in the layout v has, not
+    sunk into where it is used."""
+    if ONCE and v.dtype == tl.bfloat16 and not INTERPRETED:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
+            "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }",
+            "=r,r", [v], dtype=tl.float16, is_pure=False, pack=2)
+    else:
+        v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0,
+                     propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+    return v
+
 
 @triton.jit
 def _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max):
@@ -34,16 +55,19 @@ def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_sca
 
 @triton.jit
 def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
-                  min_scale, QUANT: tl.constexpr, KEEP: tl.constexpr):
+                  min_scale, ACT: tl.constexpr, QUANT: tl.constexpr, KEEP: tl.constexpr):
     """RMSNorm of row t (float32) as HF computes it: normalised, cast to the activation
-    dtype, scaled by the weight, cast again. QUANT: the row also in e4m3 per token (what an
-    FP8 GEMM taking it would compute from it); KEEP: the row stored in the activation dtype
-    (without it, only in e4m3)."""
-    dtype = out_ptr.dtype.element_ty
+    dtype ACT, scaled by the weight, cast again. KEEP: the row stored (in float16 rows
+    standing for ACT's where out is float16 and ACT is not: `to_float16`); QUANT: also in
+    e4m3 per token (what an FP8 GEMM taking it would compute from it; without KEEP, only
+    so)."""
     normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
-    y = (normed.to(dtype).to(tl.float32) * w).to(dtype)
+    y = (normed.to(ACT).to(tl.float32) * w).to(ACT)
     if KEEP:
-        tl.store(out_ptr + row * n + cols, y, mask=mask)
+        if out_ptr.dtype.element_ty != ACT:
+            tl.store(out_ptr + row * n + cols, to_float16(y, True), mask=mask)
+        else:
+            tl.store(out_ptr + row * n + cols, y, mask=mask)
     if QUANT:
         _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
                       min_scale)
@@ -61,7 +85,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, n, eps, fp8_
     await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     _store_normed(x, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
-                  min_scale, QUANT, KEEP)
+                  min_scale, x_ptr.dtype.element_ty, QUANT, KEEP)
 
 
 @triton.jit
@@ -79,26 +103,27 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, st
     total = x + r  # in the activation dtype, as torch adds
     tl.store(sum_ptr + row * n + cols, total, mask=mask)
     _store_normed(total.to(tl.float32), w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps,
-                  fp8_max, inv_max, min_scale, QUANT, KEEP)
+                  fp8_max, inv_max, min_scale, sum_ptr.dtype.element_ty, QUANT, KEEP)
 
 
 # (e4m3 rows [T, K], float32 scales [T, 1]): activations quantized per token for an FP8 GEMM
 Quantized = tuple[torch.Tensor, torch.Tensor]
 
 
-def _outputs(shape: tuple[int, int], like: torch.Tensor, quantize: bool, keep: bool
-             ) -> tuple[torch.Tensor, Quantized | None, tuple]:
-    """What a fused kernel making rows [T, n] fills: the rows in `like`'s dtype (not `keep`:
-    an unwritten one-element stand-in, expanded to the shape, whose consumer reads only the
-    e4m3 rows: ops.fp8_gemm); with `quantize` the e4m3 rows and scales, or None; and its
-    q_ptr, s_ptr and the quantization constants (not quantizing, the rows stand in for the
-    pointers, which the kernel then never reads)."""
+def _outputs(shape: tuple[int, int], like: torch.Tensor, quantize: bool, keep: bool,
+             half: bool = False) -> tuple[torch.Tensor, Quantized | None, tuple]:
+    """What a fused kernel making rows [T, n] fills: the rows in `like`'s dtype (`half`: in
+    float16, standing for them; not `keep`: an unwritten one-element stand-in, expanded to
+    the shape, whose consumer reads only the e4m3 rows: ops.fp8_gemm); with `quantize` the
+    e4m3 rows and scales, or None; and its q_ptr, s_ptr and the quantization constants (not
+    quantizing, the rows stand in for the pointers, which the kernel then never reads)."""
     from raygraph.model.quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
     if not (keep or quantize):
         raise ValueError("a kernel that neither keeps nor quantizes its rows stores nothing")
     if keep:
-        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+        out = torch.empty(shape, dtype=torch.float16 if half else like.dtype,
+                          device=like.device)
     else:
         out = torch.empty(1, dtype=like.dtype, device=like.device).expand(shape)
     if not quantize:
@@ -116,14 +141,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 quantize: bool = False, keep: bool = True
+                 quantize: bool = False, keep: bool = True, half: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, Quantized | None]:
     """(rms_norm(x + residual), x + residual, and with `quantize` the normed rows in e4m3
-    per token) in one launch; `keep` as _outputs."""
+    per token) in one launch; `keep` and `half` (the normed rows) as _outputs."""
     x2, r2 = _rows(x), _rows(residual)
     t, n = x2.shape
     total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    out, quantized, qargs = _outputs((t, n), x, quantize, keep)
+    out, quantized, qargs = _outputs((t, n), x, quantize, keep, half)
     _add_rms_norm_kernel[(t,)](x2, r2, weight, out, total, *qargs[:2], x2.stride(0),
                                r2.stride(0), n, eps, *qargs[2:],
                                BLOCK=triton.next_power_of_2(n), QUANT=quantize, KEEP=keep,
@@ -160,12 +185,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False,
-             keep: bool = True) -> tuple[torch.Tensor, Quantized | None]:
+             keep: bool = True, half: bool = False) -> tuple[torch.Tensor, Quantized | None]:
     """(rms_norm(x), and with `quantize` its rows in e4m3 per token) in one launch; `keep`
-    as _outputs."""
+    and `half` as _outputs."""
     x2 = _rows(x)
     t, n = x2.shape
-    out, quantized, qargs = _outputs((t, n), x, quantize, keep)
+    out, quantized, qargs = _outputs((t, n), x, quantize, keep, half)
     _rms_norm_kernel[(t,)](x2, weight, out, *qargs[:2], x2.stride(0), n, eps, *qargs[2:],
                            BLOCK=triton.next_power_of_2(n), QUANT=quantize, KEEP=keep,
                            num_warps=4, **pdl(x, t))

@@ -232,6 +232,63 @@ def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(monkeypatch,
                                    atol=8 * BF16_EPS * want[r].abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS])
+def test_norms_feed_fp8_gemms_float16_rows_that_change_nothing(monkeypatch, rows) -> None:
+    """At 2 to DECODE_ROWS rows a norm feeding an FP8 GEMM stores its rows in float16
+    (ops.STANDS_FOR): the bfloat16 rows it would have stored, converted (NaN kept, past
+    float16's range clamped); the residual sum stays bfloat16. q|k|v + rotary and gate|up
+    take them as they are (recorded) and give what the bfloat16 rows give: bfloat16 q, k, v
+    (float32 sums in another order: a bf16-derived tolerance), gate|up's float16 rows for
+    an FP8 down. One row (the row kernel) and no FP8 layout keep bfloat16."""
+    from raygraph.model import triton_gemv
+
+    torch.manual_seed(rows)
+    x, r = torch.randn(2, rows, 1024, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    norm_w[7] = 3e5  # column 7 past float16's range
+    x[0, 3] = float("nan")
+    layout = Fp8Layout(1024, "dynamic")
+    h, total = ops.add_rms_norm(x, r, norm_w, 1e-6, layout)
+    plain, plain_total = ops.add_rms_norm(x, r, norm_w, 1e-6)
+    alone = ops.rms_norm(total, norm_w, 1e-6, layout)
+    assert plain.dtype == total.dtype == torch.bfloat16 and torch.equal(total, plain_total)
+    if rows == 1:
+        assert h.dtype == alone.dtype == torch.bfloat16 and not hasattr(h, ops.STANDS_FOR)
+        return
+    for got in (h, alone):
+        assert got.dtype == torch.float16 and getattr(got, ops.STANDS_FOR) == torch.bfloat16
+        # (clamped in float32: bfloat16 rounds 65504 to 65536, past float16's range)
+        torch.testing.assert_close(got, plain.float().clamp(-65504, 65504).half(), rtol=0,
+                                   atol=0, equal_nan=True)
+    h = h.nan_to_num()  # past the NaN row: the products compared below
+    setattr(h, ops.STANDS_FOR, torch.bfloat16)
+    plain = plain.nan_to_num()
+    seen = []
+
+    def recording(kernel):
+        def run(x, *args, **kwargs):
+            seen.append(x.dtype)
+            return kernel(x, *args, **kwargs)
+        return run
+
+    for name in ("gemv_rotary", "gemv_silu_mul"):
+        monkeypatch.setattr(triton_gemv, name, recording(getattr(triton_gemv, name)))
+    qkv_w, gu = weight(6 * 128, 1024, "dynamic"), weight(2 * 2048, 1024, "dynamic")
+    cos, sin = torch.randn(2, 64, 64, device="cuda")
+    pos = torch.arange(rows, device="cuda") + 3
+    got = ops.linear_rotary(h, qkv_w, None, pos, cos, sin, 128, 4, 1)
+    want = ops.linear_rotary(plain, qkv_w, None, pos, cos, sin, 128, 4, 1)
+    down = Fp8Layout(2048, "dynamic")
+    mlp, mlp_want = ops.linear_silu_and_mul(h, gu, down), ops.linear_silu_and_mul(plain, gu, down)
+    assert seen == [torch.float16, torch.bfloat16] * 2  # the float16 rows taken as they are
+    assert mlp.dtype == mlp_want.dtype == torch.float16 and hasattr(mlp, ops.STANDS_FOR)
+    for a, b in [*zip(got[:3], want[:3]), (mlp, mlp_want)]:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        for i in range(1, rows):  # each row's error scales with its own magnitude
+            torch.testing.assert_close(a[i].float(), b[i].float(), rtol=0,
+                                       atol=8 * BF16_EPS * b[i].float().abs().max().item())
+
+
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
 def test_fp8_linears_capture_and_replay(rows) -> None:
     """No host sync on either path: replay gives the eager result bitwise."""
