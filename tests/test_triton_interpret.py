@@ -349,6 +349,31 @@ def test_decode_kernel_verifies_drafts_as_rows(interpreted, dtype, splits, rope,
     assert (got[rows:] == 0).all()
 
 
+@pytest.mark.parametrize("case", ["one split", "merged splits", "verify chunks"])
+def test_decode_kernel_stores_float16_rows_standing_for_q(interpreted, case):
+    """half=True (attention feeding an FP8 output projection at decode rows): the rows
+    computed as before, rounded to q's dtype (here float32: the interpreter has no
+    bfloat16), then stored in float16 clamped to its range (65504, not inf): by the split
+    that writes them itself, by the merge, by a verify chunk's program."""
+    attn = interpreted("triton_attention")
+    if case == "verify chunks":
+        a = verify_rows_case(torch.float32, torch.device("cpu"), True)["args"] | dict(splits=1)
+    else:
+        kc, vc, tables, seq_lens, q, k_new, v_new, *_ = decode_case(
+            torch.float32, [1, 17, 150], 0, 1, seed=4)
+        a = dict(q=q, k_cache=kc, v_cache=vc, block_tables=tables, seq_lens=seq_lens,
+                 k_new=k_new, v_new=v_new, splits=1 if case == "one split" else 4)
+    a["v_cache"][..., :3] *= 1e5  # dims 0-2 past float16's range
+    a["v_new"][..., :3] *= 1e5
+    caches = (a["k_cache"].clone(), a["v_cache"].clone())
+    whole = attn.paged_decode_attention(**a, scale=D**-0.5)
+    a["k_cache"], a["v_cache"] = caches  # as before the first call stored the step's keys
+    half = attn.paged_decode_attention(**a, scale=D**-0.5, half=True)
+    assert half.dtype == torch.float16 and whole.dtype == torch.float32
+    assert whole.abs().max() > 65504 and not torch.equal(whole, whole.half().float())
+    assert torch.equal(half, whole.clamp(-65504, 65504).half())
+
+
 def test_decode_cascade_from_the_batch_metadata(interpreted):
     """The host's shared-prefix length (prepare_batch) drives the kernel: a cached 272-key
     system prompt under 8 sequences, the step's K/V stored through the same call."""

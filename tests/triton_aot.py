@@ -87,7 +87,7 @@ def attention_cases() -> list[Case]:
     prefix |= dict(ROWS=ta.PREFIX_ROWS)
     rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     merge = {k: decode[k] for k in ("D", "SPLITS", "NUM_HEADS", "TILE", "WINDOW", "CASCADE",
-                                    "TOTAL")} | dict(PREFIX_SPLITS=8)
+                                    "TOTAL")} | dict(PREFIX_SPLITS=8, ACT=tl.bfloat16)
     prefill = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, D=64, D_PAD=64, BS=16, BLOCK_N=64,
                    WINDOW=0, ZERO_BLOCKS=ta.ZERO_BLOCKS, PRECISION="tf32", SKIP_ONE=True)
     verify = {"verify_ptr": "*i64"}  # speculative decoding: each row's place in its chunk
@@ -116,6 +116,12 @@ def attention_cases() -> list[Case]:
         ("decode prefix (cascade), rotary", ta._decode_prefix_kernel, prefix | dict(ROPE=True),
          ta.PREFIX_WARPS, rope),
         ("decode merge", ta._decode_merge_kernel, merge, 1, {}),
+        ("decode merge, float16 rows out", ta._decode_merge_kernel, merge, 1,
+         {"out_ptr": "*fp16"}),
+        ("decode one split, FP8 cache, head 128, float16 rows out", ta._decode_split_kernel,
+         decode | dict(D=128, SPLITS=1, TOTAL=1, ROPE=True, STAGES=ta.DECODE_TILES_FP8[2]),
+         ta.DECODE_TILES_FP8[1],
+         {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "out_ptr": "*fp16"} | rope),
         ("decode merge, cascade", ta._decode_merge_kernel,
          merge | dict(CASCADE=True, TOTAL=32), 1, {}),
         ("prefill", ta._prefill_kernel, prefill, 4, {}),
@@ -190,7 +196,7 @@ def other_cases() -> list[Case]:
                                BK=256), 4, e4m3),
         ("skinny gemm fp8, float16 rows in, the 8B's q|k|v + rotary", gv._gemv_kernel,
          gemv | fp8 | dict(N=6144, K=4096, GROUP=4096, HEAD_DIM=128, ROT_ROWS=5120, BN=64,
-                           BK=256), 4, e4m3 | {"x_ptr": "*fp16"}),
+                           BK=512), 4, e4m3 | {"x_ptr": "*fp16"}),
         ("skinny gemm fp8 + silu*mul, float16 rows in and out", gv._gemv_kernel,
          gemv | fp8 | dict(N=14336, K=4096, GROUP=4096, EPILOGUE=gv.SILU_MUL, BN=64, BK=256),
          4, e4m3 | {"x_ptr": "*fp16", "out_ptr": "*fp16"}),

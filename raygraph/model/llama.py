@@ -81,11 +81,9 @@ class Attention(nn.Module):
         self.kv_scale = (1.0, 1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
         q, k, v, rope = self.qkv(positions, x)
-        o = ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.window, rope,
-                          self.kv_scale)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(ops.attention(q, k, v, self.k_cache, self.v_cache, self.scale,
+                                         self.window, rope, self.kv_scale, self.o_proj.fp8))
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ops.Rope]:

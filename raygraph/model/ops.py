@@ -450,12 +450,15 @@ def paged_attention_ref(
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float, window: int = 0, rope: Rope = None,
-    kv_scale: tuple[float, float] = (1.0, 1.0),
+    kv_scale: tuple[float, float] = (1.0, 1.0), feeds: Fp8Layout | None = None,
 ) -> torch.Tensor:
-    """Store this step's K/V into the paged cache, then attend. Reads the forward context.
-    `rope`: q and k are not rotated yet (rotary_or_defer). `kv_scale` (k_scale, v_scale):
-    the cache holds k / k_scale and v / v_scale (an FP8 cache's per-tensor scales), so the
-    scores take k_scale into the softmax scale and the output is multiplied by v_scale.
+    """Store this step's K/V into the paged cache, then attend: [T, Hq * D], the rows the
+    output projection takes. Reads the forward context. `rope`: q and k are not rotated yet
+    (rotary_or_defer). `kv_scale` (k_scale, v_scale): the cache holds k / k_scale and
+    v / v_scale (an FP8 cache's per-tensor scales), so the scores take k_scale into the
+    softmax scale and the output is multiplied by v_scale. `feeds`: the output
+    projection's FP8 layout; at decode rows the decode kernel then stores float16 rows
+    standing for q's (_halves_for).
 
     This is the one place a piecewise executor splits: when the context carries a `split`
     hook, the hook runs attention (eagerly, between captured pieces) instead.
@@ -464,12 +467,16 @@ def attention(
     if k_scale != 1.0 or v_scale != 1.0:  # rotary is linear: k may be scaled before it
         k, v, scale = k / k_scale, v / v_scale, scale * k_scale
     ctx = get_forward_context()
+    t = q.shape[0]
     if ctx.split is not None:  # rope is None here: rotary_or_defer never defers under one
         out = ctx.split(q, k, v, k_cache, v_cache, scale, window)
     else:
+        # (q[:, 0]: rows of q's count and dtype, as the output's)
+        half = v_scale == 1.0 and _halves_for(q[:, 0], feeds, q[0].numel())
         out = paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window,
-                              rope=rope)
-    return out if v_scale == 1.0 else out * v_scale
+                              rope=rope, half=half)
+    out = (out if v_scale == 1.0 else out * v_scale).reshape(t, -1)
+    return _marked(out, out.dtype != q.dtype)
 
 
 def decode_kernel_takes(head_dim: int) -> bool:
@@ -499,19 +506,20 @@ def decode_rows(md: AttentionMetadata) -> torch.Tensor:
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float, md: AttentionMetadata, out: torch.Tensor | None = None,
-    window: int = 0, rope: Rope = None,
+    window: int = 0, rope: Rope = None, half: bool = False,
 ) -> torch.Tensor:
     """Store this step's K/V, then attend: the Triton kernels on a GPU (decode: one query a
     sequence; anything else: the packed prefill kernel, no per-shape plan), the torch
     reference elsewhere. `out`, if given, receives the result; `rope`: q and k are not
-    rotated yet (the decode kernel rotates them as it loads them)."""
+    rotated yet (the decode kernel rotates them as it loads them); `half`: the decode
+    kernel stores float16 rows standing for q's (other paths ignore it)."""
     if kernels(q) and md.decode and out is None and decode_kernel_takes(q.shape[-1]):
         # the decode kernel stores the new K/V itself
         from raygraph.model.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
                                       k, v, window, shared_len=md.shared_len, rope=rope,
-                                      verify_row=md.verify_row)
+                                      verify_row=md.verify_row, half=half)
     if rope is not None:
         q, k = rotary(q, k, *rope, md.positions)
     store_kv(k, v, k_cache, v_cache, md.slot_mapping)

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.triton_ops import INTERPRETED, to_cache
+from raygraph.model.triton_ops import INTERPRETED, TL_DTYPES, rows_out, to_cache
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 TILE = 64
@@ -287,7 +287,7 @@ def _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verif
                                       (i >= j) & (seq_len > 0))
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+                 rows_out(out, out_ptr, q_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -368,7 +368,7 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                     m = m_new
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+                 rows_out(out, out_ptr, q_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
@@ -406,7 +406,8 @@ def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, co
 def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_ot, stride_oh,
                          D: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                          TILE: tl.constexpr, WINDOW: tl.constexpr, CASCADE: tl.constexpr,
-                         PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr, PDL: tl.constexpr):
+                         PREFIX_SPLITS: tl.constexpr, TOTAL: tl.constexpr, ACT: tl.constexpr,
+                         PDL: tl.constexpr):
     launch_next(PDL)
     await_inputs(PDL)
     b = tl.program_id(0)
@@ -435,7 +436,7 @@ def _decode_merge_kernel(ml_ptr, acc_ptr, out_ptr, lens_ptr, shared_ptr, stride_
     w = tl.where(l_sum > 0, tl.exp(m - m_max), 0.0)
     total = tl.sum(l_sum * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, rows_out(out, out_ptr, ACT))
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -501,6 +502,7 @@ def paged_decode_attention(
     prefix_splits: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     verify_row: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    half: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence; with k_new/v_new [B, Hkv, D], stores them first.
     Sequence b's query is row b of q, which may have more rows (a mixed step's: the rows
@@ -511,7 +513,8 @@ def paged_decode_attention(
     keys at the start of every real row's table that are the same blocks in every row, all
     before each row's newest key (0: none); cascade programs attend over them once for the
     batch (not with a window). rope: the (cos, sin) tables [max_pos, D/2]; q and k_new are
-    then unrotated and are rotated here, at position seq_len - 1. `tiles`, `splits` and
+    then unrotated and are rotated here, at position seq_len - 1. half (no `out`): the
+    result in float16 rows standing for q's (ops.STANDS_FOR). `tiles`, `splits` and
     `prefix_splits` override the defaults (the bench's sweep)."""
     # q: [B+, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs = block_tables.shape[0]
@@ -535,7 +538,8 @@ def paged_decode_attention(
                      device=q.device)
     acc = torch.empty(num_seqs if partials else 1, num_heads, total, head_dim,
                       dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q) if out is None else out
+    if out is None:
+        out = torch.empty_like(q, dtype=torch.float16 if half else q.dtype)
     store = k_new is not None
     kn, vn = (k_new, v_new) if store else (q, q)
     if k_cache.stride(1) != k_cache.shape[2] * head_dim or k_cache.stride() != v_cache.stride():
@@ -588,7 +592,7 @@ def paged_decode_attention(
         _decode_merge_kernel[(num_seqs, num_heads)](
             ml, acc, out, seq_lens, shared, out.stride(0), out.stride(1), D=head_dim,
             SPLITS=splits, NUM_HEADS=num_heads, TILE=tile, WINDOW=window, CASCADE=cascade,
-            PREFIX_SPLITS=p_splits, TOTAL=total, num_warps=1, **launch,
+            PREFIX_SPLITS=p_splits, TOTAL=total, ACT=TL_DTYPES[q.dtype], num_warps=1, **launch,
         )
     return out
 

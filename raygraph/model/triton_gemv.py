@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
-from raygraph.model.triton_ops import TL_DTYPES, to_float16
+from raygraph.model.triton_ops import TL_DTYPES, rows_out, to_float16
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
@@ -96,7 +96,7 @@ def _gemv_kernel(
     added. F16: the dot runs in float16 (`_dot_operand`; e4m3 is exact there): e4m3 widens
     to float16 in one conversion a pair of values, to bfloat16 in three. ACT: the dtype the
     result is computed in, as torch would store it (x's, or the one float16 x stands for);
-    a float16 out of another ACT stores it clamped to float16's range (`to_float16`)."""
+    a float16 out of another ACT stores it clamped to float16's range (`rows_out`)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     if EPILOGUE == 2:
@@ -155,9 +155,7 @@ def _gemv_kernel(
         signed_sin = tl.where((cols < hb)[None, :], -sin, sin)
         x = y.to(tl.float32)
         y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(ACT)
-    if out_ptr.dtype.element_ty != ACT:
-        y = to_float16(y, True)
-    tl.store(out, y, mask=smask)
+    tl.store(out, rows_out(y, out_ptr, ACT), mask=smask)
 
 
 @triton.jit
@@ -312,8 +310,8 @@ def default_config(rows: int, k: int, fp8: bool = False, x_half: bool = False) -
     (FP8: any) 32 columns over runs of 512, chosen with bench/decode_profile.py on the 8B
     shapes at 2-8 rows (bench/RESULTS.md, decode GEMMs alone); wider (an lm_head) 32
     columns over runs of 256. FP8 with x already float16 (x_half: the down projection fed
-    by gate|up, timed on the 8B's; a float16 model's FP8 GEMMs take it too, untimed) runs
-    of 256 in 4 stages ("float16 rows for the down projection")."""
+    by gate|up, o by attention, timed on the 8B's; a float16 model's FP8 GEMMs take it too,
+    untimed) runs of 256 in 4 stages ("float16 rows for the down projection")."""
     if fp8 and x_half and k % 256 == 0:
         return GemvConfig(32, 256, 4, 4)
     if k % 512 == 0 and (fp8 or rows <= 8192):
@@ -322,10 +320,11 @@ def default_config(rows: int, k: int, fp8: bool = False, x_half: bool = False) -
     return GemvConfig(block_n, 256 if k % 256 == 0 else 128, 4, 4)
 
 
-def silu_mul_config(n: int, k: int, fp8: bool = False, x_half: bool = False) -> GemvConfig:
+def silu_mul_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """gate|up streams two weight rows per output column: wider, shorter tiles (FP8: 64
-    columns over runs of 256 in 3 stages, the fastest on the 8B's at 2-16 rows;
-    bench/RESULTS.md, "Since: gate|up's tile"). The tile must divide n (ops only sends
+    columns over runs of 256 in 3 stages, the fastest on the 8B's at 2-16 rows, x in
+    bfloat16 or already float16; bench/RESULTS.md, "Since: gate|up's tile" and
+    "float16 rows from the norms and attention"). The tile must divide n (ops only sends
     n % 16 == 0 here)."""
     if fp8 and n % 64 == 0 and n >= 4096 and k % 256 == 0:
         return GemvConfig(64, 256, 4, 3)
@@ -340,10 +339,14 @@ def silu_mul_config(n: int, k: int, fp8: bool = False, x_half: bool = False) -> 
 def rotary_config(n: int, k: int, head_dim: int, fp8: bool = False,
                   x_half: bool = False) -> GemvConfig:
     """q|k|v rows: 32 columns (16 rotation pairs) per program where the heads allow it,
-    else 16 (ops only sends head_dim % 16 == 0 here); FP8, 64 columns over runs of 256 in 3
-    stages where they fit (timed on the 8B's, bfloat16 x, at 2-16 rows: bench/RESULTS.md,
-    "x in float16 for every FP8 GEMM")."""
-    if fp8 and n % 64 == 0 and (head_dim // 2) % 32 == 0 and k % 256 == 0:
+    else 16 (ops only sends head_dim % 16 == 0 here); FP8, 64 columns where they fit, over
+    runs of 256 in 3 stages for bfloat16 x, of 512 for x already float16 (a norm's float16
+    rows; timed on the 8B's at 2-16 rows: bench/RESULTS.md, "x in float16 for every FP8
+    GEMM" and "float16 rows from the norms and attention")."""
+    wide = fp8 and n % 64 == 0 and (head_dim // 2) % 32 == 0
+    if wide and x_half and k % 512 == 0:
+        return GemvConfig(64, 512, 4, 3)
+    if wide and k % 256 == 0:
         return GemvConfig(64, 256, 4, 3)
     if n % 32 == 0 and (head_dim // 2) % 16 == 0:
         return GemvConfig(32, 512, 4, 3) if fp8 and k % 512 == 0 else GemvConfig(32, 128, 4, 6)
@@ -469,7 +472,7 @@ def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None,
     (rows standing for `act`'s), as an FP8 GEMM's float16 dot takes them."""
     n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
-                  else silu_mul_config(n, k, fp8, x.dtype == torch.float16))
+                  else silu_mul_config(n, k, fp8))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     if half and x.shape[0] == 1:

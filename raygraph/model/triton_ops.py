@@ -37,6 +37,17 @@ def to_float16(v, ONCE: tl.constexpr):
 
 
 @triton.jit
+def rows_out(y, out_ptr, ACT: tl.constexpr):
+    """y as a kernel stores its rows in out_ptr: rounded to the activation dtype ACT, as
+    torch would store them, then in float16 standing for them where out is float16 and ACT
+    is not (`to_float16`)."""
+    y = y.to(ACT)
+    if out_ptr.dtype.element_ty != ACT:
+        y = to_float16(y, True)
+    return y
+
+
+@triton.jit
 def _store_e4m3(y, scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max):
     """Stores row `row` of y (float32) in e4m3 at `scale`, y / scale rounded as torch
     divides (not y times 1 / scale), and the scale."""
@@ -57,17 +68,13 @@ def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_sca
 def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
                   min_scale, ACT: tl.constexpr, QUANT: tl.constexpr, KEEP: tl.constexpr):
     """RMSNorm of row t (float32) as HF computes it: normalised, cast to the activation
-    dtype ACT, scaled by the weight, cast again. KEEP: the row stored (in float16 rows
-    standing for ACT's where out is float16 and ACT is not: `to_float16`); QUANT: also in
+    dtype ACT, scaled by the weight, cast again. KEEP: the row stored (`rows_out`); QUANT: also in
     e4m3 per token (what an FP8 GEMM taking it would compute from it; without KEEP, only
     so)."""
     normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
     y = (normed.to(ACT).to(tl.float32) * w).to(ACT)
     if KEEP:
-        if out_ptr.dtype.element_ty != ACT:
-            tl.store(out_ptr + row * n + cols, to_float16(y, True), mask=mask)
-        else:
-            tl.store(out_ptr + row * n + cols, y, mask=mask)
+        tl.store(out_ptr + row * n + cols, rows_out(y, out_ptr, ACT), mask=mask)
     if QUANT:
         _quantize_row(y.to(tl.float32), cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max,
                       min_scale)

@@ -251,7 +251,8 @@ def test_norms_feed_fp8_gemms_float16_rows_that_change_nothing(monkeypatch, rows
     h, total = ops.add_rms_norm(x, r, norm_w, 1e-6, layout)
     plain, plain_total = ops.add_rms_norm(x, r, norm_w, 1e-6)
     alone = ops.rms_norm(total, norm_w, 1e-6, layout)
-    assert plain.dtype == total.dtype == torch.bfloat16 and torch.equal(total, plain_total)
+    assert plain.dtype == total.dtype == torch.bfloat16
+    torch.testing.assert_close(total, plain_total, rtol=0, atol=0, equal_nan=True)
     if rows == 1:
         assert h.dtype == alone.dtype == torch.bfloat16 and not hasattr(h, ops.STANDS_FOR)
         return
@@ -287,6 +288,26 @@ def test_norms_feed_fp8_gemms_float16_rows_that_change_nothing(monkeypatch, rows
         for i in range(1, rows):  # each row's error scales with its own magnitude
             torch.testing.assert_close(a[i].float(), b[i].float(), rtol=0,
                                        atol=8 * BF16_EPS * b[i].float().abs().max().item())
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_stores_float16_rows_for_an_fp8_output_projection(splits) -> None:
+    """half=True: the decode kernel's bfloat16 rows (verify chunks beside plain rows at one
+    split, merged at four), stored as float16 through the asm: converted exactly, past
+    float16's range clamped to 65504."""
+    from raygraph.model.triton_attention import paged_decode_attention
+    from tests.conftest import verify_rows_case
+
+    a = verify_rows_case(torch.bfloat16, torch.device("cuda"), True)["args"]
+    a["v_cache"][..., :3] *= 3e5  # dims 0-2 past float16's range
+    a["v_new"][..., :3] *= 3e5
+    caches = (a["k_cache"].clone(), a["v_cache"].clone())
+    whole = paged_decode_attention(**a, scale=0.125, splits=splits)
+    a["k_cache"], a["v_cache"] = caches
+    half = paged_decode_attention(**a, scale=0.125, splits=splits, half=True)
+    assert half.dtype == torch.float16 and whole.float().abs().max() > 65504
+    # (clamped in float32: bfloat16 rounds 65504 to 65536, past float16's range)
+    assert torch.equal(half, whole.float().clamp(-65504, 65504).half())
 
 
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
