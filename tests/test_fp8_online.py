@@ -9,6 +9,7 @@ import importlib.util
 import inspect
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -160,3 +161,25 @@ def test_tied_embeddings_stay_tied_when_built(tmp_path: Path) -> None:
                         load_format="dummy")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_an_fp8_model_runs_on_a_cpu_without_triton() -> None:
+    """The CPU path imports no triton (a serving install without the test extras): the
+    built-in model quantized to FP8 at load runs a 6-token prefill (decode-sized rows,
+    whose ops ask where their FP8 GEMMs' rows go) with triton unimportable."""
+    code = "\n".join([
+        "import sys",
+        "sys.modules['triton'] = None  # any import of triton now fails",
+        "import torch",
+        "from raygraph.config import ServeConfig",
+        "from raygraph.model.loader import build_model",
+        "from raygraph.model.parallel import Comm",
+        "from tests.conftest import prefill_logits",
+        "cfg = ServeConfig(quantization='fp8').model_cfg()",
+        "model = build_model(cfg, Comm(), torch.bfloat16, torch.device('cpu'))",
+        "logits = prefill_logits(model, 1, list(range(3, 9)), 16)",
+        "assert logits.shape[0] == 6 and logits.isfinite().all()",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

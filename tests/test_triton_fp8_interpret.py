@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raygraph.model import ops
+from raygraph.model import fp8_rows, ops
 from raygraph.model.quant import (
     Fp8Weight,
     activations_as_quantized,
@@ -228,7 +228,7 @@ def test_a_gemm_that_cannot_take_rows_kept_only_in_e4m3_refuses_them():
     x = tokens(32, 3)
     q, s = quantize(x.float(), K)
     stand_in = torch.empty(1, dtype=x.dtype).expand(x.shape)
-    setattr(stand_in, ops.QUANTIZED, (q, s))
+    setattr(stand_in, fp8_rows.QUANTIZED, (q, s))
     with pytest.raises(RuntimeError, match="stored only in e4m3"):
         ops.linear(stand_in, w)
     assert ops.linear(x, w).shape == (32, 64)
@@ -433,7 +433,7 @@ def test_the_float16_dot_meets_e4m3_with_x_clamped_to_float16(exact_e4m3, monkey
 def test_gate_up_stores_float16_rows_computed_in_xs_dtype(exact_e4m3) -> None:
     """half=True (gate|up feeding an FP8 down at decode rows): the rows computed as in x's
     dtype, then stored in float16 clamped to its range (65504, not inf); a GEMM given
-    another output dtype rounds its result to that one."""
+    another activation dtype (`act`) rounds its result to that one."""
     gemv = exact_e4m3
     x = tokens(3, 5).float()
     x[1, 7] = 1e4  # gate and up past float16's range on row 1
@@ -506,7 +506,7 @@ def test_float16_rows_standing_for_another_dtype_give_it(group) -> None:
     x = tokens(4, 7).to(torch.bfloat16).half().to(torch.bfloat16)  # values both dtypes hold
     h = x.half()
     assert torch.equal(h.to(torch.bfloat16), x)
-    setattr(h, ops.STANDS_FOR, torch.bfloat16)
+    setattr(h, fp8_rows.STANDS_FOR, torch.bfloat16)
     for w in (fp8_weight(64, group, "dynamic", 13), torch.randn(64, K, dtype=torch.bfloat16)):
         got, want = ops.linear(h, w), ops.linear(x, w)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -522,28 +522,26 @@ def test_float16_rows_standing_for_another_dtype_give_it(group) -> None:
 
 
 def test_float16_rows_only_for_an_fp8_gemm_the_skinny_kernels_take() -> None:
-    """ops._halves_for: 2 to DECODE_ROWS bfloat16 rows (or float16 rows standing for them)
-    feeding an FP8 GEMM whose K and scale groups the skinny kernels take; anything else
-    keeps its dtype."""
-    pytest.importorskip("raygraph.model.triton_gemv", reason="needs triton")
+    """fp8_rows.halves_for: 2 to DECODE_ROWS rows of bfloat16 activations (the rows' own
+    dtype, or the one float16 rows stand for: act_dtype) feeding an FP8 GEMM whose K and
+    scale groups the skinny kernels take; anything else keeps its dtype. No triton needed:
+    the CPU path asks it too."""
     from raygraph.model.quant import DECODE_ROWS, Fp8Layout
 
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert ops._halves_for(x, Fp8Layout(2048, "dynamic"), 2048)  # one scale a row
-    assert ops._halves_for(x, Fp8Layout(128, "none"), 2048)  # a scale a row and 128 columns
-    assert ops._halves_for(x[:2], Fp8Layout(2048, "dynamic"), 2048)
-    assert ops._halves_for(torch.zeros(DECODE_ROWS, 64, dtype=torch.bfloat16),
-                           Fp8Layout(2048, "dynamic"), 2048)
-    marked = x.half()
-    setattr(marked, ops.STANDS_FOR, torch.bfloat16)
-    assert ops._halves_for(marked, Fp8Layout(2048, "dynamic"), 2048)
-    for rows, layout, k in [(x[:1], Fp8Layout(2048, "dynamic"), 2048),  # the row kernel's
-                            (torch.zeros(DECODE_ROWS + 1, 64, dtype=torch.bfloat16),
-                             Fp8Layout(2048, "dynamic"), 2048),  # a W8A8 GEMM's
-                            (x.float(), Fp8Layout(2048, "dynamic"), 2048),
-                            (x.half(), Fp8Layout(2048, "dynamic"), 2048),  # a float16 model's
-                            (x[None], Fp8Layout(2048, "dynamic"), 2048),  # not rows
-                            (x, None, 2048),  # not an FP8 GEMM
-                            (x, Fp8Layout(2240, "dynamic"), 2240),  # K not 128-aligned
-                            (x, Fp8Layout(96, "dynamic"), 2016)]:  # groups not a power of 2
-        assert not ops._halves_for(rows, layout, k), (rows.shape, rows.dtype, layout, k)
+    halves_for, bf16 = fp8_rows.halves_for, torch.bfloat16
+    assert halves_for(4, bf16, Fp8Layout(2048, "dynamic"), 2048)  # one scale a row
+    assert halves_for(4, bf16, Fp8Layout(128, "none"), 2048)  # a scale a row and 128 columns
+    assert halves_for(2, bf16, Fp8Layout(2048, "dynamic"), 2048)
+    assert halves_for(DECODE_ROWS, bf16, Fp8Layout(2048, "dynamic"), 2048)
+    marked = torch.zeros(4, 64, dtype=torch.float16)
+    assert fp8_rows.act_dtype(marked) == torch.float16
+    setattr(marked, fp8_rows.STANDS_FOR, bf16)
+    assert fp8_rows.act_dtype(marked) == bf16
+    for rows, act, layout, k in [(1, bf16, Fp8Layout(2048, "dynamic"), 2048),  # the row kernel's
+                                 (DECODE_ROWS + 1, bf16, Fp8Layout(2048, "dynamic"), 2048),
+                                 (4, torch.float32, Fp8Layout(2048, "dynamic"), 2048),
+                                 (4, torch.float16, Fp8Layout(2048, "dynamic"), 2048),
+                                 (4, bf16, None, 2048),  # not an FP8 GEMM
+                                 (4, bf16, Fp8Layout(2240, "dynamic"), 2240),  # K % 128
+                                 (4, bf16, Fp8Layout(96, "dynamic"), 2016)]:  # groups not 2^n
+        assert not halves_for(rows, act, layout, k), (rows, act, layout, k)

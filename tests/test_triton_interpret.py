@@ -352,7 +352,7 @@ def test_decode_kernel_verifies_drafts_as_rows(interpreted, dtype, splits, rope,
 @pytest.mark.parametrize("case", ["one split", "merged splits", "verify chunks"])
 def test_decode_kernel_stores_float16_rows_standing_for_q(interpreted, case):
     """half=True (attention feeding an FP8 output projection at decode rows): the rows
-    computed as before, rounded to q's dtype (here float32: the interpreter has no
+    computed as without it, rounded to q's dtype (here float32: the interpreter has no
     bfloat16), then stored in float16 clamped to its range (65504, not inf): by the split
     that writes them itself, by the merge, by a verify chunk's program."""
     attn = interpreted("triton_attention")

@@ -14,8 +14,17 @@ from raygraph.model.context import (
     current_forward_context,
     get_forward_context,
 )
+from raygraph.model.fp8_rows import (
+    QUANTIZED,
+    SCALED_MM_MIN_ROWS,
+    act_dtype,
+    halves_for,
+    marked,
+    quantizes_for,
+    restored,
+    with_quantized,
+)
 from raygraph.model.quant import (
-    DECODE_ROWS,
     FP8,
     Fp8Layout,
     Fp8Weight,
@@ -28,9 +37,6 @@ from raygraph.model.quant import (
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 # a linear layer's weight: [out, in] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
-# FP8 GEMMs of more than DECODE_ROWS rows go to torch._scaled_mm on a GPU; fewer (decode)
-# stream the FP8 weight through the skinny kernels
-SCALED_MM_MIN_ROWS = DECODE_ROWS + 1
 
 
 def kernels(x: torch.Tensor) -> bool:
@@ -72,74 +78,22 @@ def quantize_activations(x: torch.Tensor, static: torch.Tensor | None
     return quantize_with(x, static, 1), static.expand(x.shape[0], 1).contiguous()
 
 
-# the attribute an activation tensor carries when the op that made it also stored it in
-# e4m3 per token (rms_norm, add_rms_norm, silu_and_mul with `feeds`): its (e4m3 rows, scales)
-QUANTIZED = "raygraph_fp8_rows"
-
-
-def _quantizes_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int | None = None) -> bool:
-    """Whether the op making [T, k] from x [T, *] (k: x's width unless given) also stores
-    it in e4m3 per token: the result feeds an FP8 GEMM (`feeds`: its layout, read off the
-    layer, not its weight, which an offloaded model fetches only in its turn) that
-    quantizes it so: dynamic activations, one weight scale a row, past the decode rows
-    (fp8_gemm), which then skips its own quantization launch."""
-    k = x.shape[-1] if k is None else k
-    return (feeds is not None and feeds.activations == "dynamic" and x.is_cuda
-            and x.dim() == 2 and x.shape[0] >= SCALED_MM_MIN_ROWS
-            and x.dtype == torch.bfloat16 and feeds.group == k and k % 16 == 0)
-
-
-# the attribute of float16 rows standing for rows of another dtype (the activations'
-# bfloat16): its values clamped to float16's range (exact within its normal range). The
-# norms and gate|up store them so for an FP8 GEMM at decode rows, whose float16 dot takes
-# them as they are and computes in the dtype they stand for; anything else converts them
-# back (`_restored`).
-STANDS_FOR = "raygraph_float16_for"
-
-
-def _act(x: torch.Tensor) -> torch.dtype:
-    """The activation dtype x's rows hold: the one they stand for, else x's."""
-    return getattr(x, STANDS_FOR, x.dtype)
-
-
-def _restored(x: torch.Tensor) -> torch.Tensor:
-    """x in the dtype its rows stand for (x itself if they stand for none)."""
-    act = getattr(x, STANDS_FOR, None)
-    return x if act is None else x.to(act)
-
-
-def _halves_for(x: torch.Tensor, feeds: Fp8Layout | None, k: int) -> bool:
-    """Whether the op making [T, k] from x (a norm, or gate|up's fused kernel) stores it in
-    float16 (STANDS_FOR): it feeds an FP8 GEMM (`feeds`) the skinny kernels take, at 2 to
-    DECODE_ROWS bfloat16 rows, which they multiply in float16 (bench/RESULTS.md, "float16
-    rows for the down projection")."""
-    from raygraph.model.triton_gemv import fp8_columns_ok
-
-    return (feeds is not None and x.dim() == 2
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and _act(x) == torch.bfloat16 and 1 < x.shape[0] <= DECODE_ROWS
-            and fp8_columns_ok(k, feeds.group))
-
-
-def _marked(x: torch.Tensor, half: bool) -> torch.Tensor:
-    """x, marked as float16 rows standing for bfloat16 ones where `half` made them so."""
-    if half:
-        setattr(x, STANDS_FOR, torch.bfloat16)
-    return x
-
-
-def _with_quantized(x: torch.Tensor, quantized) -> torch.Tensor:
-    if quantized is not None:
-        setattr(x, QUANTIZED, quantized)
-    return x
-
-
-def _fused(fn, *args, quantize: bool, **half):
+def _fused(fn, *args, quantize: bool, **flags: bool):
     """A fused op's kernel call: where it quantizes its result for an FP8 GEMM, that GEMM
     reads only the e4m3 rows (FP8 layers take no LoRA delta), so the rows are not also
     stored in the activation dtype: their result is a stand-in (triton_ops._outputs).
-    A norm's `half`: stored in float16 rows standing for them (_halves_for)."""
-    return fn(*args, quantize, keep=not quantize, **half)
+    `flags`: the kernel's other switches (a norm's `half`)."""
+    return fn(*args, quantize, keep=not quantize, **flags)
+
+
+def _fused_norm(fn, x: torch.Tensor, *args, feeds: Fp8Layout | None) -> tuple:
+    """A norm kernel's call on x: its rows also in e4m3 for an FP8 GEMM past the decode
+    rows (quantizes_for), in float16 standing for x's at them (halves_for); the normed
+    rows come first, marked, then the kernel's other results."""
+    half = x.dim() == 2 and halves_for(x.shape[0], x.dtype, feeds, x.shape[-1])
+    out, *rest, quantized = _fused(fn, x, *args, quantize=quantizes_for(x, feeds),
+                                   half=half)
+    return with_quantized(marked(out, half), quantized), *rest
 
 
 def _block_gemm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -208,7 +162,7 @@ def _skinny_operands(x: torch.Tensor, weight: Weight, shape_ok: bool
     kernels as they are."""
     if shape_ok and _skinny(x, weight):
         return x, weight, True
-    x = _restored(x)
+    x = restored(x)
     if not isinstance(weight, Fp8Weight):
         return x, weight, False
     x, weight = dense_operands(x, weight)
@@ -219,7 +173,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     """x @ weight^T (+ bias), as F.linear. Float16 rows standing for another dtype's give
     that dtype (STANDS_FOR)."""
     if not (isinstance(weight, Fp8Weight) and _skinny(x, weight)):
-        x = _restored(x)
+        x = restored(x)
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight, bias)
         if y is not None:
@@ -228,7 +182,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if skinny:
         from raygraph.model.triton_gemv import gemv
 
-        return gemv(x, weight, bias, act=_act(x))
+        return gemv(x, weight, bias, act=act_dtype(x))
     return F.linear(x, weight, bias)
 
 
@@ -245,8 +199,8 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Weight, feeds: Fp8Layout | None
     if fused:
         from raygraph.model.triton_gemv import gemv_silu_mul
 
-        half = _halves_for(x, feeds, weight.shape[0] // 2)
-        return _marked(gemv_silu_mul(x, weight, half=half, act=_act(x)), half)
+        half = halves_for(x.shape[0], act_dtype(x), feeds, weight.shape[0] // 2)
+        return marked(gemv_silu_mul(x, weight, half=half, act=act_dtype(x)), half)
     return silu_and_mul(F.linear(x, weight))
 
 
@@ -267,7 +221,7 @@ def linear_rotary(
         from raygraph.model.triton_gemv import gemv_rotary
 
         qkv = gemv_rotary(x, weight, bias, positions, cos_table, sin_table, head_dim,
-                          num_q_heads + num_k_heads, act=_act(x))
+                          num_q_heads + num_k_heads, act=act_dtype(x))
         q, k, v = qkv.split(sizes, dim=-1)
         rope = None
     else:
@@ -313,10 +267,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if kernels(x):
         from raygraph.model.triton_ops import rms_norm as fused
 
-        half = _halves_for(x, feeds, x.shape[-1])
-        out, quantized = _fused(fused, x, weight, eps, quantize=_quantizes_for(x, feeds),
-                                half=half)
-        return _with_quantized(_marked(out, half), quantized)
+        return _fused_norm(fused, x, weight, eps, feeds=feeds)[0]
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -332,10 +283,7 @@ def add_rms_norm(
     if kernels(x):
         from raygraph.model.triton_ops import add_rms_norm as fused
 
-        half = _halves_for(x, feeds, x.shape[-1])
-        out, total, quantized = _fused(fused, x, residual, weight, eps,
-                                       quantize=_quantizes_for(x, feeds), half=half)
-        return _with_quantized(_marked(out, half), quantized), total
+        return _fused_norm(fused, x, residual, weight, eps, feeds=feeds)
     total = x + residual
     return rms_norm(total, weight, eps), total
 
@@ -346,8 +294,8 @@ def silu_and_mul(x: torch.Tensor, feeds: Fp8Layout | None = None) -> torch.Tenso
     if kernels(x):
         from raygraph.model.triton_ops import silu_and_mul as fused
 
-        return _with_quantized(*_fused(fused, x,
-                                       quantize=_quantizes_for(x, feeds, x.shape[-1] // 2)))
+        return with_quantized(*_fused(fused, x,
+                                      quantize=quantizes_for(x, feeds, x.shape[-1] // 2)))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -458,7 +406,7 @@ def attention(
     v / v_scale (an FP8 cache's per-tensor scales), so the scores take k_scale into the
     softmax scale and the output is multiplied by v_scale. `feeds`: the output
     projection's FP8 layout; at decode rows the decode kernel then stores float16 rows
-    standing for q's (_halves_for).
+    standing for q's (fp8_rows.halves_for).
 
     This is the one place a piecewise executor splits: when the context carries a `split`
     hook, the hook runs attention (eagerly, between captured pieces) instead.
@@ -471,12 +419,12 @@ def attention(
     if ctx.split is not None:  # rope is None here: rotary_or_defer never defers under one
         out = ctx.split(q, k, v, k_cache, v_cache, scale, window)
     else:
-        # (q[:, 0]: rows of q's count and dtype, as the output's)
-        half = v_scale == 1.0 and _halves_for(q[:, 0], feeds, q[0].numel())
+        half = (kernels(q) and v_scale == 1.0
+                and halves_for(q.shape[0], q.dtype, feeds, q.shape[1] * q.shape[2]))
         out = paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window,
                               rope=rope, half=half)
     out = (out if v_scale == 1.0 else out * v_scale).reshape(t, -1)
-    return _marked(out, out.dtype != q.dtype)
+    return marked(out, out.dtype != q.dtype)
 
 
 def decode_kernel_takes(head_dim: int) -> bool:

@@ -208,3 +208,10 @@ def scale_rows(stored: torch.Tensor, quant: QuantConfig, weight: tuple[int, ...]
         return stored.reshape(out, 1)
     assert quant.block is not None
     return stored.repeat_interleave(quant.block[0], dim=0)[:out]
+
+
+def fp8_columns_ok(k: int, group: int) -> bool:
+    """An FP8 weight's K and input columns per scale that the kernels take: K a multiple of
+    128, one scale a row (group K) or a power-of-two group of 16+ columns dividing K."""
+    return k % 128 == 0 and (group == k or group >= 16 and group & (group - 1) == 0
+                             and k % group == 0)

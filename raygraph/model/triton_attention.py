@@ -538,6 +538,8 @@ def paged_decode_attention(
                      device=q.device)
     acc = torch.empty(num_seqs if partials else 1, num_heads, total, head_dim,
                       dtype=torch.float32, device=q.device)
+    if half and out is not None:
+        raise ValueError("half: the kernel makes its float16 rows; no `out` with it")
     if out is None:
         out = torch.empty_like(q, dtype=torch.float16 if half else q.dtype)
     store = k_new is not None

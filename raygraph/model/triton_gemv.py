@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight
+from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight, fp8_columns_ok
 from raygraph.model.triton_ops import TL_DTYPES, rows_out, to_float16
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
@@ -373,13 +373,6 @@ def _supports_fp8(x: torch.Tensor, w: Fp8Weight) -> bool:
             and (groups == 1 or w.scale.stride(1) == 1) and w.scale.dtype == torch.float32)
 
 
-def fp8_columns_ok(k: int, group: int) -> bool:
-    """An FP8 weight's K and input columns per scale that the kernels take: K a multiple of
-    128, one scale a row (group K) or a power-of-two group of 16+ columns dividing K."""
-    return k % 128 == 0 and (group == k or group >= 16 and group & (group - 1) == 0
-                             and k % group == 0)
-
-
 class _Operands(NamedTuple):
     """A weight as the kernels take it: its rows, scales, columns per scale."""
 
@@ -440,11 +433,11 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
         cos.stride(0), BM=max(BM, triton.next_power_of_2(x.shape[0])),
         F16=_f16_dot(o, x.dtype, epilogue), ACT=TL_DTYPES[act],
         # fp32 models stay fp32: tl.dot would otherwise round its inputs to tf32
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **fixed)
+        PRECISION="ieee" if act == torch.float32 else "tf32", **fixed)
     return out
 
 
-def _act(x: torch.Tensor, act: torch.dtype | None) -> torch.dtype:
+def _computed_in(x: torch.Tensor, act: torch.dtype | None) -> torch.dtype:
     """The dtype the kernels compute x's product in: `act` (the dtype float16 rows stand
     for), else x's. The row kernel (one token) takes no float16 rows standing for others."""
     if act is not None and act != x.dtype and x.shape[0] == 1:
@@ -460,7 +453,7 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     n, k, fp8 = w.shape[0], w.shape[1], isinstance(w, Fp8Weight)
     cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
                   else default_config(n, k, fp8, x.dtype == torch.float16))
-    act = _act(x, act)
+    act = _computed_in(x, act)
     out = torch.empty(x.shape[0], n, dtype=act, device=x.device)
     return _launch(x, w, bias, out, act, n, PLAIN, triton.cdiv(n, cfg.block_n), cfg)
 
@@ -477,7 +470,7 @@ def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None,
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
     if half and x.shape[0] == 1:
         raise ValueError("float16 rows are the tensor-core kernel's (2+ rows)")
-    act = _act(x, act)
+    act = _computed_in(x, act)
     out = torch.empty(x.shape[0], n, dtype=torch.float16 if half else act, device=x.device)
     return _launch(x, w, None, out, act, n, SILU_MUL, n // cfg.block_n, cfg)
 
@@ -494,7 +487,7 @@ def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                   else rotary_config(n, k, head_dim, fp8, x.dtype == torch.float16))
     if (head_dim // 2) % (cfg.block_n // 2) or n % head_dim:
         raise ValueError(f"head_dim {head_dim} / rows {n} do not tile by {cfg.block_n}")
-    act = _act(x, act)
+    act = _computed_in(x, act)
     out = torch.empty(x.shape[0], n, dtype=act, device=x.device)
     return _launch(x, w, bias, out, act, n, ROTARY, n // cfg.block_n, cfg,
                    (positions, cos, sin), head_dim, rot_heads * head_dim)

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raygraph.model.fp8_rows import Quantized
 from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 
 # Triton's interpreter (CPU tests) runs no PTX: kernels with inline asm convert as torch does
@@ -42,7 +43,7 @@ def rows_out(y, out_ptr, ACT: tl.constexpr):
     torch would store them, then in float16 standing for them where out is float16 and ACT
     is not (`to_float16`)."""
     y = y.to(ACT)
-    if out_ptr.dtype.element_ty != ACT:
+    if (out_ptr.dtype.element_ty == tl.float16) and (ACT != tl.float16):
         y = to_float16(y, True)
     return y
 
@@ -113,8 +114,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, st
                   fp8_max, inv_max, min_scale, sum_ptr.dtype.element_ty, QUANT, KEEP)
 
 
-# (e4m3 rows [T, K], float32 scales [T, 1]): activations quantized per token for an FP8 GEMM
-Quantized = tuple[torch.Tensor, torch.Tensor]
 
 
 def _outputs(shape: tuple[int, int], like: torch.Tensor, quantize: bool, keep: bool,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from raygraph.config import ModelConfig
 from raygraph.graph.inputs import prepare_batch
-from raygraph.model import ops
+from raygraph.model import fp8_rows, ops
 from raygraph.model.context import forward_context
 from raygraph.model.loader import build_model
 from raygraph.model.parallel import Comm
@@ -110,7 +110,7 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -
             (ops.silu_and_mul(gu3, Fp8Layout(3072, "dynamic")),
              triton_ops.silu_and_mul(gu3)[0], w3)):
         assert made.shape == kept.shape and set(made.stride()) == {0}
-        q, s = getattr(made, ops.QUANTIZED)
+        q, s = getattr(made, fp8_rows.QUANTIZED)
         want_q, want_s = quantize_rows(kept)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s, want_s)
@@ -120,7 +120,7 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -
             got = ops.fp8_gemm(made, w)
         assert torch.equal(got, want)
     small = ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw, 1e-6, feeds=layout)[0]
-    assert not hasattr(small, ops.QUANTIZED)
+    assert not hasattr(small, fp8_rows.QUANTIZED)
     assert torch.equal(small, triton_ops.add_rms_norm(x[:DECODE_ROWS], r[:DECODE_ROWS], nw,
                                                       1e-6)[0])
 
@@ -188,15 +188,30 @@ def test_decode_rows_take_bfloat16_x_as_float16_clamped(rows) -> None:
                                        atol=8 * BF16_EPS * ref[r].abs().max().item())
 
 
+def record_x_dtypes(monkeypatch, *names: str) -> list[torch.dtype]:
+    """The dtypes of x that the triton_gemv kernels `names` are called with, in order."""
+    from raygraph.model import triton_gemv
+
+    seen = []
+
+    def recording(kernel):
+        def run(x, *args, **kwargs):
+            seen.append(x.dtype)
+            return kernel(x, *args, **kwargs)
+        return run
+
+    for name in names:
+        monkeypatch.setattr(triton_gemv, name, recording(getattr(triton_gemv, name)))
+    return seen
+
+
 @pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS])
 def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(monkeypatch, rows) -> None:
     """At 2 to DECODE_ROWS rows gate|up stores its rows in float16 for an FP8 down
-    projection (ops.STANDS_FOR), which takes them as they are: the bfloat16 rows it would
+    projection (fp8_rows.STANDS_FOR), which takes them as they are: the bfloat16 rows it would
     have stored, converted (past float16's range clamped, NaN kept); the down projection's
     output, in bfloat16, the one from those bfloat16 rows (its own tile: float32 sums in
     another order). One row (the row kernel) and float32 x keep their dtype."""
-    from raygraph.model import triton_gemv
-
     torch.manual_seed(rows)
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     x[0, 3] = float("nan")
@@ -209,21 +224,14 @@ def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(monkeypatch,
     assert plain.dtype == torch.bfloat16 and plain[0].isnan().all()
     assert ops.linear_silu_and_mul(x.float(), gu, layout).dtype == torch.float32
     if rows == 1:
-        assert h.dtype == torch.bfloat16 and not hasattr(h, ops.STANDS_FOR)
+        assert h.dtype == torch.bfloat16 and not hasattr(h, fp8_rows.STANDS_FOR)
         return
-    assert h.dtype == torch.float16 and getattr(h, ops.STANDS_FOR) == torch.bfloat16
+    assert h.dtype == torch.float16 and getattr(h, fp8_rows.STANDS_FOR) == torch.bfloat16
     assert plain[1].abs().max() > 65504
     # (clamped in float32: bfloat16 rounds 65504 to 65536, past float16's range)
     torch.testing.assert_close(h, plain.float().clamp(-65504, 65504).half(), rtol=0, atol=0,
                                equal_nan=True)
-    seen = []
-    gemv = triton_gemv.gemv
-
-    def recording(x, *args, **kwargs):
-        seen.append(x.dtype)
-        return gemv(x, *args, **kwargs)
-
-    monkeypatch.setattr(triton_gemv, "gemv", recording)
+    seen = record_x_dtypes(monkeypatch, "gemv")
     y, want = ops.linear(h, down), ops.linear(plain, down)
     assert seen == [torch.float16, torch.bfloat16]  # the float16 rows taken as they are
     assert y.dtype == torch.bfloat16 and y[0].isnan().all() and want[0].isnan().all()
@@ -235,12 +243,14 @@ def test_gate_up_feeds_an_fp8_down_float16_rows_that_change_nothing(monkeypatch,
 @pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS])
 def test_norms_feed_fp8_gemms_float16_rows_that_change_nothing(monkeypatch, rows) -> None:
     """At 2 to DECODE_ROWS rows a norm feeding an FP8 GEMM stores its rows in float16
-    (ops.STANDS_FOR): the bfloat16 rows it would have stored, converted (NaN kept, past
-    float16's range clamped); the residual sum stays bfloat16. q|k|v + rotary and gate|up
-    take them as they are (recorded) and give what the bfloat16 rows give: bfloat16 q, k, v
-    (float32 sums in another order: a bf16-derived tolerance), gate|up's float16 rows for
-    an FP8 down. One row (the row kernel) and no FP8 layout keep bfloat16."""
+    (fp8_rows.STANDS_FOR): the bfloat16 rows it would have stored, converted (NaN kept, past
+    float16's range clamped); the residual sum stays bfloat16. q|k|v + rotary, gate|up and
+    a plain GEMM take them as they are (recorded): at the same tile, exactly what the
+    bfloat16 rows give (the kernels converted those to the same float16 values); as served
+    (their own tiles for float16 x) within a bf16-derived tolerance. One row (the row
+    kernel) and no FP8 layout keep bfloat16."""
     from raygraph.model import triton_gemv
+    from raygraph.model.triton_gemv import GemvConfig
 
     torch.manual_seed(rows)
     x, r = torch.randn(2, rows, 1024, device="cuda", dtype=torch.bfloat16)
@@ -254,35 +264,34 @@ def test_norms_feed_fp8_gemms_float16_rows_that_change_nothing(monkeypatch, rows
     assert plain.dtype == total.dtype == torch.bfloat16
     torch.testing.assert_close(total, plain_total, rtol=0, atol=0, equal_nan=True)
     if rows == 1:
-        assert h.dtype == alone.dtype == torch.bfloat16 and not hasattr(h, ops.STANDS_FOR)
+        assert h.dtype == alone.dtype == torch.bfloat16 and not hasattr(h, fp8_rows.STANDS_FOR)
         return
     for got in (h, alone):
-        assert got.dtype == torch.float16 and getattr(got, ops.STANDS_FOR) == torch.bfloat16
+        assert got.dtype == torch.float16 and getattr(got, fp8_rows.STANDS_FOR) == torch.bfloat16
         # (clamped in float32: bfloat16 rounds 65504 to 65536, past float16's range)
         torch.testing.assert_close(got, plain.float().clamp(-65504, 65504).half(), rtol=0,
                                    atol=0, equal_nan=True)
     h = h.nan_to_num()  # past the NaN row: the products compared below
-    setattr(h, ops.STANDS_FOR, torch.bfloat16)
+    setattr(h, fp8_rows.STANDS_FOR, torch.bfloat16)
     plain = plain.nan_to_num()
-    seen = []
-
-    def recording(kernel):
-        def run(x, *args, **kwargs):
-            seen.append(x.dtype)
-            return kernel(x, *args, **kwargs)
-        return run
-
-    for name in ("gemv_rotary", "gemv_silu_mul"):
-        monkeypatch.setattr(triton_gemv, name, recording(getattr(triton_gemv, name)))
     qkv_w, gu = weight(6 * 128, 1024, "dynamic"), weight(2 * 2048, 1024, "dynamic")
     cos, sin = torch.randn(2, 64, 64, device="cuda")
     pos = torch.arange(rows, device="cuda") + 3
+    tile, bf16 = GemvConfig(64, 256, 4, 3), torch.bfloat16
+    tg = triton_gemv
+    for same in [(tg.gemv(h, qkv_w, None, tile, bf16), tg.gemv(plain, qkv_w, None, tile)),
+                 (tg.gemv_rotary(h, qkv_w, None, pos, cos, sin, 128, 5, tile, bf16),
+                  tg.gemv_rotary(plain, qkv_w, None, pos, cos, sin, 128, 5, tile)),
+                 (tg.gemv_silu_mul(h, gu, tile, True, bf16),
+                  tg.gemv_silu_mul(plain, gu, tile, True))]:
+        assert same[0].dtype == same[1].dtype and torch.equal(*same)
+    seen = record_x_dtypes(monkeypatch, "gemv_rotary", "gemv_silu_mul")
     got = ops.linear_rotary(h, qkv_w, None, pos, cos, sin, 128, 4, 1)
     want = ops.linear_rotary(plain, qkv_w, None, pos, cos, sin, 128, 4, 1)
     down = Fp8Layout(2048, "dynamic")
     mlp, mlp_want = ops.linear_silu_and_mul(h, gu, down), ops.linear_silu_and_mul(plain, gu, down)
     assert seen == [torch.float16, torch.bfloat16] * 2  # the float16 rows taken as they are
-    assert mlp.dtype == mlp_want.dtype == torch.float16 and hasattr(mlp, ops.STANDS_FOR)
+    assert mlp.dtype == mlp_want.dtype == torch.float16 and hasattr(mlp, fp8_rows.STANDS_FOR)
     for a, b in [*zip(got[:3], want[:3]), (mlp, mlp_want)]:
         assert a.dtype == b.dtype and a.shape == b.shape
         for i in range(1, rows):  # each row's error scales with its own magnitude
@@ -308,6 +317,75 @@ def test_decode_attention_stores_float16_rows_for_an_fp8_output_projection(split
     assert half.dtype == torch.float16 and whole.float().abs().max() > 65504
     # (clamped in float32: bfloat16 rounds 65504 to 65536, past float16's range)
     assert torch.equal(half, whole.float().clamp(-65504, 65504).half())
+
+
+def test_attention_feeding_an_fp8_output_projection_stores_float16_rows() -> None:
+    """ops.attention at decode rows, told the output projection's FP8 layout: the rows the
+    projection takes, [T, Hq * D], in float16 marked as standing for bfloat16, equal to its
+    rows without the layout converted (the same kernel); with a v_scale (a multiply after
+    the kernel) bfloat16 as before."""
+    from raygraph.model.context import ForwardContext
+
+    torch.manual_seed(5)
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+    seqs = [SeqChunk(i, [1], n - 1, list(range(4 * i, 4 * i + 4)), True)
+            for i, n in enumerate([9, 40, 17])]
+    md = prepare_batch(StepPlan(0, seqs), 16, cuda).ctx.attn
+    kc = torch.randn(13, 16, 2, 128, device=cuda, dtype=bf16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(3, 8, 128, device=cuda, dtype=bf16)
+    k, v = torch.randn(2, 3, 2, 128, device=cuda, dtype=bf16)
+
+    def run(feeds, kv_scale=(1.0, 1.0)):
+        with forward_context(ForwardContext(attn=md)):
+            return ops.attention(q, k, v, kc.clone(), vc.clone(), 128**-0.5,
+                                 kv_scale=kv_scale, feeds=feeds)
+
+    layout = Fp8Layout(1024, "dynamic")
+    half, plain, scaled = run(layout), run(None), run(layout, (1.0, 2.0))
+    assert plain.shape == half.shape == (3, 1024) and plain.dtype == scaled.dtype == bf16
+    assert not hasattr(plain, fp8_rows.STANDS_FOR) and not hasattr(scaled, fp8_rows.STANDS_FOR)
+    assert half.dtype == torch.float16 and getattr(half, fp8_rows.STANDS_FOR) == bf16
+    assert torch.equal(half, plain.float().clamp(-65504, 65504).half())
+
+
+def test_an_fp8_models_decode_step_with_float16_rows(gpu_llama: Path, tmp_path: Path,
+                                                     monkeypatch) -> None:
+    """A whole FP8 model's decode step of 3 rows, with float16 rows between its ops (the
+    norms', attention's, gate|up's, taken by the skinny kernels: recorded) and without
+    (fp8_rows.halves_for off): the same greedy tokens, logits within a bf16-derived
+    tolerance (float16 x takes tiles of its own)."""
+    write_fp8(gpu_llama, tmp_path / "q", tmp_path / "ref", FORMATS["ct-channel-dynamic"])
+    cfg = ModelConfig.from_pretrained(str(tmp_path / "q"))
+    cuda = torch.device("cuda")
+    model = build_model(cfg, Comm(), torch.bfloat16, cuda)
+    prompts = [list(range(5, 25)), list(range(30, 63)), list(range(7, 14))]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(prompts))]
+
+    def decode_logits() -> torch.Tensor:
+        for layer in model.attention_layers():
+            shape = (13, 16, cfg.num_kv_heads, cfg.head_dim)
+            layer.k_cache = torch.zeros(shape, device=cuda, dtype=torch.bfloat16)
+            layer.v_cache = torch.zeros(shape, device=cuda, dtype=torch.bfloat16)
+        prefill = [SeqChunk(i, p, 0, t, True) for i, (p, t) in enumerate(zip(prompts, tables))]
+        decode = [SeqChunk(i, [p[-1] + 1], len(p), t, True)
+                  for i, (p, t) in enumerate(zip(prompts, tables))]
+        for step, seqs in enumerate([prefill, decode]):
+            batch = prepare_batch(StepPlan(step, seqs), 16, cuda)
+            with torch.no_grad(), forward_context(batch.ctx):
+                hidden = model(batch.input_ids, batch.positions)
+        return model.compute_logits(hidden).float()
+
+    seen = record_x_dtypes(monkeypatch, "gemv", "gemv_rotary", "gemv_silu_mul")
+    halves = decode_logits()
+    assert torch.float16 in seen
+    monkeypatch.setattr(ops, "halves_for", lambda *args: False)
+    seen.clear()
+    plain = decode_logits()
+    assert seen and torch.float16 not in seen
+    assert torch.equal(halves.argmax(-1), plain.argmax(-1))
+    torch.testing.assert_close(halves, plain, rtol=0,
+                               atol=8 * BF16_EPS * plain.abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
