@@ -514,7 +514,7 @@ def paged_decode_attention(
     before each row's newest key (0: none); cascade programs attend over them once for the
     batch (not with a window). rope: the (cos, sin) tables [max_pos, D/2]; q and k_new are
     then unrotated and are rotated here, at position seq_len - 1. half (no `out`): the
-    result in float16 rows standing for q's (ops.STANDS_FOR). `tiles`, `splits` and
+    result in float16 rows standing for q's (fp8_rows.STANDS_FOR). `tiles`, `splits` and
     `prefix_splits` override the defaults (the bench's sweep)."""
     # q: [B+, Hq, D]; k_cache: [num_blocks, BS, Hkv, D]; block_tables: [B, max_blocks]
     num_seqs = block_tables.shape[0]

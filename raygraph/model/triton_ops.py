@@ -15,7 +15,7 @@ from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
 # Triton's interpreter (CPU tests) runs no PTX: kernels with inline asm convert as torch does
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
-# float16 rows standing for rows of another dtype (ops.STANDS_FOR): kernels take the
+# float16 rows standing for rows of another dtype (fp8_rows.STANDS_FOR): kernels take the
 # activations' dtype as a constexpr, to compute in it whatever dtype their rows are stored in
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
