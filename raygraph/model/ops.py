@@ -171,9 +171,8 @@ def _skinny_operands(x: torch.Tensor, weight: Weight, shape_ok: bool
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias), as F.linear. Float16 rows standing for another dtype's give
-    that dtype (STANDS_FOR)."""
-    if not (isinstance(weight, Fp8Weight) and _skinny(x, weight)):
-        x = restored(x)
+    that dtype (STANDS_FOR): at their rows (decode rows) no W8A8 GEMM applies, and
+    _skinny_operands converts them back for anything but the skinny kernels."""
     if isinstance(weight, Fp8Weight):
         y = fp8_gemm(x, weight, bias)
         if y is not None:

@@ -114,8 +114,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, st
                   fp8_max, inv_max, min_scale, sum_ptr.dtype.element_ty, QUANT, KEEP)
 
 
-
-
 def _outputs(shape: tuple[int, int], like: torch.Tensor, quantize: bool, keep: bool,
              half: bool = False) -> tuple[torch.Tensor, Quantized | None, tuple]:
     """What a fused kernel making rows [T, n] fills: the rows in `like`'s dtype (`half`: in
