@@ -141,6 +141,8 @@ def test_row_configs_of_narrow_shards():
     # ONE_RUN_FP8 columns; else 8 rows over runs of 1024
     one_run = gemv.GemvConfig(2, 16384, 4, 1, True)
     assert gemv.row_config(4096, 8192, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
+    assert gemv.row_config(4096, 4096, True) == gemv.GemvConfig(8, 4096, 8, 1, True)  # o
+    assert gemv.row_config(6144, 4096, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
     assert gemv.row_config(4096, 14336, True) == one_run  # the 8B's down
     assert gemv.row_config(4096, 16384, True) == one_run
     assert gemv.row_config(4096, 12288, True) == gemv.GemvConfig(8, 1024, 4, 1, True)

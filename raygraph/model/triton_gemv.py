@@ -14,10 +14,8 @@ disappears:
 Rounding follows the unfused ops: the GEMM result is cast to the activation dtype before
 the epilogue arithmetic, as torch would have stored it.
 
-One token (M = 1, batch-1 decode) takes a second kernel with the same epilogues: no
-tensor-core tile to fill, so each program reduces 2-4 columns with FMAs and there are
-several programs per SM. More weight bytes are in flight, and the small GEMMs stream
-faster (bench/RESULTS.md, third decode pass).
+One token (M = 1, batch-1 decode) takes the row kernel (triton_gemv_row.py), with the
+same epilogues.
 
 FP8 weights (`Fp8Weight`) stream as their e4m3 bytes: the kernels widen each tile in
 registers and apply the float32 scales, one a row (at the end) or one a row and GROUP input
@@ -34,8 +32,18 @@ import triton
 import triton.language as tl
 
 from raygraph.model.quant import DECODE_ROWS, FP8, Fp8Weight, fp8_columns_ok
+from raygraph.model.triton_gemv_row import (
+    PLAIN,
+    ROTARY,
+    SILU_MUL,
+    GemvConfig,
+    pair_base,
+    row_config,
+    row_kernel,
+    silu_mul,
+)
 from raygraph.model.triton_ops import TL_DTYPES, rows_out, to_float16
-from raygraph.model.triton_pdl import await_inputs, launch_next, pdl
+from raygraph.model.triton_pdl import pdl
 
 # a linear layer's weight: [N, K] in the activations' dtype, or FP8 with its scales
 Weight = torch.Tensor | Fp8Weight
@@ -44,25 +52,8 @@ MAX_M = 8  # tokens of a plain weight; above this cuBLAS is the better tool
 MAX_M_FP8 = DECODE_ROWS  # of an FP8 weight; above this per-token FP8 and _scaled_mm
 BM = 16  # tl.dot needs 16 rows: the tokens are padded (masked loads, masked stores)
 
-PLAIN, SILU_MUL, ROTARY = 0, 1, 2
 X_AS_IS, X_HALF_IN_DOT, X_HALF_ONCE = 0, 1, 2  # how the tensor-core kernel's dot takes x
-ONE_RUN_FP8 = 16384  # the longest FP8 row the row kernel reads in one run (2 rows: no spill)
 
-
-class GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    sum_each: bool = False  # the row kernel: reduce each tile at once (fewer registers)
-
-
-@triton.jit
-def _pair_base(pid, HB: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """ROTARY: the first row program `pid` owns. A program holds HB rotation pairs of one
-    head: dims base.. of its first half and their partners base + D/2.."""
-    per_head: tl.constexpr = HEAD_DIM // 2 // HB
-    return (pid // per_head) * HEAD_DIM + (pid % per_head) * HB
 
 
 @triton.jit
@@ -73,13 +64,6 @@ def _dot_operand(x, F16: tl.constexpr):
     if F16 != 0 and x.dtype != tl.float16:
         x = to_float16(x, F16 == 2)
     return x
-
-
-@triton.jit
-def _silu_mul(gate, up):
-    """SwiGLU rounded as the unfused ops round: gate and up already in the output dtype."""
-    g = gate.to(tl.float32)
-    return (g * tl.sigmoid(g)).to(gate.dtype) * up
 
 
 @triton.jit
@@ -104,7 +88,7 @@ def _gemv_kernel(
         # partners j + D/2..: each program holds whole rotation pairs
         hb: tl.constexpr = BN // 2
         half: tl.constexpr = HEAD_DIM // 2
-        rows = _pair_base(pid, hb, HEAD_DIM) + cols % hb + (cols // hb) * half
+        rows = pair_base(pid, hb, HEAD_DIM) + cols % hb + (cols // hb) * half
     else:
         rows = pid * BN + cols
     nmask = rows < N
@@ -142,7 +126,7 @@ def _gemv_kernel(
     out = out_ptr + rm[:, None] * stride_om + rows[None, :]
     smask = mmask[:, None] & nmask[None, :]
     if EPILOGUE == 1:
-        y = _silu_mul(y, acc_up.to(ACT))
+        y = silu_mul(y, acc_up.to(ACT))
     elif EPILOGUE == 2:
         # each column's partner through a 0/1 permutation matrix: exact in fp32 accumulation
         swap = (cols[:, None] == (cols[None, :] + hb) % BN).to(ACT)
@@ -156,153 +140,6 @@ def _gemv_kernel(
         x = y.to(tl.float32)
         y = tl.where((rows < ROT_ROWS)[None, :], x * cos + partner * signed_sin, x).to(ACT)
     tl.store(out, rows_out(y, out_ptr, ACT), mask=smask)
-
-
-@triton.jit
-def _row_products(x, w, ws_rows, k0, FP8: tl.constexpr, GROUP: tl.constexpr,
-                  K: tl.constexpr, BK: tl.constexpr):
-    """[rows, BK] the row kernel's products of x [1, BK] (float32) and a weight tile; a
-    grouped FP8 tile's scaled per group (a tile holds BK / GROUP whole groups; those past K
-    read no scale)."""
-    p = w.to(tl.float32) * x
-    if FP8 and GROUP < K:
-        groups: tl.constexpr = BK // GROUP
-        g = k0 // GROUP + tl.arange(0, groups)[None, :]
-        s = tl.load(ws_rows[:, None] + g, mask=g < K // GROUP, other=0.0)
-        p = tl.reshape(tl.reshape(p, (p.shape[0], groups, GROUP)) * s[:, :, None], p.shape)
-    return p
-
-
-@triton.jit
-def _reduced(p, SUM_EACH: tl.constexpr):
-    """A tile's products as the row kernel accumulates them: whole, or summed per row."""
-    if SUM_EACH:
-        p = tl.sum(p, axis=1, keep_dims=True)
-    return p
-
-
-@triton.jit
-def _run(w_rows, k0, rmask, rk, K: tl.constexpr, BK: tl.constexpr):
-    """The row kernel's weight tile of K run k0 (e4m3 or the activation dtype): rows off
-    `rmask`, and columns past K (the last run of a K that BK does not divide) read 0; a run
-    starting at or past K reads nothing."""
-    if K % BK == 0:
-        mask = rmask[:, None] & (k0 < K)
-    else:
-        mask = rmask[:, None] & (k0 + rk < K)[None, :]
-    return tl.load(w_rows + k0, mask=mask, other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _gemv1_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_wn,
-    stride_ws, stride_c, N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_EACH: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One token (M = 1): no tensor-core tile to fill, so a program's columns are FMA
-    reductions over K and tiles can be narrow: many programs, several per SM, keep more
-    weight bytes in flight than one 16-column dot tile per SM. SILU_MUL and ROTARY stream two
-    row sets: gate and up rows, or dims d and d + D/2 of a head. FP8 as in _gemv_kernel, but
-    a grouped weight's tile holds BK / GROUP groups. A program loads each next run of K while
-    it multiplies one, the first before its input is ready (PDL); a run may pass K (a whole
-    row in one run: all of a program's bytes in flight at once)."""
-    launch_next(PDL)
-    pid = tl.program_id(0)
-    if EPILOGUE == 2:
-        rows = _pair_base(pid, BN // 2, HEAD_DIM) + tl.arange(0, BN // 2)
-        partner = rows + HEAD_DIM // 2
-    else:
-        rows = pid * BN + tl.arange(0, BN)
-        partner = rows + N  # SILU_MUL: the up row beside gate row n
-    nmask = rows < N
-    bmask = tl.full(partner.shape, True, tl.int1)  # every partner row exists
-    rk = tl.arange(0, BK)
-    w_a = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    w_b = w_ptr + partner.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    # FP8 scale rows (a masked-off row reads row 0's)
-    s_a = ws_ptr + tl.where(nmask, rows, 0).to(tl.int64) * stride_ws
-    s_b = ws_ptr + partner.to(tl.int64) * stride_ws
-    # SUM_EACH: [rows] sums, each tile reduced as it is read, so the registers hold the
-    # weight tiles in flight rather than [rows, BK] partial products
-    width: tl.constexpr = 1 if SUM_EACH else BK
-    acc = tl.zeros([rows.shape[0], width], tl.float32)
-    acc_b = tl.zeros([rows.shape[0], width], tl.float32)
-    w = _run(w_a, 0, nmask, rk, K, BK)
-    wb = w
-    if EPILOGUE != 0:
-        wb = _run(w_b, 0, bmask, rk, K, BK)
-    await_inputs(PDL)
-    for k0 in range(0, K, BK):
-        if K % BK == 0:
-            x = tl.load(x_ptr + k0 + rk)
-        else:
-            x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
-        x = x.to(tl.float32)[None, :]
-        w_next = _run(w_a, k0 + BK, nmask, rk, K, BK)
-        acc += _reduced(_row_products(x, w, s_a, k0, FP8, GROUP, K, BK), SUM_EACH)
-        w = w_next
-        if EPILOGUE != 0:
-            wb_next = _run(w_b, k0 + BK, bmask, rk, K, BK)
-            acc_b += _reduced(_row_products(x, wb, s_b, k0, FP8, GROUP, K, BK), SUM_EACH)
-            wb = wb_next
-    y = tl.sum(acc, axis=1)
-    y_b = tl.sum(acc_b, axis=1)
-    if FP8 and GROUP == K:
-        y *= tl.load(s_a)
-        if EPILOGUE != 0:
-            y_b *= tl.load(s_b)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
-        if EPILOGUE == 2:
-            y_b += tl.load(b_ptr + partner).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if EPILOGUE == 0:
-        tl.store(out_ptr + rows, y.to(dtype), mask=nmask)
-    elif EPILOGUE == 1:
-        tl.store(out_ptr + rows, _silu_mul(y.to(dtype), y_b.to(dtype)), mask=nmask)
-    else:
-        a = y.to(dtype).to(tl.float32)
-        b = y_b.to(dtype).to(tl.float32)
-        pos = tl.load(pos_ptr)
-        d = rows % HEAD_DIM
-        cos = tl.load(cos_ptr + pos * stride_c + d)
-        sin = tl.load(sin_ptr + pos * stride_c + d)
-        rot = rows < ROT_ROWS
-        tl.store(out_ptr + rows, tl.where(rot, a * cos - b * sin, a).to(dtype))
-        tl.store(out_ptr + partner, tl.where(rot, b * cos + a * sin, b).to(dtype))
-
-
-def _longest(k: int, runs: tuple[int, ...]) -> int:
-    return next(b for b in runs if k % b == 0)
-
-
-def row_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
-    """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
-    (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
-    shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
-    summed as it is read so the registers hold more weight in flight; K past 8192 (a down
-    projection) 2 rows a program in one run of up to ONE_RUN_FP8 columns where K fills at
-    least 7/8 of it, so all of a program's bytes are in flight at once ("A down projection
-    in one run"), else 8 rows over runs of 1024. bf16: up to 4096 columns 4 a program (the
-    8B's o, K 4096, summed over runs of 1024), above 2 a program over runs of 1024; so too
-    a tensor-parallel shard of fewer rows over K 4096 and 4096 rows over K 2048 (twice the
-    programs: the 8B's q|k|v and gate|up at TP=2 and 4, its o at TP=2)."""
-    run = triton.next_power_of_2(k)
-    if fp8 and 8192 < k and run <= ONE_RUN_FP8 and 8 * k >= 7 * run:
-        return GemvConfig(2, run, 4, 1, True)
-    if fp8 and k > 8192:
-        return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
-    if fp8:
-        return GemvConfig(4, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1, True)
-    if n < 4096 and k == 4096 or n == 4096 and k == 2048:
-        return GemvConfig(2, 1024, 2, 1)
-    if n <= 4096 and k == 4096:
-        return GemvConfig(4, 1024, 4, 1, True)
-    if n <= 4096:
-        return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1)
-    return GemvConfig(2, _longest(k, (1024, 512, 256, 128)), 2, 1)
 
 
 def default_config(rows: int, k: int, fp8: bool = False, x_half: bool = False) -> GemvConfig:
@@ -423,7 +260,7 @@ def _launch(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Te
                  num_stages=cfg.num_stages)
     b = bias if bias is not None else o.data
     if x.shape[0] == 1 and x.dtype != torch.float32:  # the row kernel: PDL at one token
-        _gemv1_kernel[(programs,)](
+        row_kernel[(programs,)](
             x, o.data, o.scales, b, out, pos, cos, sin, o.data.stride(0),
             o.scales.stride(0), cos.stride(0), SUM_EACH=cfg.sum_each, **fixed, **pdl(x, 1))
         return out
@@ -491,3 +328,4 @@ def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
     out = torch.empty(x.shape[0], n, dtype=act, device=x.device)
     return _launch(x, w, bias, out, act, n, ROTARY, n // cfg.block_n, cfg,
                    (positions, cos, sin), head_dim, rot_heads * head_dim)
+
