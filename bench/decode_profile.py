@@ -1,6 +1,7 @@
 """Where a decode step's time goes, on one GPU: the kernels inside the replayed graph
-(torch.profiler), the host-side phases of `Worker.execute`, and the decode GEMMs alone
-(cuBLAS against the Triton skinny kernels, per config).
+(torch.profiler; where they overlap, PDL, each one's share of the chain), the host-side
+phases of `Worker.execute`, and the decode GEMMs alone (cuBLAS against the Triton skinny
+kernels, per config).
 
     python -m bench.decode_profile [--preset llama-1b] [--cases 1x128 8x1024]
     python -m bench.decode_profile --gemm-only --preset llama3-8b [--gemm-fp8]
@@ -45,6 +46,36 @@ def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 20, top: int = 16)
             graph.replay()
         torch.cuda.synchronize()
     return kernel_summary(prof, replays, top)
+
+
+def chain_table(worker: Worker, batch: int, replays: int = 20) -> dict:
+    """Where a replay's time goes when kernels overlap (PDL): each kernel's share is how far
+    it moves the end of everything launched before it, summed per kernel name; the kernel
+    time alone (kernel_table) counts overlapped work twice."""
+    ex = worker.executor
+    graph = ex.graphs[ex.buckets.key(batch, batch, True)].graph
+    graph.replay()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # replays apart: each one's kernels are one chain
+    shares = chain_shares([(e.time_range.start, e.time_range.end, e.name[:70])
+                           for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA])
+    rows = sorted(((us / replays, n) for n, us in shares.items()), reverse=True)
+    return {"busy_us_per_replay": round(sum(r[0] for r in rows), 1),
+            "chain_top": [(n, round(us, 1)) for us, n in rows[:8]]}
+
+
+def chain_shares(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per kernel name, the time by which its kernels (start, stop, name) moved the end of
+    all kernels before them: overlapped work counts once, idle time for nobody."""
+    shares: dict[str, float] = collections.defaultdict(float)
+    end = -float("inf")
+    for start, stop, name in sorted(kernels):
+        shares[name] += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return dict(shares)
 
 
 def kernel_summary(prof: torch.profiler.profile, runs: int, top: int = 16) -> dict:
@@ -406,6 +437,7 @@ def main() -> None:
             w.execute(decode_plan(b, c, 16, i, a.verify))
         print(json.dumps({"batch": b, "context": c, "verify": a.verify,
                           **kernel_table(w, rows * b)}), flush=True)
+        print(json.dumps({"batch": b, "context": c, **chain_table(w, rows * b)}), flush=True)
         if a.verify:
             continue  # the host phases below time plain decode steps
         print(json.dumps({"batch": b, "context": c, "host_us": host_phases(w, b, c)}),
