@@ -328,4 +328,3 @@ def gemv_rotary(x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
     out = torch.empty(x.shape[0], n, dtype=act, device=x.device)
     return _launch(x, w, bias, out, act, n, ROTARY, n // cfg.block_n, cfg,
                    (positions, cos, sin), head_dim, rot_heads * head_dim)
-
