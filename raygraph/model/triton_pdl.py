@@ -10,9 +10,11 @@ kernel's completion and its writes (`await_inputs`). So the next weight stream b
 a latency-bound kernel (a norm, the attention of one sequence) waits and works.
 
 Weights are not written inside a step (a worker with weight offload, which copies them in
-during the step, turns PDL off: `set_enabled`), so only weight loads may run before the
-wait; every write and every read of an activation comes after it. A caller at one row must
-pass weights no kernel of the same stream has just written.
+during the step, turns PDL off: `set_enabled`), so only weight loads, and reads of step
+inputs that no kernel of the chain writes (a token's position: copied in before the graph,
+or made by a kernel launched without PDL, which completes before anything after it
+starts), may run before the wait; every write and every read of an activation comes after
+it. A caller at one row must pass weights no kernel of the same stream has just written.
 
 Only one-token steps launch this way (`pdl`). Each kernel launched with PDL calls
 `launch_next` first and `await_inputs` in every program before it writes or reads an
