@@ -1,5 +1,6 @@
 """The row kernel: skinny GEMMs of one token (M = 1, batch-1 decode), GPU only; launched by
-triton_gemv.py, whose epilogues it shares (and their config type).
+triton_gemv.py, which imports from here the epilogue helpers both kernels use and the
+config type.
 
 No tensor-core tile to fill, so each program reduces a few columns with FMAs and there are
 several programs per SM: more weight bytes are in flight, and the small GEMMs stream
