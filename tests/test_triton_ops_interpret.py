@@ -137,17 +137,22 @@ def test_row_configs_of_narrow_shards():
     assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles
     assert gemv.row_config(4096, 4096) == gemv.GemvConfig(4, 1024, 4, 1, True)
     assert gemv.row_config(4096, 3584).block_k == 512
-    # FP8 rows past 8192 columns: one run of 2 rows where they fill 7/8 of it, up to
-    # ONE_RUN_FP8 columns; else 8 rows over runs of 1024
+    # FP8 rows of 8192+ columns: one run where they fill 7/8 of it, up to ONE_RUN_FP8
+    # columns, 256 bytes a thread; else 8 rows over runs of 1024
     one_run = gemv.GemvConfig(2, 16384, 4, 1, True)
-    assert gemv.row_config(4096, 8192, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
     assert gemv.row_config(4096, 4096, True) == gemv.GemvConfig(8, 4096, 8, 1, True)  # o
     assert gemv.row_config(6144, 4096, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
     assert gemv.row_config(4096, 14336, True) == one_run  # the 8B's down
     assert gemv.row_config(4096, 16384, True) == one_run
+    # the 70B's q|k|v and o; its gate|up (two row sets: 2 rows of each); its down
+    for n in (10240, 8192):
+        assert gemv.row_config(n, 8192, True) == gemv.GemvConfig(4, 8192, 4, 1, True)
+    assert gemv.row_config(28672, 8192, True, 2) == gemv.GemvConfig(2, 8192, 4, 1, True)
+    assert gemv.row_config(14336, 4096, True, 2) == gemv.GemvConfig(4, 4096, 4, 1, True)
+    assert gemv.row_config(8192, 28672, True) == gemv.GemvConfig(2, 32768, 8, 1, True)
     assert gemv.row_config(4096, 12288, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
     assert gemv.row_config(8192, 16384 + 1024, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
-    assert gemv.row_config(8192, 28672, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
+    assert gemv.row_config(8192, 65536, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
 
 
 def test_lora_shrink_and_expand(interpreted):

@@ -301,7 +301,7 @@ def gemv_silu_mul(x: torch.Tensor, w: Weight, cfg: GemvConfig | None = None,
     computed in `act` (as gemv). half (2+ rows): stored in float16 clamped to its range
     (rows standing for `act`'s), as an FP8 GEMM's float16 dot takes them."""
     n, k, fp8 = w.shape[0] // 2, w.shape[1], isinstance(w, Fp8Weight)
-    cfg = cfg or (row_config(n, k, fp8) if x.shape[0] == 1
+    cfg = cfg or (row_config(n, k, fp8, row_sets=2) if x.shape[0] == 1
                   else silu_mul_config(n, k, fp8))
     if n % cfg.block_n:
         raise ValueError(f"gate/up width {n} is not a multiple of {cfg.block_n}")
