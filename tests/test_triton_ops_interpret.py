@@ -137,22 +137,27 @@ def test_row_configs_of_narrow_shards():
     assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles
     assert gemv.row_config(4096, 4096) == gemv.GemvConfig(4, 1024, 4, 1, True)
     assert gemv.row_config(4096, 3584).block_k == 512
-    # FP8 rows of 8192+ columns: one run where they fill 7/8 of it, up to ONE_RUN_FP8
-    # columns, 256 bytes a thread; else 8 rows over runs of 1024
+    # FP8 rows of 2049 to ONE_RUN_FP8 columns: one run of the next power of two, from 8192
+    # on 256 bytes a thread; longer, 8 rows over runs of 1024; shorter, 4 over the row
     one_run = gemv.GemvConfig(2, 16384, 4, 1, True)
     assert gemv.row_config(4096, 4096, True) == gemv.GemvConfig(8, 4096, 8, 1, True)  # o
     assert gemv.row_config(6144, 4096, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
+    assert gemv.row_config(14336, 4096, True, 2) == gemv.GemvConfig(4, 4096, 4, 1, True)
     assert gemv.row_config(4096, 14336, True) == one_run  # the 8B's down
+    assert gemv.row_config(4096, 12288, True) == one_run  # Qwen3-8B's
     assert gemv.row_config(4096, 16384, True) == one_run
-    # the 70B's q|k|v and o; its gate|up (two row sets: 2 rows of each); its down
+    # Qwen2.5-7B's 3584-wide rows
+    for n in (4608, 3584):
+        assert gemv.row_config(n, 3584, True) == gemv.GemvConfig(4, 4096, 4, 1, True)
+    # the 70B's q|k|v and o; its gate|up (two row sets: 2 rows of each); its and Qwen2.5's
+    # down
     for n in (10240, 8192):
         assert gemv.row_config(n, 8192, True) == gemv.GemvConfig(4, 8192, 4, 1, True)
     assert gemv.row_config(28672, 8192, True, 2) == gemv.GemvConfig(2, 8192, 4, 1, True)
-    assert gemv.row_config(14336, 4096, True, 2) == gemv.GemvConfig(4, 4096, 4, 1, True)
-    assert gemv.row_config(8192, 28672, True) == gemv.GemvConfig(2, 32768, 8, 1, True)
-    assert gemv.row_config(4096, 12288, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
-    assert gemv.row_config(8192, 16384 + 1024, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
+    for n, k in ((8192, 28672), (3584, 18944)):
+        assert gemv.row_config(n, k, True) == gemv.GemvConfig(2, 32768, 8, 1, True)
     assert gemv.row_config(8192, 65536, True) == gemv.GemvConfig(8, 1024, 4, 1, True)
+    assert gemv.row_config(2048, 2048, True) == gemv.GemvConfig(4, 2048, 4, 1, True)
 
 
 def test_lora_shrink_and_expand(interpreted):

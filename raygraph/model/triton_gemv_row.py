@@ -190,30 +190,31 @@ def _longest(k: int, runs: tuple[int, ...]) -> int:
 def row_config(n: int, k: int, fp8: bool = False, row_sets: int = 1) -> GemvConfig:
     """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
     (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
-    shapes). FP8 rows are half the bytes: 4 rows a program over runs of 4096, each tile
-    summed as it is read so the registers hold more weight in flight. A row of 8192 or more
-    columns that fills at least 7/8 of a power of two up to ONE_RUN_FP8 goes in one run, so
-    all of a program's bytes are in flight at once, 256 of them a thread: 4 rows at 4 warps
-    over 8192 (the 70B's q|k|v and o; its gate|up, two `row_sets`, 2 rows of each), 2 at 4
-    warps over 16384 (the 8B's down), 2 at 8 warps over 32768 (the 70B's down) ("A down
-    projection in one run", "The 70B's one-token GEMVs"); other K past 8192, 8 rows over
-    runs of 1024; 4096 x 4096 (the 8B's
+    shapes). FP8 rows are half the bytes, each tile summed as it is read so the registers
+    hold more weight in flight. Past 2048 columns, up to ONE_RUN_FP8, a program reads its
+    rows in one run of the next power of two (the loads past K masked off), so all of its
+    bytes are in flight at once: 4 rows at 4 warps over 4096 (the 8B's q|k|v and gate|up,
+    Qwen2.5-7B's 3584-wide rows), 4 over 8192 (the 70B's q|k|v and o; its gate|up, two
+    `row_sets`, 2 of each), 2 over 16384 (the 8B's and Qwen3-8B's down), 2 at 8 warps over
+    32768 (the 70B's and Qwen2.5-7B's down): from 8192 on, 256 weight bytes a thread ("A
+    down projection in one run", "One-token GEMVs of other shapes"). 4096 x 4096 (the 8B's
     o) 8 rows at 8 warps, 64 registers a thread: in a one-token step its programs launch
     while attention runs, and more of its weight fits in flight beside it ("The one-token
-    step's chain"). bf16: up to 4096 columns 4 a program (the 8B's o, K 4096, summed over
-    runs of 1024), above 2 a program over runs of 1024; so too a tensor-parallel shard of
-    fewer rows over K 4096 and 4096 rows over K 2048 (twice the programs: the 8B's q|k|v
-    and gate|up at TP=2 and 4, its o at TP=2)."""
+    step's chain"). Longer rows 8 over runs of 1024, shorter 4 over their whole length.
+    bf16: up to 4096 columns 4 a program (the 8B's o, K 4096, summed over runs of 1024),
+    above 2 a program over runs of 1024; so too a tensor-parallel shard of fewer rows over
+    K 4096 and 4096 rows over K 2048 (twice the programs: the 8B's q|k|v and gate|up at
+    TP=2 and 4, its o at TP=2)."""
     run = triton.next_power_of_2(k)
-    if fp8 and 8192 <= run <= ONE_RUN_FP8 and 8 * k >= 7 * run:
-        rows = max(1, (4 if run == 8192 else 2) // row_sets)
-        return GemvConfig(rows, run, max(4, run // 4096), 1, True)
-    if fp8 and k > 8192:
-        return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8 and n == k == 4096:
         return GemvConfig(8, 4096, 8, 1, True)
+    if fp8 and 2048 < k and run <= ONE_RUN_FP8:
+        rows = 4 if run == 4096 else max(1, (4 if run == 8192 else 2) // row_sets)
+        return GemvConfig(rows, run, max(4, run // 4096), 1, True)
+    if fp8 and k > 2048:
+        return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
-        return GemvConfig(4, _longest(k, (4096, 2048, 1024, 512, 256, 128)), 4, 1, True)
+        return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1, True)
     if n < 4096 and k == 4096 or n == 4096 and k == 2048:
         return GemvConfig(2, 1024, 2, 1)
     if n <= 4096 and k == 4096:
