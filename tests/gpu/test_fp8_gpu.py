@@ -166,6 +166,29 @@ def test_decode_rows_read_the_fp8_weight(monkeypatch, activations, rows, group) 
                                atol=8 * BF16_EPS * qkv_ref.abs().max().item())
 
 
+@pytest.mark.parametrize("k", [3584, 8192, 12288, 18944, 28672])
+def test_one_token_reads_a_row_in_one_run(k) -> None:
+    """One token: an FP8 row of 2049 to ONE_RUN_FP8 columns goes in one run of the next
+    power of two, its loads past K masked off (Qwen2.5-7B's 3584 and 18944, the 70B's 8192
+    and 28672, Qwen3-8B's 12288), plain and gate|up (two row sets a program): equal to the
+    reference within bf16 rounding."""
+    from raygraph.model import triton_gemv
+
+    torch.manual_seed(k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = weight(512, k, "none")
+    assert triton_gemv.row_config(512, k, True).block_k >= k  # the whole row in one run
+    want = reference(x, w)
+    got = triton_gemv.gemv(x, w)
+    torch.testing.assert_close(got.float(), want, rtol=0,
+                               atol=8 * BF16_EPS * want.abs().max().item())
+    gate, up = want.chunk(2, dim=-1)
+    product = F.silu(gate) * up
+    both = triton_gemv.gemv_silu_mul(x, w)
+    torch.testing.assert_close(both.float(), product, rtol=0,
+                               atol=8 * BF16_EPS * product.abs().max().item())
+
+
 @pytest.mark.parametrize("rows", [2, DECODE_ROWS])
 def test_decode_rows_take_bfloat16_x_as_float16_clamped(rows) -> None:
     """The skinny kernel meets e4m3 tiles with bfloat16 x converted to float16 as loaded (an
