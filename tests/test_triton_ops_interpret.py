@@ -136,7 +136,9 @@ def test_row_configs_of_narrow_shards():
     assert gemv.row_config(4096, 2048) == gemv.GemvConfig(2, 1024, 2, 1)
     assert gemv.row_config(2048, 2048).block_n == 4  # llama-1b's o: its own tiles
     assert gemv.row_config(4096, 4096) == gemv.GemvConfig(4, 1024, 4, 1, True)
-    assert gemv.row_config(4096, 3584).block_k == 512
+    # bf16 rows that runs of 1024 do not divide (Qwen2.5-7B's): runs of 4096, the last masked
+    for n, k in ((4608, 3584), (3584, 3584), (3584, 18944)):
+        assert gemv.row_config(n, k) == gemv.GemvConfig(2, 4096, 4, 1, True)
     # FP8 rows of 2049 to ONE_RUN_FP8 columns: one run of the next power of two, from 8192
     # on 256 bytes a thread; longer, 8 rows over runs of 1024; shorter, 4 over the row
     one_run = gemv.GemvConfig(2, 16384, 4, 1, True)

@@ -204,7 +204,8 @@ def row_config(n: int, k: int, fp8: bool = False, row_sets: int = 1) -> GemvConf
     bf16: up to 4096 columns 4 a program (the 8B's o, K 4096, summed over runs of 1024),
     above 2 a program over runs of 1024; so too a tensor-parallel shard of fewer rows over
     K 4096 and 4096 rows over K 2048 (twice the programs: the 8B's q|k|v and gate|up at
-    TP=2 and 4, its o at TP=2)."""
+    TP=2 and 4, its o at TP=2); a K that runs of 1024 do not divide (Qwen2.5-7B's 3584 and
+    18944), 2 rows over runs of 4096, summed as read, the last one masked."""
     run = triton.next_power_of_2(k)
     if fp8 and n == k == 4096:
         return GemvConfig(8, 4096, 8, 1, True)
@@ -215,6 +216,8 @@ def row_config(n: int, k: int, fp8: bool = False, row_sets: int = 1) -> GemvConf
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
         return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1, True)
+    if k % 1024:
+        return GemvConfig(2, 4096, 4, 1, True)
     if n < 4096 and k == 4096 or n == 4096 and k == 2048:
         return GemvConfig(2, 1024, 2, 1)
     if n <= 4096 and k == 4096:
