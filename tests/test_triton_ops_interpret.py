@@ -57,6 +57,28 @@ def test_norms_silu_argmax_and_kv_store(interpreted, dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_qk_norm_in_one_launch_equals_two_norms(interpreted, dtype, t):
+    """Qwen3's q/k norms: q's and k's heads, views of one q|k|v projection's rows, each
+    normalised with its own weight in one launch: equal to the two rms_norm launches, and
+    to the torch path within rounding."""
+    k_ops = interpreted("triton_ops")
+    torch.manual_seed(t)
+    hq, hk, d = 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype) * 3
+    q, k = (p.view(t, -1, d) for p in qkv.split([hq * d, hk * d, hk * d], dim=-1)[:2])
+    wq, wk = torch.rand(d, dtype=dtype) + 0.5, torch.rand(d, dtype=dtype) + 0.5
+    got_q, got_k = k_ops.qk_rms_norm(q, k, wq, wk, 1e-6)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, k_ops.rms_norm(q.reshape(-1, d), wq, 1e-6)[0].view(t, hq, d))
+    assert torch.equal(got_k, k_ops.rms_norm(k.reshape(-1, d), wk, 1e-6)[0].view(t, hk, d))
+    want_q, want_k = ops.qk_norm(q, k, wq, wk, 1e-6)  # the CPU path
+    torch.testing.assert_close(got_q, want_q, **tolerance(dtype))
+    torch.testing.assert_close(got_k, want_k, **tolerance(dtype))
+    assert not torch.allclose(got_k, ops.rms_norm(k.reshape(-1, d), wq, 1e-6).view(t, hk, d))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_rotary_in_place(interpreted, dtype):
     k_ops = interpreted("triton_ops")

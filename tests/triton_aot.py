@@ -162,6 +162,7 @@ def other_cases() -> list[Case]:
         ("add_rms_norm, e4m3 rows only", op._add_rms_norm_kernel,
          dict(BLOCK=4096, QUANT=True, KEEP=False), 4,
          quantized),
+        ("q/k norms", op._qk_norm_kernel, dict(HQ=32, HK=8, D=128, BLOCK=128), 4, {}),
         ("argmax", op._argmax_kernel, dict(BLOCK=16384), 16, {"out_ptr": "*i64"}),
         ("rotary", op._rotary_kernel, dict(HQ=32, HK=8, HQ_PAD=32, HK_PAD=8, HALF=32), 1, rope),
         ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024), 4, {}),

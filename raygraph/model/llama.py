@@ -98,12 +98,10 @@ class Attention(nn.Module):
                                      hk)
         t = x.shape[0]
         q, k, v = proj(x).split([hq * d, hk * d, hk * d], dim=-1)
+        q, k = q.view(t, hq, d), k.view(t, hk, d)
         if self.q_norm is not None and self.k_norm is not None:
-            # one row per head: the fused rms_norm normalises the rows of a 2D tensor
-            q = self.q_norm(q.reshape(t * hq, d))
-            k = self.k_norm(k.reshape(t * hk, d))
-        q, k, rope = ops.rotary_or_defer(q.view(t, hq, d), k.view(t, hk, d), cos, sin,
-                                         positions)
+            q, k = ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k, rope = ops.rotary_or_defer(q, k, cos, sin, positions)
         return q, k, v.view(t, hk, d), rope
 
 

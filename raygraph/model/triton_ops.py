@@ -66,14 +66,20 @@ def _quantize_row(y, cols, mask, q_ptr, s_ptr, row, n, fp8_max, inv_max, min_sca
 
 
 @triton.jit
+def _normed(t, w, n, eps, ACT: tl.constexpr):
+    """RMSNorm of row t (float32) as HF computes it: normalised, cast to the activation
+    dtype ACT, scaled by the weight, cast again."""
+    normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
+    return (normed.to(ACT).to(tl.float32) * w).to(ACT)
+
+
+@triton.jit
 def _store_normed(t, w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps, fp8_max, inv_max,
                   min_scale, ACT: tl.constexpr, QUANT: tl.constexpr, KEEP: tl.constexpr):
-    """RMSNorm of row t (float32) as HF computes it: normalised, cast to the activation
-    dtype ACT, scaled by the weight, cast again. KEEP: the row stored (`rows_out`); QUANT: also in
+    """RMSNorm of row t (`_normed`). KEEP: the row stored (`rows_out`); QUANT: also in
     e4m3 per token (what an FP8 GEMM taking it would compute from it; without KEEP, only
     so)."""
-    normed = t * tl.rsqrt(tl.sum(t * t, axis=0) / n + eps)
-    y = (normed.to(ACT).to(tl.float32) * w).to(ACT)
+    y = _normed(t, w, n, eps, ACT)
     if KEEP:
         tl.store(out_ptr + row * n + cols, rows_out(y, out_ptr, ACT), mask=mask)
     if QUANT:
@@ -112,6 +118,44 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, st
     tl.store(sum_ptr + row * n + cols, total, mask=mask)
     _store_normed(total.to(tl.float32), w, out_ptr, q_ptr, s_ptr, row, cols, mask, n, eps,
                   fp8_max, inv_max, min_scale, sum_ptr.dtype.element_ty, QUANT, KEEP)
+
+
+@triton.jit
+def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, oq_ptr, ok_ptr, stride_qt, stride_kt, eps,
+                    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Programs (token, head) over q's heads then k's: each head's row normalised with its
+    own weight (q's or k's) as _rms_norm_kernel normalises a row."""
+    launch_next(PDL)
+    r = tl.program_id(0)
+    tok, h = r // (HQ + HK), r % (HQ + HK)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    is_q = h < HQ
+    w = tl.load(tl.where(is_q, wq_ptr, wk_ptr) + cols, mask=mask, other=0.0).to(tl.float32)
+    src = tl.where(is_q, q_ptr + tok * stride_qt + h * D, k_ptr + tok * stride_kt + (h - HQ) * D)
+    dst = tl.where(is_q, oq_ptr + (tok * HQ + h) * D, ok_ptr + (tok * HK + h - HQ) * D)
+    await_inputs(PDL)
+    x = tl.load(src + cols, mask=mask, other=0.0)
+    tl.store(dst + cols, _normed(x.to(tl.float32), w, D, eps, x.dtype), mask=mask)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(q), rms_norm(k)) over heads, q [T, Hq, D] and k [T, Hk, D] (views of one
+    projection's rows: each head's D contiguous), in one launch: contiguous results, equal
+    to the two rms_norm launches'."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
+        raise ValueError("q and k need each head's dims contiguous, heads side by side")
+    out_q = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    out_k = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
+    _qk_norm_kernel[(t * (hq + hk),)](q, k, q_weight, k_weight, out_q, out_k, q.stride(0),
+                                      k.stride(0), eps, HQ=hq, HK=hk, D=d,
+                                      BLOCK=triton.next_power_of_2(d), num_warps=4,
+                                      **pdl(q, t))
+    return out_q, out_k
 
 
 def _outputs(shape: tuple[int, int], like: torch.Tensor, quantize: bool, keep: bool,
