@@ -277,11 +277,12 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: 
             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head of q [T, Hq, D] and k [T, Hk, D] normalised with q's or k's weight (Qwen3's
     q/k norms): on a GPU both in one launch."""
-    if kernels(q) and q.stride(2) == 1 and k.stride(2) == 1:
+    d = q.shape[2]
+    if kernels(q) and q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1):
         from raygraph.model.triton_ops import qk_rms_norm
 
         return qk_rms_norm(q, k, q_weight, k_weight, eps)
-    t, hq, d = q.shape
+    t, hq = q.shape[:2]
     return (rms_norm(q.reshape(t * hq, d), q_weight, eps).view(q.shape),
             rms_norm(k.reshape(t * k.shape[1], d), k_weight, eps).view(k.shape))
 
