@@ -433,7 +433,7 @@ def attention(
         out = ctx.split(q, k, v, k_cache, v_cache, scale, window)
     else:
         half = (kernels(q) and v_scale == 1.0
-                and halves_for(q.shape[0], q.dtype, feeds, q.shape[1] * q.shape[2]))
+                and halves_for(t, q.dtype, feeds, q.shape[1] * q.shape[2]))
         out = paged_attention(q, k, v, k_cache, v_cache, scale, ctx.attn, window=window,
                               rope=rope, half=half)
     out = (out if v_scale == 1.0 else out * v_scale).reshape(t, -1)

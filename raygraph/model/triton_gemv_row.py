@@ -210,8 +210,10 @@ def row_config(n: int, k: int, fp8: bool = False, row_sets: int = 1) -> GemvConf
     if fp8 and n == k == 4096:
         return GemvConfig(8, 4096, 8, 1, True)
     if fp8 and 2048 < k and run <= ONE_RUN_FP8:
-        rows = 4 if run == 4096 else max(1, (4 if run == 8192 else 2) // row_sets)
-        return GemvConfig(rows, run, max(4, run // 4096), 1, True)
+        warps = max(4, run // 4096)
+        # from 8192 on, 256 weight bytes a thread over every row set
+        rows = 4 if run == 4096 else max(1, 256 * 32 * warps // (run * row_sets))
+        return GemvConfig(rows, run, warps, 1, True)
     if fp8 and k > 2048:
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:

@@ -376,8 +376,8 @@ def test_an_fp8_models_decode_step_with_float16_rows(gpu_llama: Path, tmp_path: 
                                                      monkeypatch) -> None:
     """A whole FP8 model's decode step of 3 rows, with float16 rows between its ops (the
     norms', attention's, gate|up's, taken by the skinny kernels: recorded) and without
-    (fp8_rows.halves_for off): the same greedy tokens, logits within a bf16-derived
-    tolerance (float16 x takes tiles of its own)."""
+    (fp8_rows.halves_for off): logits within a bf16-derived tolerance (float16 x takes tiles
+    of its own), so the same greedy tokens wherever that tolerance cannot swap them."""
     write_fp8(gpu_llama, tmp_path / "q", tmp_path / "ref", FORMATS["ct-channel-dynamic"])
     cfg = ModelConfig.from_pretrained(str(tmp_path / "q"))
     cuda = torch.device("cuda")
@@ -406,9 +406,12 @@ def test_an_fp8_models_decode_step_with_float16_rows(gpu_llama: Path, tmp_path: 
     seen.clear()
     plain = decode_logits()
     assert seen and torch.float16 not in seen
-    assert torch.equal(halves.argmax(-1), plain.argmax(-1))
-    torch.testing.assert_close(halves, plain, rtol=0,
-                               atol=8 * BF16_EPS * plain.abs().max().item())
+    atol = 8 * BF16_EPS * plain.abs().max().item()
+    torch.testing.assert_close(halves, plain, rtol=0, atol=atol)
+    # the same greedy token wherever the tolerance cannot swap the top two (other tiles)
+    top2 = plain.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * atol
+    assert torch.equal(halves.argmax(-1)[clear], plain.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("rows", [1, 4, 32, 200, 300])
