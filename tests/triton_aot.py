@@ -79,7 +79,8 @@ def attention_cases() -> list[Case]:
 
     decode = dict(GROUP=4, GROUP_PAD=16, D=64, BS=16, TILE=64, SPLITS=16, NUM_HEADS=32,
                   STORE=True, WINDOW=0, PRECISION="tf32", STAGES=3, CASCADE=False, TOTAL=16,
-                  PREFIX_SPLITS=0, ROPE=False, VERIFY=False, CHUNKS=False, CH=8, CR=32)
+                  PREFIX_SPLITS=0, ROPE=False, VERIFY=False, CHUNKS=False, CH=8, CR=32,
+                  PEEL=True)
     cascade = decode | dict(CASCADE=True, TOTAL=32, PREFIX_SPLITS=8)
     prefix = {k: cascade[k] for k in ("GROUP", "D", "BS", "TILE", "SPLITS", "TOTAL",
                                       "NUM_HEADS", "PRECISION", "STAGES", "PREFIX_SPLITS",
@@ -98,6 +99,8 @@ def attention_cases() -> list[Case]:
         ("decode one split, verify chunks, rotary", ta._decode_split_kernel,
          decode | dict(SPLITS=1, TOTAL=1, ROPE=True, VERIFY=True, CHUNKS=True),
          ta.CHUNK_WARPS, verify | rope),
+        ("decode split, first tile not peeled", ta._decode_split_kernel,
+         decode | dict(PEEL=False), 2, {}),
         ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
         ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
         ("decode split, FP8 cache", ta._decode_split_kernel,

@@ -65,11 +65,11 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
     CASCADE: tl.constexpr, TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
     ROPE: tl.constexpr, VERIFY: tl.constexpr, CHUNKS: tl.constexpr, CH: tl.constexpr,
-    CR: tl.constexpr, PDL: tl.constexpr,
+    CR: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_next(PDL)
-    await_inputs(PDL)
     if CHUNKS:
+        await_inputs(PDL)
         _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verify_ptr,
                     out_ptr, cos_ptr, sin_ptr, scale, tl.program_id(0), tl.program_id(1),
                     tl.arange(0, D), stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
@@ -88,7 +88,7 @@ def _decode_split_kernel(
                stride_kh, stride_vt, stride_vh, stride_kb, stride_ks, stride_ch, stride_bt,
                stride_ot, stride_oh, stride_c, GROUP, GROUP_PAD, D, BS, TILE, SPLITS,
                NUM_HEADS, STORE, WINDOW, PRECISION, STAGES, CASCADE, TOTAL, PREFIX_SPLITS,
-               ROPE)
+               ROPE, PEEL, PDL)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -148,32 +148,52 @@ def _split_range(first, end, split, SPLITS: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
+def _dot_q(q, k_ptr):
+    """q as it meets K: an FP8 cache is read back as float16 (one conversion an element
+    pair; to bfloat16 it takes three), so q meets it in float16, clamped to its range."""
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb, stride_ks, stride_ch,
+             dtype: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr):
+    """Keys [pos0, pos0 + TILE) below `end` of one block table: K and V [TILE, D] in
+    `dtype` (the dot's), and the keys' mask."""
+    pos = pos0 + tl.arange(0, TILE)
+    kmask = pos < end
+    blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
+    off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
+        + d[None, :]
+    k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(dtype)
+    v = _values(tl.load(v_ptr + off, mask=kmask[:, None], other=0.0), dtype)
+    return k, v, kmask
+
+
+@triton.jit
+def _fold_tile(q, m, l_sum, acc, k, v, kmask, scale, PRECISION: tl.constexpr):
+    """One K/V tile (at least one key unmasked) into the online softmax of the rows of q."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+    scores = tl.where(kmask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _attend(q, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, start, end, kvh, d,
             stride_kb, stride_ks, stride_ch, BS: tl.constexpr, TILE: tl.constexpr,
             PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """Keys [start, end) of one block table into the online softmax of the rows of q. An
-    FP8 cache is read back as float16 (one conversion an element pair; to bfloat16 it takes
-    three) and q meets it in float16, clamped to its range."""
-    t = tl.arange(0, TILE)
-    if k_ptr.dtype.element_ty == tl.float8e4nv:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    """Keys [start, end) of one block table into the online softmax of the rows of q (as
+    `_dot_q` gives it)."""
     for pos0 in tl.range(start, end, TILE, num_stages=STAGES):
-        pos = pos0 + t
-        kmask = pos < end
-        blk = tl.load(table_ptr + pos // BS, mask=kmask, other=0).to(tl.int64)
-        off = blk[:, None] * stride_kb + (pos % BS)[:, None] * stride_ks + kvh * stride_ch \
-            + d[None, :]
-        # [TILE, D], in the queries' dtype
-        k = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0).to(q.dtype)
-        v = _values(tl.load(v_ptr + off, mask=kmask[:, None], other=0.0), q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
-        scores = tl.where(kmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        k, v, kmask = _kv_tile(k_ptr, v_ptr, table_ptr, pos0, end, kvh, d, stride_kb,
+                               stride_ks, stride_ch, q.dtype, BS, TILE)
+        m, l_sum, acc = _fold_tile(q, m, l_sum, acc, k, v, kmask, scale, PRECISION)
     return m, l_sum, acc
 
 
@@ -276,9 +296,9 @@ def _chunk_rows(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, verif
         m = tl.full([CR], float("-inf"), tl.float32)
         l_sum = tl.zeros([CR], tl.float32)
         acc = tl.zeros([CR, D], tl.float32)
-        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
-                                scale, 0, base, kvh, d, stride_kb, stride_ks, stride_ch, BS,
-                                TILE, PRECISION, STAGES)
+        m, l_sum, acc = _attend(_dot_q(q, k_ptr), m, l_sum, acc, k_ptr, v_ptr,
+                                tables_ptr + b * stride_bt, scale, 0, base, kvh, d, stride_kb,
+                                stride_ks, stride_ch, BS, TILE, PRECISION, STAGES)
         for j in tl.range(0, ahead + 1):
             k_j, v_j = _new_key(kn_ptr, vn_ptr, k_ptr, v_ptr, b - ahead + j, kvh,
                                 tl.maximum(base + j, 0), cos_ptr, sin_ptr, stride_kt,
@@ -299,16 +319,32 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                NUM_HEADS: tl.constexpr, STORE: tl.constexpr, WINDOW: tl.constexpr,
                PRECISION: tl.constexpr, STAGES: tl.constexpr, CASCADE: tl.constexpr,
-               TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr, ROPE: tl.constexpr):
+               TOTAL: tl.constexpr, PREFIX_SPLITS: tl.constexpr, ROPE: tl.constexpr,
+               PEEL: tl.constexpr, PDL: tl.constexpr):
     """One split of one sequence's own keys (after any shared prefix); split 0 stores the
     step's K/V. At one split the program writes the output: its own keys merged with the
     cascade's partials, which the prefix kernel stored before this launch. `ahead` > 0: the
     row verifies a draft, and the `ahead` rows before it hold the same sequence's earlier
     tokens of this step, whose keys (positions last - ahead .. last - 1) their own programs
-    are storing now: they are folded in from those rows' K/V, never read from the cache."""
+    are storing now: they are folded in from those rows' K/V, never read from the cache.
+    PEEL (with PDL, and in the interpreter, whose tests run this path): the split's first
+    tile of cached keys, stored by earlier steps, loads before the wait, off the chain of
+    kernels before; at one token and a few hundred keys it is the split's only tile."""
     seq_len = tl.load(lens_ptr + b)
     last = seq_len - 1
     pos = tl.maximum(last, 0)  # the query's position (a padding row's output is zeros)
+    start, end = _split_range(_first_key(seq_len, shared, WINDOW, CASCADE), seq_len, split,
+                              SPLITS, TILE)
+    cached_end = end
+    if STORE:  # this step's keys are folded in after the loop, from registers
+        cached_end = tl.minimum(end, last - ahead)
+    table_ptr = tables_ptr + b * stride_bt
+    dot_dtype: tl.constexpr = (tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv
+                               else q_ptr.dtype.element_ty)
+    if PEEL:  # cached keys were stored by earlier steps: the first tile loads before the wait
+        k0, v0, mask0 = _kv_tile(k_ptr, v_ptr, table_ptr, start, cached_end, kvh, d, stride_kb,
+                                 stride_ks, stride_ch, dot_dtype, BS, TILE)
+    await_inputs(PDL)
     k_last = tl.zeros([D], tl.float32)
     v_last = k_last
     if STORE:
@@ -316,10 +352,8 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
                                   stride_kt, stride_kh, stride_vt, stride_vh, stride_c, d, D,
                                   ROPE)
         if (split == 0) & (seq_len > 0):  # NOTE: padding rows (seq_len 0) write nothing
-            _store_key(k_ptr, v_ptr, tables_ptr + b * stride_bt, last, kvh, d, k_last, v_last,
-                       stride_kb, stride_ks, stride_ch, BS)
-    start, end = _split_range(_first_key(seq_len, shared, WINDOW, CASCADE), seq_len, split,
-                              SPLITS, TILE)
+            _store_key(k_ptr, v_ptr, table_ptr, last, kvh, d, k_last, v_last, stride_kb,
+                       stride_ks, stride_ch, BS)
     g = tl.arange(0, GROUP_PAD)
     gmask = g < GROUP
     heads = kvh * GROUP + g
@@ -329,12 +363,15 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
     if start < end:  # NOTE: an empty split stores nothing; the merge skips it the same way
         q = _load_rotated(q_ptr, b * stride_qt + heads[:, None] * stride_qh, gmask[:, None],
                           pos, cos_ptr, sin_ptr, stride_c, d[None, :], D, ROPE)  # [G, D]
-        cached_end = end
-        if STORE:  # this step's keys are folded in after the loop, from registers
-            cached_end = tl.minimum(end, last - ahead)
-        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr + b * stride_bt,
-                                scale, start, cached_end, kvh, d, stride_kb, stride_ks,
-                                stride_ch, BS, TILE, PRECISION, STAGES)
+        qd = _dot_q(q, k_ptr)
+        first = start
+        if PEEL:
+            if start < cached_end:
+                m, l_sum, acc = _fold_tile(qd, m, l_sum, acc, k0, v0, mask0, scale, PRECISION)
+            first = start + TILE
+        m, l_sum, acc = _attend(qd, m, l_sum, acc, k_ptr, v_ptr, table_ptr, scale, first,
+                                cached_end, kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE,
+                                PRECISION, STAGES)
         if STORE:
             for j in tl.range(0, ahead):  # the verify chunk's earlier tokens
                 at = last - ahead + j
@@ -395,9 +432,9 @@ def _prefix_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr, co
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        m, l_sum, acc = _attend(q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, scale, start, end,
-                                kvh, d, stride_kb, stride_ks, stride_ch, BS, TILE, PRECISION,
-                                STAGES)
+        m, l_sum, acc = _attend(_dot_q(q, k_ptr), m, l_sum, acc, k_ptr, v_ptr, tables_ptr,
+                                scale, start, end, kvh, d, stride_kb, stride_ks, stride_ch, BS,
+                                TILE, PRECISION, STAGES)
         _store_partials(ml_ptr, acc_ptr, (seq * NUM_HEADS + heads) * TOTAL + SPLITS + split,
                         m, l_sum, acc, rmask, d, D)
 
@@ -586,7 +623,8 @@ def paged_decode_attention(
         BS=block_size, TILE=tile, SPLITS=splits, NUM_HEADS=num_heads, STORE=store, WINDOW=window,
         PRECISION=precision, STAGES=stages, CASCADE=cascade, TOTAL=total,
         PREFIX_SPLITS=p_splits, ROPE=rope is not None, VERIFY=verify, CHUNKS=chunks, CH=ch,
-        CR=max(16, ch * gp), num_warps=CHUNK_WARPS if chunks else warps, **launch,
+        CR=max(16, ch * gp), PEEL=launch["PDL"] or INTERPRETED,
+        num_warps=CHUNK_WARPS if chunks else warps, **launch,
     )
     if side is not None:
         main.wait_stream(side)
