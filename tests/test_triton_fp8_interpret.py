@@ -402,7 +402,10 @@ def test_skinny_tiles_divide_every_shard_of_the_presets(preset):
             else:
                 cfg = gemv.default_config(n, k, fp8)
             where = f"{preset} TP={tp} {name} [{n}, {k}] fp8={fp8} rows={rows}: {cfg}"
-            assert k % cfg.block_k == 0 or rows == 1, where
+            if rows == 1:  # the row kernel masks a last run past K
+                assert cfg.block_k >= 128 and cfg.block_k & (cfg.block_k - 1) == 0, where
+            else:
+                assert k % cfg.block_k == 0, where
             if name == "gate_up":
                 assert n % cfg.block_n == 0, where
             if name == "qkv":

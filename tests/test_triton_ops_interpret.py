@@ -161,6 +161,9 @@ def test_row_configs_of_narrow_shards():
     # bf16 rows that runs of 1024 do not divide (Qwen2.5-7B's): runs of 4096, the last masked
     for n, k in ((4608, 3584), (3584, 3584), (3584, 18944)):
         assert gemv.row_config(n, k) == gemv.GemvConfig(2, 4096, 4, 1, True)
+    # shorter rows keep runs that divide them (Qwen2.5-0.5B's 896, 1.5B's 1536)
+    assert gemv.row_config(1152, 896) == gemv.GemvConfig(4, 128, 4, 1)
+    assert gemv.row_config(2048, 1536) == gemv.GemvConfig(4, 512, 4, 1)
     # FP8 rows of 2049 to ONE_RUN_FP8 columns: one run of the next power of two, from 8192
     # on 256 bytes a thread; longer, 8 rows over runs of 1024; shorter, 4 over the row
     one_run = gemv.GemvConfig(2, 16384, 4, 1, True)

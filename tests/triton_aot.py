@@ -48,8 +48,9 @@ def aligned(sig: dict[str, str]) -> dict[tuple[int], list]:
 def compile_kernel(fn: triton.JITFunction, constexprs: dict, num_warps: int,
                    types: dict[str, str] | None = None, num_stages: int = 3):
     pdl = any(p.name == "PDL" for p in fn.params)
-    if pdl:  # as a GPU launches them: with programmatic dependent launch
+    if pdl:  # as a GPU launches them at one token (a case may say PDL=False: more rows)
         constexprs = {"PDL": True} | constexprs
+        pdl = constexprs["PDL"]
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for {missing}")
@@ -99,8 +100,8 @@ def attention_cases() -> list[Case]:
         ("decode one split, verify chunks, rotary", ta._decode_split_kernel,
          decode | dict(SPLITS=1, TOTAL=1, ROPE=True, VERIFY=True, CHUNKS=True),
          ta.CHUNK_WARPS, verify | rope),
-        ("decode split, first tile not peeled", ta._decode_split_kernel,
-         decode | dict(PEEL=False), 2, {}),
+        ("decode split, more rows: no PDL, first tile not peeled", ta._decode_split_kernel,
+         decode | dict(PEEL=False, PDL=False), 2, {}),
         ("decode split, window", ta._decode_split_kernel, decode | dict(WINDOW=37), 2, {}),
         ("decode split, cascade", ta._decode_split_kernel, cascade, 2, {}),
         ("decode split, FP8 cache", ta._decode_split_kernel,
@@ -217,6 +218,9 @@ def other_cases() -> list[Case]:
         ("row gemv fp8 + silu*mul, the 70B's gate|up in one run", gv.row_kernel,
          row | fp8 | dict(N=28672, K=8192, GROUP=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False,
                           BN=2, BK=8192, SUM_EACH=True), 4, e4m3),
+        ("row gemv fp8 + silu*mul, one row a program over 16384", gv.row_kernel,
+         row | fp8 | dict(N=53248, K=16384, GROUP=16384, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False,
+                          BN=1, BK=16384, SUM_EACH=True), 4, e4m3),
         ("row gemv fp8 128-groups + rotary", gv.row_kernel,
          row | fp8 | dict(GROUP=128, EPILOGUE=gv.ROTARY, HAS_BIAS=False, BN=4, BK=2048,
                              SUM_EACH=False), 4,

@@ -100,6 +100,7 @@ class Attention(nn.Module):
         q, k, v = proj(x).split([hq * d, hk * d, hk * d], dim=-1)
         q, k = q.view(t, hq, d), k.view(t, hk, d)
         if self.q_norm is not None and self.k_norm is not None:
+            # both norms are built with the config's rms_norm_eps
             q, k = ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q, k, rope = ops.rotary_or_defer(q, k, cos, sin, positions)
         return q, k, v.view(t, hk, d), rope

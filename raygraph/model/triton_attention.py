@@ -147,12 +147,19 @@ def _split_range(first, end, split, SPLITS: tl.constexpr, TILE: tl.constexpr):
     return start, tl.minimum(start + per_split, end)
 
 
+@triton.constexpr_function
+def _dot_dtype(q_dtype, cache_dtype):
+    """The dtype q and K/V meet in: an FP8 cache is read back as float16 (one conversion an
+    element pair; to bfloat16 it takes three), other caches in q's dtype."""
+    return tl.float16 if cache_dtype == tl.float8e4nv else q_dtype
+
+
 @triton.jit
 def _dot_q(q, k_ptr):
-    """q as it meets K: an FP8 cache is read back as float16 (one conversion an element
-    pair; to bfloat16 it takes three), so q meets it in float16, clamped to its range."""
-    if k_ptr.dtype.element_ty == tl.float8e4nv:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    """q as it meets K (`_dot_dtype`), clamped to float16's range where it is float16."""
+    dtype: tl.constexpr = _dot_dtype(q.dtype, k_ptr.dtype.element_ty)
+    if dtype != q.dtype:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(dtype)
     return q
 
 
@@ -339,8 +346,7 @@ def _seq_split(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, ml_ptr
     if STORE:  # this step's keys are folded in after the loop, from registers
         cached_end = tl.minimum(end, last - ahead)
     table_ptr = tables_ptr + b * stride_bt
-    dot_dtype: tl.constexpr = (tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv
-                               else q_ptr.dtype.element_ty)
+    dot_dtype: tl.constexpr = _dot_dtype(q_ptr.dtype.element_ty, k_ptr.dtype.element_ty)
     if PEEL:  # cached keys were stored by earlier steps: the first tile loads before the wait
         k0, v0, mask0 = _kv_tile(k_ptr, v_ptr, table_ptr, start, cached_end, kvh, d, stride_kb,
                                  stride_ks, stride_ch, dot_dtype, BS, TILE)

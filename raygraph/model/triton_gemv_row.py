@@ -188,24 +188,18 @@ def _longest(k: int, runs: tuple[int, ...]) -> int:
 
 
 def row_config(n: int, k: int, fp8: bool = False, row_sets: int = 1) -> GemvConfig:
-    """M = 1 (the row kernel): narrow tiles, long K runs. Chosen with bench/decode_profile.py
-    (bench/RESULTS.md, one-token GEMVs; the bf16 tiles of up to 4096 columns on llama-1b's
-    shapes). FP8 rows are half the bytes, each tile summed as it is read so the registers
-    hold more weight in flight. Past 2048 columns, up to ONE_RUN_FP8, a program reads its
-    rows in one run of the next power of two (the loads past K masked off), so all of its
-    bytes are in flight at once: 4 rows at 4 warps over 4096 (the 8B's q|k|v and gate|up,
-    Qwen2.5-7B's 3584-wide rows), 4 over 8192 (the 70B's q|k|v and o; its gate|up, two
-    `row_sets`, 2 of each), 2 over 16384 (the 8B's and Qwen3-8B's down), 2 at 8 warps over
-    32768 (the 70B's and Qwen2.5-7B's down): from 8192 on, 256 weight bytes a thread ("A
-    down projection in one run", "One-token GEMVs of other shapes"). 4096 x 4096 (the 8B's
-    o) 8 rows at 8 warps, 64 registers a thread: in a one-token step its programs launch
-    while attention runs, and more of its weight fits in flight beside it ("The one-token
-    step's chain"). Longer rows 8 over runs of 1024, shorter 4 over their whole length.
-    bf16: up to 4096 columns 4 a program (the 8B's o, K 4096, summed over runs of 1024),
-    above 2 a program over runs of 1024; so too a tensor-parallel shard of fewer rows over
-    K 4096 and 4096 rows over K 2048 (twice the programs: the 8B's q|k|v and gate|up at
-    TP=2 and 4, its o at TP=2); a K that runs of 1024 do not divide (Qwen2.5-7B's 3584 and
-    18944), 2 rows over runs of 4096, summed as read, the last one masked."""
+    """M = 1 (the row kernel): narrow tiles, long K runs, chosen with bench/decode_profile.py
+    (bench/RESULTS.md: "One-token GEMVs" and the sections after it). FP8 rows are half the
+    bytes, each tile summed as read. Past 2048 columns, up to ONE_RUN_FP8, a program reads
+    its rows in one run of the next power of two (loads past K masked), so all of its bytes
+    are in flight at once: 4 rows at 4 warps over 4096; from 8192 on, 256 weight bytes a
+    thread over its `row_sets`. 4096 x 4096 takes 8 rows at 8 warps (64 registers): its
+    programs launch beside attention, and more of its weight is in flight there. Longer
+    rows take 8 over runs of 1024, shorter 4 over their whole length. bf16: 4 rows a program
+    up to 4096 rows, else 2, over runs of up to 1024 (2048 for short rows); a narrow
+    tensor-parallel shard (under 4096 rows over K 4096, or 4096 over K 2048) 2 at 2 warps,
+    twice the programs; a K past 2048 that runs of 1024 do not divide, 2 rows over runs of
+    4096, the last one masked."""
     run = triton.next_power_of_2(k)
     if fp8 and n == k == 4096:
         return GemvConfig(8, 4096, 8, 1, True)
@@ -218,7 +212,7 @@ def row_config(n: int, k: int, fp8: bool = False, row_sets: int = 1) -> GemvConf
         return GemvConfig(8, _longest(k, (1024, 512, 256, 128)), 4, 1, True)
     if fp8:
         return GemvConfig(4, _longest(k, (2048, 1024, 512, 256, 128)), 4, 1, True)
-    if k % 1024:
+    if k > 2048 and k % 1024:
         return GemvConfig(2, 4096, 4, 1, True)
     if n < 4096 and k == 4096 or n == 4096 and k == 2048:
         return GemvConfig(2, 1024, 2, 1)

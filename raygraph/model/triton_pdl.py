@@ -13,10 +13,12 @@ Weights are not written inside a step (a worker with weight offload, which copie
 during the step, turns PDL off: `set_enabled`), so only weight loads, and reads of step
 inputs that no kernel of the chain writes (a token's position: copied in before the graph,
 or made by a kernel launched without PDL, which completes before anything after it
-starts), and of the keys earlier steps cached (decode attention's first tile; a step
-stores only its own token's key), may run before the wait; every write and every read of an
-activation comes after it. A caller at one row must pass weights no kernel of the same
-stream has just written.
+starts), and of cached keys before the one-token row's own (decode attention's first tile),
+may run before the wait; every write and every read of an activation comes after it. Those
+keys were stored by an earlier forward, and every forward begins with the token embedding,
+a torch op launched in plain stream order: it starts only once every kernel before it has
+completed, so no kernel of a forward starts before the one before it is done. A caller at
+one row must pass weights no kernel of the same stream has just written.
 
 Only one-token steps launch this way (`pdl`). Each kernel launched with PDL calls
 `launch_next` first and `await_inputs` in every program before it writes or reads an
