@@ -23,6 +23,9 @@ from raygraph.errors import BadRequest
 from raygraph.protocol import StructuredOutputs
 
 CACHE_SIZE = 256  # compiled grammars kept (distinct specs)
+# llguidance's parser holds at most 2000 items a row: past ~2000 alternatives that share a
+# prefix the matcher fails mid-answer, so longer choice lists are refused up front
+MAX_CHOICES = 1024
 
 
 class Guide:
@@ -82,6 +85,9 @@ class Grammars:
             if not (isinstance(choices, list) and choices
                     and all(isinstance(c, str) for c in choices)):
                 return BadRequest("structured output choice: a non-empty list of strings")
+            if len(choices) > MAX_CHOICES:
+                return BadRequest(f"structured output choice: at most {MAX_CHOICES} choices, "
+                                  f"got {len(choices)}")
         if spec.kind == "json":
             value = fixed_whitespace(value)
         try:

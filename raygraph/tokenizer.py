@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from raygraph.errors import BadRequest
+
 # files that make a directory's tokenizer (without any: clients send token ids)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -24,7 +26,14 @@ class TextTokenizer:
         self._decode = backend.decode if backend is not None else hf.decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """add_special_tokens=False for text that already has them (a chat template's)."""
+        """add_special_tokens=False for text that already has them (a chat template's).
+        BadRequest for text that is not Unicode (JSON's escapes can carry a lone surrogate)."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadRequest(f"text is not valid Unicode: {e.reason} at character "
+                                 f"{e.start}") from None
         return self.hf(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -66,3 +66,58 @@ def test_nth_seed_wraps_into_int64_and_keeps_samples_apart():
 def test_values_past_the_workers_bounds_are_bad_requests(field, value):
     with pytest.raises(BadRequest, match=field):
         parse_params({field: value})
+
+
+def test_a_completion_asks_for_at_most_max_choices():
+    """Prompts x n past MAX_CHOICES is a 400 before any prompt is read; one prompt of many
+    token ids is one prompt."""
+    import pydantic
+
+    from raygraph.api.schemas import MAX_CHOICES, CompletionRequest
+
+    CompletionRequest(prompt=[[1]] * (MAX_CHOICES // 16), n=16)
+    CompletionRequest(prompt=list(range(5000)))
+    for body in ({"prompt": [[1]] * (MAX_CHOICES + 1)}, {"prompt": ["a"] * (MAX_CHOICES + 1)},
+                 {"prompt": [[1]] * (MAX_CHOICES // 16 + 1), "n": 16}):
+        with pytest.raises(pydantic.ValidationError, match=f"at most {MAX_CHOICES}"):
+            CompletionRequest(**body)
+
+
+def test_echoed_responses_fields_and_text_parts_are_checked_before_running():
+    """A Responses field echoed back (metadata, text, tools, tool_choice) with NaN, and a
+    text part that is not text, are 400s, not failures after the answer is computed."""
+    import pydantic
+
+    from raygraph.api.responses import ResponsesRequest
+
+    ResponsesRequest(input="hi", metadata={"a": 1.5})
+    for body in ({"input": "hi", "metadata": {"a": math.nan}},
+                 {"input": "hi", "text": {"format": {"type": "text"}, "x": math.inf}},
+                 {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}):
+        with pytest.raises(pydantic.ValidationError):
+            ResponsesRequest(**body)
+
+
+def test_text_with_a_lone_surrogate_is_a_bad_request():
+    from raygraph.config import DEFAULT_MODEL
+    from raygraph.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(DEFAULT_MODEL))
+    assert tok.encode("caf\u00e9") == tok.hf("caf\u00e9")["input_ids"]
+    with pytest.raises(BadRequest, match="not valid Unicode"):
+        tok.encode("a\ud800b")
+
+
+def test_a_choice_list_past_max_choices_is_refused():
+    import json
+
+    from raygraph.config import DEFAULT_MODEL
+    from raygraph.grammar import MAX_CHOICES, Grammars
+    from raygraph.protocol import StructuredOutputs
+    from raygraph.tokenizer import load_tokenizer
+
+    grammars = Grammars(load_tokenizer(str(DEFAULT_MODEL)).hf)
+    grammars.compile(StructuredOutputs("choice", json.dumps(["yes", "no"])))
+    many = json.dumps([f"option_{i}" for i in range(MAX_CHOICES + 1)])
+    with pytest.raises(BadRequest, match=f"at most {MAX_CHOICES} choices"):
+        grammars.compile(StructuredOutputs("choice", many))

@@ -64,7 +64,9 @@ def test_calls_are_parsed_out_of_the_text():
     assert whole(ANSWER, finish="length")["finish_reason"] == "length"  # calls kept
     for text in ["plain <tool_ text", "<tool_call>\nnot json\n</tool_call> then",
                  '<tool_call>\n{"name": "f"',  # not a call: left as the model wrote it
-                 '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>']:  # no such tool
+                 '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # no such tool
+                 '<tool_call>\n{"name": ["get_time"], "arguments": {}}\n</tool_call>',
+                 '<tool_call>\n{"name": "get_time", "arguments": 1e999}\n</tool_call>']:
         out = whole(text)
         assert out["message"] == {"role": "assistant", "content": text}
         assert out["finish_reason"] == "stop"

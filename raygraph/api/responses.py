@@ -6,6 +6,7 @@ Responses stream events. Nothing is stored: `previous_response_id` is refused.""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -47,6 +48,11 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id: this server stores no responses; send the "
                              "whole conversation as input")
+        for key in ("metadata", "text", "tools", "tool_choice"):  # echoed in the Response
+            try:
+                json.dumps(getattr(self, key), allow_nan=False)
+            except ValueError:
+                raise ValueError(f"{key}: NaN and infinities are not JSON") from None
         body: dict[str, Any] = {"messages": self.messages(), "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls}
         for key in ("model", "temperature", "top_p", "user"):
@@ -119,7 +125,10 @@ def item_text(content: Any) -> str:
         if part.get("type") not in ("input_text", "output_text", "text"):
             raise ValueError(f"input: content parts of type {part.get('type')!r} are not "
                              "supported: text only")
-        parts.append(part.get("text") or "")
+        text = part.get("text") or ""
+        if not isinstance(text, str):
+            raise ValueError("input: a text part's text must be a string")
+        parts.append(text)
     return "".join(parts)
 
 

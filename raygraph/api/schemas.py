@@ -40,6 +40,9 @@ TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=20)]
 Temperature = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0,
                                      le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)]
+# choices (prompts x n) one completion request may ask for: each is a sequence held until it
+# ends, so more is a 400 before any prompt is read (a batch job sends several requests)
+MAX_CHOICES = 1024
 
 
 class StreamOptions(BaseModel):
@@ -193,6 +196,24 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
     max_tokens: Count | None = 16  # OpenAI's default for completions
     logprobs: TopLogprobs | None = None  # top alternatives per token
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, prompt: Any) -> Any:
+        """At most MAX_CHOICES prompts, counted before their items are validated."""
+        if (isinstance(prompt, list) and len(prompt) > MAX_CHOICES
+                and not all(type(t) is int for t in prompt)):
+            raise ValueError(f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}")
+        return prompt
+
+    @model_validator(mode="after")
+    def _few_choices(self) -> CompletionRequest:
+        p = self.prompt
+        prompts = len(p) if isinstance(p, list) and p and type(p[0]) is not int else 1
+        if prompts * self.n > MAX_CHOICES:
+            raise ValueError(f"{prompts} prompts x n={self.n} choices: at most {MAX_CHOICES} "
+                             "a request")
+        return self
 
     @property
     def given_max_tokens(self) -> int | None:

@@ -108,11 +108,15 @@ def to_call(doc: Any, names: frozenset[str]) -> dict[str, Any] | None:
             doc = json.loads(doc)
         except ValueError:
             return None
-    if not (isinstance(doc, dict) and doc.get("name") in names):
+    if not (isinstance(doc, dict) and isinstance(doc.get("name"), str)
+            and doc["name"] in names):
         return None
-    args = doc.get("arguments", doc.get("parameters", {}))
+    try:  # arguments as JSON; a number past float's range (1e999) is not a call's
+        args = json.dumps(doc.get("arguments", doc.get("parameters", {})), allow_nan=False)
+    except ValueError:
+        return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": doc["name"], "arguments": json.dumps(args)}}
+            "function": {"name": doc["name"], "arguments": args}}
 
 
 class CallStream:
