@@ -46,11 +46,19 @@ class Guide:
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; True once the grammar is complete (nothing may
-        follow but EOS) or has failed: the sequence stops there."""
+        follow but EOS) or has failed (`error`): the sequence stops there."""
         m = self.matcher
         if not m.is_stopped():
             m.consume_token(token)
         return m.is_stopped() or m.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed mid-answer (a limit of llguidance's parser), or None."""
+        m = self.matcher
+        if not m.is_error():
+            return None
+        return f"structured output failed mid-answer: {one_line(m.get_error())}"
 
 
 class Grammars:

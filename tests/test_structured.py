@@ -114,6 +114,17 @@ def test_a_bad_grammar_is_refused_before_anything_runs(ray_session, coord):
     assert ray_session.get(coord.stats.remote())["requests_started"] == before
 
 
+def test_a_grammar_that_fails_mid_answer_fails_its_request_alone(ray_session, coord):
+    """Past 2000 alternatives in one parser row llguidance's matcher fails on the first
+    token: the request fails with the parser's words (it is not a finished answer), and the
+    next request is served."""
+    alts = " | ".join(f'"option_{i}_end"' for i in range(2100))
+    with pytest.raises(Exception, match="failed mid-answer.*max is 2000"):
+        ray_session.get(coord.generate.remote("x", constrained("grammar", f"start: {alts}")))
+    (ok,) = ray_session.get(coord.generate.remote("x", constrained("choice", '["yes", "no"]')))
+    assert ok.text in ("yes", "no") and ok.finish_reason == "stop"
+
+
 @pytest.fixture(scope="module")
 def grammars():
     return Grammars(load_tokenizer(str(DEFAULT_MODEL)).hf)

@@ -113,7 +113,8 @@ class EngineCore:
         self.device_s: Counter[str] = Counter()
         self._in_flight_phase = ""
         self.resumed_at = 0  # the first step after the loop last ran out of work
-        self.failed: list[tuple[int, str]] = []  # (seq id, error): adapter loads that failed
+        # (seq id, error): adapter loads that failed, grammars that failed mid-answer
+        self.failed: list[tuple[int, str]] = []
         self._flushed: Emitted = []  # tokens collected by a flush inside the step
         self._capturing = False  # the capture policy captures before this step
         self.turnaround = Turnaround()
@@ -270,6 +271,8 @@ class EngineCore:
                 if seq.finish_reason is not None and self.seqs.pop(seq.seq_id, None):
                     if self.lora is not None:
                         self.lora.release(seq)
+                    if seq.finish_reason == "error" and seq.guide is not None:
+                        self.failed.append((seq.seq_id, seq.guide.error or "grammar failed"))
 
     def flush(self, dispatch: Dispatch) -> Emitted:
         """Collect the step in flight."""

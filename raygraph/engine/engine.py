@@ -660,7 +660,7 @@ class Engine:
         if emitted is None:
             return False
         self._deliver(emitted)
-        if self.core.failed:  # adapters that failed to load: their requests end with it
+        if self.core.failed:  # failed adapters and grammars: their requests end with why
             failed, self.core.failed = self.core.failed, []
             for seq_id, msg in failed:
                 self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
@@ -702,6 +702,8 @@ class Engine:
                 # did, with the last of them
                 more = i + 1 < len(pairs) and pairs[i + 1][0] is seq
                 reason = None if more else seq.finish_reason
+                if reason == "error":
+                    continue  # its grammar failed: the core's `failed` ends its request
                 if seq.watch:
                     items.append((seq.seq_id, [token], reason, False, seq.logprobs[-1:],
                                   seq.scheduled_at))

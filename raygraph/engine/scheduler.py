@@ -372,7 +372,7 @@ class Scheduler:
             if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
                 self.finish(seq, "stop")
             elif seq.guide is not None and seq.guide.accept(token):
-                self.finish(seq, "stop")  # the grammar is complete
+                self.finish(seq, "error" if seq.guide.error else "stop")  # complete or failed
             elif (len(outputs) >= p.max_tokens
                   or len(seq.prompt_token_ids) + len(outputs) >= max_len):
                 self.finish(seq, "length")
@@ -426,7 +426,7 @@ class Scheduler:
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 self.finish(seq, "stop")
             elif seq.guide is not None and seq.guide.accept(token):
-                self.finish(seq, "stop")
+                self.finish(seq, "error" if seq.guide.error else "stop")
             elif (len(outputs) >= p.max_tokens
                   or len(seq.prompt_token_ids) + len(outputs) >= self.max_model_len):
                 self.finish(seq, "length")
