@@ -55,7 +55,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1.0)] | None = None
     seed: Seed | None = None
     stop_token_ids: list[TokenId] = []
-    stop: list[str] = []
+    stop: list[Annotated[str, Meta(min_length=1)]] = []  # "" would stop before any text
     ignore_eos: bool = False
     # return each output token's logprob and this many top alternatives (0: the token's only)
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

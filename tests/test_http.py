@@ -112,6 +112,9 @@ def scrape(url: str) -> dict[str, float]:
 def test_models_and_health(server, client):
     (m,) = client.models.list().data
     assert m.id == MODEL
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
     status, body = http(server[1] + "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
 

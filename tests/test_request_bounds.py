@@ -121,3 +121,29 @@ def test_a_choice_list_past_max_choices_is_refused():
     many = json.dumps([f"option_{i}" for i in range(MAX_CHOICES + 1)])
     with pytest.raises(BadRequest, match=f"at most {MAX_CHOICES} choices"):
         grammars.compile(StructuredOutputs("choice", many))
+
+
+@pytest.mark.parametrize("field,neutral,asked", [
+    ("presence_penalty", 0.0, 0.5), ("frequency_penalty", 0, -1.0),
+    ("repetition_penalty", 1.0, 1.2), ("min_tokens", 0, 4), ("echo", False, True),
+    ("best_of", 1, 3), ("suffix", "", "x")])
+def test_fields_not_built_are_refused_unless_neutral(field, neutral, asked):
+    """A penalty or other OpenAI/vLLM field the sampler does not apply is a 400 naming it,
+    never silently ignored; its neutral value passes."""
+    import pydantic
+
+    from raygraph.api.schemas import ChatRequest, CompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    CompletionRequest(prompt="x", **{field: neutral})
+    ChatRequest(messages=messages, **{field: neutral})
+    for make in (lambda: CompletionRequest(prompt="x", **{field: asked}),
+                 lambda: ChatRequest(messages=messages, **{field: asked})):
+        with pytest.raises(pydantic.ValidationError, match=field):
+            make()
+
+
+def test_an_empty_stop_string_is_a_bad_request():
+    assert parse_params({"stop": ["a", "bc"]}).stop == ["a", "bc"]
+    with pytest.raises(BadRequest, match="stop"):
+        parse_params({"stop": [""]})

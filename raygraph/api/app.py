@@ -89,6 +89,14 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             *({"id": a["name"], "root": a["name"], "parent": front.name, **card}
               for a in adapters)]}
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """One of /v1/models' entries (OpenAI's retrieve); 404 for a name it does not list."""
+        for card in (await models())["data"]:
+            if card["id"] == model:
+                return card
+        raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         lora = front.adapter(body.model)

@@ -58,6 +58,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
 }
 
 
@@ -126,6 +133,13 @@ class _Sampling(BaseModel):
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None  # vLLM's
+    min_tokens: Any = None  # vLLM's
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
     def params(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields for the coordinator (validated there, and by `check`)."""
@@ -311,7 +325,8 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
-    refused: ClassVar[tuple[str, ...]] = ("functions", "function_call", "logit_bias")
+    refused: ClassVar[tuple[str, ...]] = tuple(k for k in UNSUPPORTED
+                                               if k not in ("tools", "tool_choice"))
 
     @property
     def tools_active(self) -> bool:
