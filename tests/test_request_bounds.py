@@ -147,3 +147,18 @@ def test_an_empty_stop_string_is_a_bad_request():
     assert parse_params({"stop": ["a", "bc"]}).stop == ["a", "bc"]
     with pytest.raises(BadRequest, match="stop"):
         parse_params({"stop": [""]})
+
+
+def test_validation_messages_name_the_problem():
+    """A negative token id is named as such (not as the union's first branch, a string);
+    a Responses error nested in its chat request carries no pydantic prefix."""
+    import pydantic
+
+    from raygraph.api.responses import ResponsesRequest
+    from raygraph.api.schemas import CompletionRequest
+
+    with pytest.raises(pydantic.ValidationError, match=r"token id -1 is not in \[0, "):
+        CompletionRequest(prompt=[5, -1])
+    with pytest.raises(pydantic.ValidationError) as e:
+        ResponsesRequest(input="hi", text={"format": {"type": "json_schema"}})
+    assert "Value error, " not in str(e.value).replace("Value error, ", "", 1)

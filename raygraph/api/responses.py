@@ -74,7 +74,8 @@ class ResponsesRequest(BaseModel):
         except ValidationError as e:  # one line naming the field, as a 400
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
-            raise ValueError(f"{where}: {err['msg']}" if where else err["msg"]) from None
+            msg = err["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{where}: {msg}" if where else msg) from None
         return self
 
     def messages(self) -> list[dict[str, Any]]:

@@ -213,10 +213,14 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _few_prompts(cls, prompt: Any) -> Any:
-        """At most MAX_CHOICES prompts, counted before their items are validated."""
-        if (isinstance(prompt, list) and len(prompt) > MAX_CHOICES
-                and not all(type(t) is int for t in prompt)):
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """At most MAX_CHOICES prompts, counted before their items are validated, and a
+        token id out of range named (the union's own error would name its first branch)."""
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            bad = [t for t in prompt if not 0 <= t <= INT32_MAX]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is not in [0, {INT32_MAX}]")
+        elif isinstance(prompt, list) and len(prompt) > MAX_CHOICES:
             raise ValueError(f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}")
         return prompt
 
