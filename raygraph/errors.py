@@ -28,6 +28,12 @@ class UnknownAdapter(BadRequest, LoRAError):
     """A request named an adapter that is not registered (HTTP: 404 model_not_found)."""
 
 
+def failure(msg: str, bad_request: bool) -> Exception:
+    """The error a request that ended with `msg` raises: BadRequest where it was the
+    request's own doing (its grammar failed), else WorkerFailure."""
+    return BadRequest(msg) if bad_request else WorkerFailure(msg)
+
+
 def last_line(err: BaseException) -> str:
     """Ray wraps remote errors in long tracebacks; the cause's last line says what happened."""
     lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]

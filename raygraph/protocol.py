@@ -135,6 +135,7 @@ class StreamDelta(msgspec.Struct, frozen=True):
     timing: RequestTiming | None = None  # on the last delta
     stop_reason: str | int | None = None  # on the last delta: GenerateResult.stop_reason
     error: str | None = None  # finish_reason "error": why
+    bad_request: bool = False  # finish_reason "error": the request's own doing (errors.failure)
 
 
 class BucketKey(msgspec.Struct, frozen=True, order=True):

@@ -108,7 +108,7 @@ def take_deltas(queue: asyncio.Queue[StreamDelta], first: StreamDelta) -> Stream
             None if delta.text is None else delta.text + (more.text or ""),
             more.finish_reason,
             None if delta.logprobs is None else delta.logprobs + (more.logprobs or []),
-            more.timing, more.stop_reason, more.error)
+            more.timing, more.stop_reason, more.error, more.bad_request)
     return delta
 
 

@@ -119,6 +119,19 @@ def test_models_and_health(server, client):
     assert status == 200 and json.loads(body)["status"] == "ok"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_failing_mid_answer_is_a_400_naming_the_parser(server, client, stream):
+    """llguidance's parser keeps 2000 items a row: 2100 alternatives fail on the first
+    token. The client gets the parser's words as a 400, before any token is streamed."""
+    alts = " | ".join(f'"option_{i}_end"' for i in range(2100))
+    with pytest.raises(openai.BadRequestError, match="failed mid-answer"):
+        r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, stream=stream,
+                                      extra_body={"structured_outputs": {
+                                          "grammar": f"start: {alts}"}})
+        list(r) if stream else r
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
 def test_completion_equals_the_coordinator_and_streams_alike(ray_session, server, client):
     coord, _ = server
     prompt = "The import statement"

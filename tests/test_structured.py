@@ -119,7 +119,7 @@ def test_a_grammar_that_fails_mid_answer_fails_its_request_alone(ray_session, co
     token: the request fails with the parser's words (it is not a finished answer), and the
     next request is served."""
     alts = " | ".join(f'"option_{i}_end"' for i in range(2100))
-    with pytest.raises(Exception, match="failed mid-answer.*max is 2000"):
+    with pytest.raises(BadRequest, match="failed mid-answer.*max is 2000"):
         ray_session.get(coord.generate.remote("x", constrained("grammar", f"start: {alts}")))
     (ok,) = ray_session.get(coord.generate.remote("x", constrained("choice", '["yes", "no"]')))
     assert ok.text in ("yes", "no") and ok.finish_reason == "stop"

@@ -15,7 +15,7 @@ import msgspec
 from raygraph.channel import read_deltas
 from raygraph.config import ReplicaConfig
 from raygraph.coordinator.router import Router
-from raygraph.errors import WorkerFailure, last_line
+from raygraph.errors import WorkerFailure, failure, last_line
 from raygraph.protocol import ROUTES_REFRESH_S, SamplingParams, StreamDelta, replica_of
 from raygraph.requests import pack_ids, take_deltas
 
@@ -116,14 +116,15 @@ class StreamHub:
         q = self._queue(request_id)
         delta = take_deltas(q, await q.get())
         if delta.finish_reason == "error" and delta.token_ids:
-            q.put_nowait(StreamDelta(request_id, [], None, "error", error=delta.error))
+            q.put_nowait(StreamDelta(request_id, [], None, "error", error=delta.error,
+                                     bad_request=delta.bad_request))
             return msgspec.structs.replace(delta, finish_reason=None, timing=None,
                                            stop_reason=None, error=None)
         if delta.finish_reason is not None:
             self.queues.pop(request_id, None)
             self._ended.discard(request_id)
         if delta.finish_reason == "error":
-            raise WorkerFailure(delta.error or "the request failed")
+            raise failure(delta.error or "the request failed", delta.bad_request)
         return delta
 
     def cancel(self, request_ids: list[int]) -> None:

@@ -113,8 +113,9 @@ class EngineCore:
         self.device_s: Counter[str] = Counter()
         self._in_flight_phase = ""
         self.resumed_at = 0  # the first step after the loop last ran out of work
-        # (seq id, error): adapter loads that failed, grammars that failed mid-answer
-        self.failed: list[tuple[int, str]] = []
+        # (seq id, error, the request's own doing): adapter loads that failed, grammars
+        # that failed mid-answer
+        self.failed: list[tuple[int, str, bool]] = []
         self._flushed: Emitted = []  # tokens collected by a flush inside the step
         self._capturing = False  # the capture policy captures before this step
         self.turnaround = Turnaround()
@@ -263,7 +264,7 @@ class EngineCore:
         dropped); `failed` tells the engine to fail their requests."""
         for seq_id, msg in self.lora.loaded([r for out in outputs for r in out.lora_loads]):
             self.finish(seq_id, "error")
-            self.failed.append((seq_id, msg))
+            self.failed.append((seq_id, msg, False))
 
     def _forget_finished(self, emitted: Emitted) -> None:
         for pairs in emitted:
@@ -272,7 +273,8 @@ class EngineCore:
                     if self.lora is not None:
                         self.lora.release(seq)
                     if seq.finish_reason == "error" and seq.guide is not None:
-                        self.failed.append((seq.seq_id, seq.guide.error or "grammar failed"))
+                        self.failed.append((seq.seq_id, seq.guide.error or "grammar failed",
+                                            True))
 
     def flush(self, dispatch: Dispatch) -> Emitted:
         """Collect the step in flight."""

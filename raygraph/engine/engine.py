@@ -44,7 +44,14 @@ from raygraph.engine.requests import Request, RequestTable
 from raygraph.engine.scheduler import Scheduler
 from raygraph.engine.sequence import Sequence
 from raygraph.engine.sleep import KV_POLL_S, SleepControl
-from raygraph.errors import BadRequest, LoRAError, UnknownAdapter, WorkerFailure, last_line
+from raygraph.errors import (
+    BadRequest,
+    LoRAError,
+    UnknownAdapter,
+    WorkerFailure,
+    failure,
+    last_line,
+)
 from raygraph.generation import sampling_defaults
 from raygraph.grammar import LazyGrammars, structured_of
 from raygraph.process import freeze_heap, setup_logging
@@ -434,8 +441,8 @@ class Engine:
         try:
             while True:
                 delta = take_deltas(req.deltas, await req.deltas.get())
-                if req.error:  # the worker group failed: this request has no more output
-                    raise WorkerFailure(req.error)
+                if req.error:  # it failed: this request has no more output
+                    raise failure(req.error, req.bad_request)
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -662,8 +669,8 @@ class Engine:
         self._deliver(emitted)
         if self.core.failed:  # failed adapters and grammars: their requests end with why
             failed, self.core.failed = self.core.failed, []
-            for seq_id, msg in failed:
-                self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id])
+            for seq_id, msg, bad_request in failed:
+                self.loop.call_soon_threadsafe(self.clients.fail, msg, [seq_id], bad_request)
         return True
 
     def _dispatch(self, msgs: list[bytes]) -> list[StepOutput]:

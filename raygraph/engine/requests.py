@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from raygraph.errors import WorkerFailure
+from raygraph.errors import failure
 from raygraph.protocol import (
     FinishReason,
     GenerateResult,
@@ -76,6 +76,7 @@ class Request:
     deltas: asyncio.Queue[StreamDelta] = field(default_factory=asyncio.Queue)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    bad_request: bool = False  # the error was the request's own doing (errors.failure)
     submitted: float = field(default_factory=time.perf_counter)
     scheduled: float = 0.0
     first_token: float = 0.0
@@ -156,22 +157,25 @@ class RequestTable:
         self.finished["abort"] += 1
         return True
 
-    def fail(self, msg: str, seq_ids: list[int] | None = None) -> None:
-        """Every request in flight (or those of `seq_ids`) ends with the error."""
+    def fail(self, msg: str, seq_ids: list[int] | None = None,
+             bad_request: bool = False) -> None:
+        """Every request in flight (or those of `seq_ids`) ends with the error
+        (`bad_request`: their own doing)."""
         ids = list(self.requests) if seq_ids is None else seq_ids
         for req in [self.requests.pop(i) for i in ids if i in self.requests]:
-            req.error = msg
+            req.error, req.bad_request = msg, bad_request
             req.finish_reason = "error"
-            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error", error=msg))
+            req.deltas.put_nowait(StreamDelta(req.seq_id, [], None, "error", error=msg,
+                                              bad_request=bad_request))
 
     async def result(self, req: Request) -> GenerateResult:
-        """The whole result once the request ends (WorkerFailure if it failed)."""
+        """The whole result once the request ends (its `errors.failure` if it failed)."""
         while True:
             delta = await req.deltas.get()
             if delta.finish_reason is not None:
                 break
         if req.error:
-            raise WorkerFailure(req.error)
+            raise failure(req.error, req.bad_request)
         return GenerateResult(req.seq_id, req.prompt_token_ids, req.token_ids,
                               req.detok.text if self.tokenizer else None, req.finish_reason,
                               logprobs=req.logprobs if req.want_logprobs else None,
