@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 import msgspec
 
@@ -251,6 +252,8 @@ def listen_port(host: str, port: int) -> int:
     died binds the same port."""
     import socket
 
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
@@ -479,8 +482,16 @@ def explain(err: BaseException) -> tuple[int, str]:
     return code, f"{type(err).__name__}: {first_line(err)}"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that says a usage error in one line (`raygraph: error: ...`, exit 2), as
+    every other error is said; `--help` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"raygraph: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="raygraph", description="LLM serving on GPUs with Ray, in graph mode.")
     parser.add_argument("--version", action="version", version=f"raygraph {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",

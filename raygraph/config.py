@@ -392,6 +392,9 @@ class CacheConfig(msgspec.Struct, frozen=True):
             )
 
 
+MAX_SEQS = 2**16  # running sequences a replica may be asked to hold at most
+
+
 class SchedulerConfig(msgspec.Struct, frozen=True):
     """Continuous batching: how many sequences run, and a step's token budget."""
 
@@ -400,8 +403,14 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if not (1 <= seqs <= MAX_SEQS and 1 <= tokens <= 2**31 - 1):
+            raise ConfigError(f"max_num_seqs must be in [1, {MAX_SEQS}] and "
+                              "max_num_batched_tokens in [1, 2**31 - 1], got "
+                              f"{seqs} and {tokens}")
+        if self.max_model_len is not None and not 1 <= self.max_model_len <= 2**31 - 1:
+            raise ConfigError(f"max_model_len must be >= 1 (or unset: the model's), got "
+                              f"{self.max_model_len}")
 
 
 class GraphConfig(msgspec.Struct, frozen=True):

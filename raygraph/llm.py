@@ -80,12 +80,22 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]], params: Params = None) -> GenerateResult:
         """The assistant's reply to `messages`, prompted by the checkpoint's chat template."""
+        import pydantic
+
         from raygraph.api.errors import ApiError
+        from raygraph.api.schemas import ChatMessage
 
         try:
-            ids = self._template().render(messages)
+            ids = self._template().render([ChatMessage.model_validate(m).text()
+                                           for m in messages])
         except ApiError as e:
             raise BadRequest(e.message) from None
+        except pydantic.ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            raise BadRequest(f"messages: {where}: {msg}" if where else f"messages: {msg}") \
+                from None
         return self.generate(ids, params)[0]
 
     def close(self) -> None:

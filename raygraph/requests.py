@@ -40,6 +40,10 @@ def split_prompts(prompts: Any) -> list[str | list[int]]:
     ):
         return [prompts]
     if isinstance(prompts, list | tuple) and prompts:
+        for p in prompts:
+            if not isinstance(p, str | bytes | list | tuple):
+                raise BadRequest(f"a prompt must be a string or a list of ints, got "
+                                 f"{type(p).__name__}")
         return list(prompts)
     raise BadRequest(
         f"prompts must be a string, a list of token ids, or a non-empty list of those; "

@@ -45,6 +45,9 @@ def bad_models(tmp_path: Path) -> dict[str, Path]:
     ("gpt2", ["--model", "{gpt2}"], "unsupported architecture ['GPT2LMHeadModel']"),
     ("tp", ["--tp", "3"], "tp=3 must divide num_heads=4"),
     ("detach", ["--detach"], "--detach needs a Ray cluster"),
+    ("port", ["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    ("seqs", ["--max-num-seqs", str(10**20)], "max_num_seqs must be in [1, 65536]"),
+    ("len", ["--max-model-len", "-5"], "max_model_len must be >= 1"),
 ])
 def test_bad_startup_input_is_one_line_exit_2(bad_models, case, args, cause):
     args = [a.format(**{k: str(v) for k, v in bad_models.items()}) for a in args]
@@ -54,6 +57,19 @@ def test_bad_startup_input_is_one_line_exit_2(bad_models, case, args, cause):
     assert cause in line
     if case in bad_models:
         assert str(bad_models[case]) in line  # the file or directory is named
+
+
+@pytest.mark.parametrize("args", [["serve", "--dtype", "bogus"], ["generate"], ["bogus"], []])
+def test_usage_errors_are_one_line_exit_2(args):
+    p = raygraph(*args)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("raygraph: error: ") and "--help" in p.stderr
+
+
+def test_an_unreachable_cluster_address_is_one_line_at_once():
+    p = raygraph("generate", "--address", "127.0.0.1:1", "hello", timeout=60)
+    assert p.returncode == 1
+    assert "cannot reach a Ray cluster at 127.0.0.1:1" in one_error_line(p)
 
 
 def test_offload_budget_below_floor_is_one_line_exit_2(ray_session):

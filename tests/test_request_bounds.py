@@ -149,6 +149,24 @@ def test_an_empty_stop_string_is_a_bad_request():
         parse_params({"stop": [""]})
 
 
+def test_a_prompt_that_is_neither_text_nor_ids_is_a_bad_request():
+    from raygraph.requests import split_prompts
+
+    assert split_prompts(["a", [1, 2]]) == ["a", [1, 2]]
+    with pytest.raises(BadRequest, match="got NoneType"):
+        split_prompts(["a", None])
+
+
+def test_a_chat_message_needs_content_unless_an_assistant_calls():
+    import pydantic
+
+    from raygraph.api.schemas import ChatMessage
+
+    ChatMessage(role="assistant", tool_calls=[{"function": {"name": "f"}}])
+    with pytest.raises(pydantic.ValidationError, match="a user message needs content"):
+        ChatMessage(role="user")
+
+
 def test_validation_messages_name_the_problem():
     """A negative token id is named as such (not as the union's first branch, a string);
     a Responses error nested in its chat request carries no pydantic prefix."""

@@ -59,6 +59,8 @@ class HttpConfig(msgspec.Struct, frozen=True):
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.tool_call_parser not in (None, *FORMATS):

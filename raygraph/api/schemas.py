@@ -284,6 +284,12 @@ class ChatMessage(BaseModel):
                                  "text only")
         return content
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # an assistant's may be calls
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> dict[str, Any]:
         """The message for the chat template: content parts joined into one string; an
         assistant's tool calls and a tool result's call id as the templates read them."""

@@ -8,6 +8,7 @@ errors that name the cluster they reached.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,7 @@ def connect(address: str | None, namespace: str = "raygraph", num_cpus: int | No
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  log_to_driver=log_to_driver, _system_config=SYSTEM_CONFIG)
     else:
+        _reachable(address)
         _enable_token_auth()
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
@@ -80,6 +82,18 @@ def connect(address: str | None, namespace: str = "raygraph", num_cpus: int | No
             where = "a local Ray cluster" if address == "auto" else f"a Ray cluster at {address}"
             raise ClusterError(f"cannot reach {where}: {first_line(e)}{hint}") from None
     return ray.get_runtime_context().gcs_address
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A GCS address (HOST:PORT) that takes no TCP connection is a ClusterError now: Ray
+    would retry it for a minute or more."""
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, OverflowError) as e:
+        raise ClusterError(f"cannot reach a Ray cluster at {address}: {e}") from None
 
 
 def first_line(err: BaseException) -> str:
