@@ -32,6 +32,7 @@ from raygraph.config import ConfigError, ServeConfig, parse_bytes
 from raygraph.errors import Asleep, BadRequest, Busy
 from raygraph.memory.offload_plan import OffloadBudgetError
 from raygraph.protocol import SamplingParams
+from raygraph.requests import parse_params
 from raygraph.serve_options import DEFAULT_MAX_LORAS, SERVE_OPTIONS, build_config
 
 DEMO_PROMPTS = ["The import statement", "A class definition", "The for statement",
@@ -231,9 +232,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     cfg = serve_config(a)
     check_startup(cfg)  # a bad model or layout fails here, before Ray starts
+    params = parse_params(SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
+                                         seed=0))  # so do bad sampling flags
     connect(None, num_cpus=max(2, cfg.parallel.world_size + 1), log_to_driver=a.verbose)
     coord = start_coordinator(cfg, progress=True)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
     t0 = time.perf_counter()
     results = ray.get(coord.generate.remote(DEMO_PROMPTS, params))
     dt = time.perf_counter() - t0

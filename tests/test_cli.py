@@ -59,6 +59,13 @@ def test_bad_startup_input_is_one_line_exit_2(bad_models, case, args, cause):
         assert str(bad_models[case]) in line  # the file or directory is named
 
 
+@pytest.mark.parametrize("flag, value", [("--max-tokens", "0"), ("--temperature", "nan")])
+def test_bad_demo_sampling_flags_are_one_line_before_ray_starts(flag, value):
+    p = raygraph("demo", "--device", "cpu", flag, value, timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"$.{flag[2:].replace('-', '_')}" in p.stderr
+
+
 @pytest.mark.parametrize("args", [["serve", "--dtype", "bogus"], ["generate"], ["bogus"], []])
 def test_usage_errors_are_one_line_exit_2(args):
     p = raygraph(*args)
