@@ -82,7 +82,7 @@ class LLM:
         """The assistant's reply to `messages`, prompted by the checkpoint's chat template."""
         import pydantic
 
-        from raygraph.api.errors import ApiError
+        from raygraph.api.errors import ApiError, first_problem
         from raygraph.api.schemas import ChatMessage
 
         try:
@@ -91,11 +91,7 @@ class LLM:
         except ApiError as e:
             raise BadRequest(e.message) from None
         except pydantic.ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            raise BadRequest(f"messages: {where}: {msg}" if where else f"messages: {msg}") \
-                from None
+            raise BadRequest(f"messages: {first_problem(e.errors())[0]}") from None
         return self.generate(ids, params)[0]
 
     def close(self) -> None:

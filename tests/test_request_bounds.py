@@ -69,17 +69,17 @@ def test_values_past_the_workers_bounds_are_bad_requests(field, value):
 
 
 def test_a_completion_asks_for_at_most_max_choices():
-    """Prompts x n past MAX_CHOICES is a 400 before any prompt is read; one prompt of many
+    """Prompts x n past MAX_SEQUENCES is a 400 before any prompt is read; one prompt of many
     token ids is one prompt."""
     import pydantic
 
-    from raygraph.api.schemas import MAX_CHOICES, CompletionRequest
+    from raygraph.api.schemas import MAX_SEQUENCES, CompletionRequest
 
-    CompletionRequest(prompt=[[1]] * (MAX_CHOICES // 16), n=16)
+    CompletionRequest(prompt=[[1]] * (MAX_SEQUENCES // 16), n=16)
     CompletionRequest(prompt=list(range(5000)))
-    for body in ({"prompt": [[1]] * (MAX_CHOICES + 1)}, {"prompt": ["a"] * (MAX_CHOICES + 1)},
-                 {"prompt": [[1]] * (MAX_CHOICES // 16 + 1), "n": 16}):
-        with pytest.raises(pydantic.ValidationError, match=f"at most {MAX_CHOICES}"):
+    for body in ({"prompt": [[1]] * (MAX_SEQUENCES + 1)}, {"prompt": ["a"] * (MAX_SEQUENCES + 1)},
+                 {"prompt": [[1]] * (MAX_SEQUENCES // 16 + 1), "n": 16}):
+        with pytest.raises(pydantic.ValidationError, match=f"at most {MAX_SEQUENCES}"):
             CompletionRequest(**body)
 
 

@@ -157,6 +157,16 @@ def other_cases() -> list[Case]:
     w8a8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
     quantized = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "fp8_max": "fp32", "inv_max": "fp32",
                  "min_scale": "fp32"}
+
+    def one_token_fp8(name: str, n: int, k: int, epilogue: int) -> Case:
+        """The row kernel over an FP8 weight [n, k] (scales a row) at the tile that
+        row_config serves it (gate|up: two row sets)."""
+        cfg = gv.row_config(n, k, True, 2 if epilogue == gv.SILU_MUL else 1)
+        return (name, gv.row_kernel,
+                row | fp8 | dict(N=n, K=k, GROUP=k, EPILOGUE=epilogue, HAS_BIAS=False,
+                                 BN=cfg.block_n, BK=cfg.block_k, SUM_EACH=cfg.sum_each),
+                cfg.num_warps, e4m3)
+
     return [
         ("rms_norm", op._rms_norm_kernel, dict(BLOCK=2048, QUANT=False, KEEP=True), 4, {}),
         ("add_rms_norm", op._add_rms_norm_kernel, dict(BLOCK=2048, QUANT=False, KEEP=True), 4,
@@ -209,18 +219,12 @@ def other_cases() -> list[Case]:
          row | fp8 | dict(N=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False, BN=2, BK=1024,
                              SUM_EACH=True), 2,
          e4m3),
-        ("row gemv fp8, the 8B's down in one run past K", gv.row_kernel,
-         row | fp8 | dict(N=4096, K=14336, GROUP=14336, EPILOGUE=gv.PLAIN, HAS_BIAS=False,
-                          BN=2, BK=16384, SUM_EACH=True), 4, e4m3),
-        ("row gemv fp8, the 70B's down in one run past K", gv.row_kernel,
-         row | fp8 | dict(N=8192, K=28672, GROUP=28672, EPILOGUE=gv.PLAIN, HAS_BIAS=False,
-                          BN=2, BK=32768, SUM_EACH=True), 8, e4m3),
-        ("row gemv fp8 + silu*mul, the 70B's gate|up in one run", gv.row_kernel,
-         row | fp8 | dict(N=28672, K=8192, GROUP=8192, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False,
-                          BN=2, BK=8192, SUM_EACH=True), 4, e4m3),
-        ("row gemv fp8 + silu*mul, one row a program over 16384", gv.row_kernel,
-         row | fp8 | dict(N=53248, K=16384, GROUP=16384, EPILOGUE=gv.SILU_MUL, HAS_BIAS=False,
-                          BN=1, BK=16384, SUM_EACH=True), 4, e4m3),
+        one_token_fp8("row gemv fp8, the 8B's down in one run past K", 4096, 14336, gv.PLAIN),
+        one_token_fp8("row gemv fp8, the 70B's down in one run past K", 8192, 28672, gv.PLAIN),
+        one_token_fp8("row gemv fp8 + silu*mul, the 70B's gate|up in one run", 28672, 8192,
+                      gv.SILU_MUL),
+        one_token_fp8("row gemv fp8 + silu*mul, one row a program over 16384", 53248, 16384,
+                      gv.SILU_MUL),
         ("row gemv fp8 128-groups + rotary", gv.row_kernel,
          row | fp8 | dict(GROUP=128, EPILOGUE=gv.ROTARY, HAS_BIAS=False, BN=4, BK=2048,
                              SUM_EACH=False), 4,

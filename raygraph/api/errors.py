@@ -39,16 +39,22 @@ def http_error(request: Request, e: HTTPException) -> ApiError:
     return ApiError(e.status_code, str(e.detail))
 
 
+def first_problem(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic's first complaint in one line (`field.path: message`, our validators' own
+    words without pydantic's prefix), and the top-level field it is about."""
+    err = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    where = ".".join(loc)
+    msg = str(err.get("msg")).removeprefix("Value error, ")
+    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+
+
 def validation_error(e: RequestValidationError) -> ApiError:
     """pydantic's first complaint as a 400; `param` is the top-level field it is about."""
     errors: list[dict[str, Any]] = list(e.errors())
-    err = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    if err.get("type") == "json_invalid":
-        return ApiError(400, f"malformed JSON: {err.get('msg')}")
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    where = ".".join(loc)
-    msg = str(err.get("msg")).removeprefix("Value error, ")  # our validators' own words
-    return ApiError(400, f"{where}: {msg}" if where else msg, loc[0] if loc else None)
+    if errors and errors[0].get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON: {errors[0].get('msg')}")
+    return ApiError(400, *first_problem(errors))
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from raygraph.api.errors import first_problem
 from raygraph.api.schemas import ChatRequest, Count, Temperature, TopP
 
 
@@ -72,10 +73,7 @@ class ResponsesRequest(BaseModel):
         try:
             self.chat = ChatRequest.model_validate(body)
         except ValidationError as e:  # one line naming the field, as a 400
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            raise ValueError(f"{where}: {msg}" if where else msg) from None
+            raise ValueError(first_problem(e.errors())[0]) from None
         return self
 
     def messages(self) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ Temperature = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0,
 TopP = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)]
 # choices (prompts x n) one completion request may ask for: each is a sequence held until it
 # ends, so more is a 400 before any prompt is read (a batch job sends several requests)
-MAX_CHOICES = 1024
+MAX_SEQUENCES = 1024
 
 
 class StreamOptions(BaseModel):
@@ -214,22 +214,22 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
-        """At most MAX_CHOICES prompts, counted before their items are validated, and a
+        """At most MAX_SEQUENCES prompts, counted before their items are validated, and a
         token id out of range named (the union's own error would name its first branch)."""
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             bad = [t for t in prompt if not 0 <= t <= INT32_MAX]
             if bad:
                 raise ValueError(f"token id {bad[0]} is not in [0, {INT32_MAX}]")
-        elif isinstance(prompt, list) and len(prompt) > MAX_CHOICES:
-            raise ValueError(f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}")
+        elif isinstance(prompt, list) and len(prompt) > MAX_SEQUENCES:
+            raise ValueError(f"at most {MAX_SEQUENCES} prompts a request, got {len(prompt)}")
         return prompt
 
     @model_validator(mode="after")
     def _few_choices(self) -> CompletionRequest:
         p = self.prompt
         prompts = len(p) if isinstance(p, list) and p and type(p[0]) is not int else 1
-        if prompts * self.n > MAX_CHOICES:
-            raise ValueError(f"{prompts} prompts x n={self.n} choices: at most {MAX_CHOICES} "
+        if prompts * self.n > MAX_SEQUENCES:
+            raise ValueError(f"{prompts} prompts x n={self.n} choices: at most {MAX_SEQUENCES} "
                              "a request")
         return self
 
