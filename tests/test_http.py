@@ -117,6 +117,11 @@ def test_models_and_health(server, client):
         client.models.retrieve("no-such-model")
     status, body = http(server[1] + "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
+    # HEAD on a GET route: its status, no body; the key is checked as for GET
+    assert http(server[1] + "/health", "HEAD") == (200, "")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert http(server[1] + f"/v1/models/{MODEL}", "HEAD", headers=auth) == (200, "")
+    assert http(server[1] + "/v1/models", "HEAD")[0] == 401
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -574,6 +579,29 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     status, text = out[0]
     assert status == 400 and "maximum context length" in json.loads(text)["error"]["message"]
     assert len(probes) >= 3 and max(probes) < 0.5, probes
+
+
+def test_long_prompts_do_not_hold_up_a_short_one(server):
+    """Two 2 MB prompts (each seconds of tokenizing) are sent first: they queue in the bulk
+    lane, so a short completion sent after them is answered before either."""
+    url = server[1]
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = json.dumps({"model": MODEL, "prompt": "The import statement. " * 95_000,
+                      "max_tokens": 2}).encode()
+    small = json.dumps({"model": MODEL, "prompt": "The import", "max_tokens": 2}).encode()
+    done: list[tuple[str, int]] = []
+
+    def send(name: str, body: bytes) -> None:
+        done.append((name, http(url + "/v1/completions", "POST", body, auth)[0]))
+
+    bigs = [threading.Thread(target=send, args=("big", big)) for _ in range(2)]
+    for t in bigs:
+        t.start()
+    time.sleep(0.3)  # both are read and tokenizing
+    send("small", small)
+    for t in bigs:
+        t.join()
+    assert done == [("small", 200), ("big", 400), ("big", 400)], done
 
 
 def test_a_client_that_goes_away_aborts_its_whole_response(ray_session, server):

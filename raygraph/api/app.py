@@ -61,20 +61,23 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     app.state.front = front
     install_handlers(app)
     app.add_middleware(FrontDoor, api_key=cfg.api_key, max_body_bytes=cfg.max_request_bytes)
+    # every GET route answers HEAD too (the same status and headers, no body), as probes
+    # and load balancers may ask
+    get = functools.partial(app.api_route, methods=["GET", "HEAD"])
 
-    @app.get("/health")
+    @get("/health")
     async def health() -> Response:
         ok, why, replicas = await front.probe()
         return JSONResponse({"status": "ok" if ok else "unavailable", "reason": why,
                              "replicas": replicas}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics() -> Response:
         stats, h2d = await front.stats()
         return Response(front.metrics.render(stats, h2d),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @get("/v1/models")
     async def models() -> dict:
         """The served model, then its LoRA adapters (`parent`: the served model, as vLLM;
         `root`: the adapter's name, no server paths)."""
@@ -89,7 +92,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             *({"id": a["name"], "root": a["name"], "parent": front.name, **card}
               for a in adapters)]}
 
-    @app.get("/v1/models/{model:path}")
+    @get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
         """One of /v1/models' entries (OpenAI's retrieve); 404 for a name it does not list."""
         for card in (await models())["data"]:
@@ -240,7 +243,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
 
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
-    @app.get("/is_sleeping")
+    @get("/is_sleeping")
     async def is_sleeping() -> dict:
         try:
             return {"is_sleeping": await coord.is_sleeping.remote()}

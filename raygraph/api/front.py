@@ -33,6 +33,8 @@ from raygraph.requests import encode_prompt, split_prompts
 from raygraph.tokenizer import TextTokenizer, load_tokenizer
 
 T = TypeVar("T")
+# text of this many characters or more tokenizes in a lane of its own (`Front.bulk`)
+BULK_CHARS = 1 << 16
 Receive = Callable[[], Awaitable[dict]]
 # Logprobs.completion or Logprobs.chat
 Shape = Callable[[list[int], list[TokenLogprobs]], dict]
@@ -88,6 +90,18 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
+def text_size(arg: Any) -> int:
+    """The characters of text in a prompt, a list of prompts or of chat messages: what
+    tokenizing them costs (token ids cost nothing)."""
+    size = 0
+    for x in arg if isinstance(arg, list) else [arg]:
+        if isinstance(x, dict):
+            x = x.get("content")
+        if isinstance(x, str):
+            size += len(x)
+    return size
+
+
 class Front:
     """What the routes share: the coordinator, the model's facts, tokenizer and metrics."""
 
@@ -102,6 +116,9 @@ class Front:
         # per-request CPU work (tokenizing, chat templates, logprob strings) runs here, so
         # a long prompt never holds up the event loop's other requests and probes
         self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raygraph-http-cpu")
+        # long prompts (seconds each at megabytes) tokenize here: they queue behind each
+        # other, never in front of a short prompt
+        self.bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raygraph-http-bulk")
         # transformers takes seconds to import: the tokenizer loads while the server already
         # answers probes and token-id routes (a server restarted after a crash serves at once)
         self._text = self.cpu.submit(self._load_text, info.get("tokenizer", model_dir),
@@ -154,9 +171,10 @@ class Front:
     def _compile(self, spec: StructuredOutputs) -> None:
         self.grammars.get().compile(spec)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+    async def off_loop(self, fn: Callable[..., T], *args: Any, bulk: bool = False) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.cpu, functools.partial(fn, *args))
+        return await loop.run_in_executor(self.bulk if bulk else self.cpu,
+                                          functools.partial(fn, *args))
 
     # ---- requests in ------------------------------------------------------------------
     def adapter(self, model: str | None) -> str | None:
@@ -175,10 +193,11 @@ class Front:
 
     async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any
                        ) -> list[list[int]]:
-        """`encode` or `render` on the CPU pool; a bad prompt is a 400."""
+        """`encode` or `render` on the CPU pool (the bulk lane for long text); a bad prompt
+        is a 400."""
         await asyncio.wrap_future(self._text)  # the tokenizer, and what uses it after
         try:
-            return await self.off_loop(fn, arg)
+            return await self.off_loop(fn, arg, bulk=text_size(arg) >= BULK_CHARS)
         except ValueError as e:  # BadRequest
             raise translate(e) from None
 
