@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from raygraph.protocol import SeqChunk
@@ -153,3 +154,18 @@ def test_staged_rows_sample_exactly_what_host_lists_do() -> None:
                                staging=staging)
         assert torch.equal(plain, staged)
     assert staged[0] == logits[0].argmax() and staged[3] == logits[3].argmax()
+
+
+def test_logits_in_the_model_dtype_sample_as_their_float32_copy() -> None:
+    """A graph hands the sampler bfloat16 logits: sampled rows (temperature, top-k, top-p,
+    seeds) and a verifying chunk's distribution are those of the float32 copy, exactly."""
+    from raygraph.worker.sampler import chunk_probs
+
+    logits = (torch.randn(8, 500, generator=torch.Generator().manual_seed(3)) * 4
+              ).to(torch.bfloat16)
+    chunks = [chunk(seed=i, temperature=0.7, top_k=40 * (i % 2), top_p=0.9) for i in range(8)]
+    for _ in range(3):
+        assert sample(logits, chunks, torch.Generator()) == \
+            sample(logits.float(), chunks, torch.Generator())
+        chunks = [msgspec.structs.replace(c, num_generated=c.num_generated + 1) for c in chunks]
+    assert torch.equal(chunk_probs(logits, chunks[0]), chunk_probs(logits.float(), chunks[0]))

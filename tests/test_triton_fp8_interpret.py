@@ -193,6 +193,7 @@ def test_norms_and_swiglu_store_their_rows_quantized(exact_e4m3, interpreted, mo
     row whole or in pieces of 1024)."""
     k_ops = interpreted("triton_ops")
     monkeypatch.setattr(k_ops, "SILU_PIECES_FROM", 1 if pieces else 1 << 30)
+    monkeypatch.setattr(k_ops, "WHOLE_ROW", 1024 if pieces else 1 << 30)
     torch.manual_seed(5)
     x, r = (torch.randn(2, 6, 300) * torch.logspace(-2, 1, 6).view(-1, 1)).to(DT)
     x[3], r[3] = 0, 0

@@ -65,7 +65,8 @@ class Executor(ABC):
         their argmax [S] where the step already took it on the device (else None)."""
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        return self.step(plan)[0]
+        """A plan's float32 logits (for checks across ranks and modes)."""
+        return self.step(plan)[0].float()
 
     # ---- graphs and their memory: the eager executor has none ---------------------------
     def allows(self, key: BucketKey) -> bool:
@@ -212,7 +213,7 @@ class GraphExecutor(Executor):
             if len(h.sample_idx) < h.num_seqs:  # a one-token chunk mid-prompt samples nothing
                 rows = self.bufs.sample_idx[: len(h.sample_idx)]
                 logits, greedy = logits[rows], greedy[rows]
-            return logits, greedy  # already fp32: the cast is in the graph
+            return logits, greedy
         if self._graph_logits(key):  # the graph took the sampled rows' logits
             return tuple(t[: len(h.sample_idx)] for t in runner.run(md))
         hidden = runner.run(md)
@@ -259,9 +260,10 @@ class GraphExecutor(Executor):
                 return hidden
             if rows is not None:
                 hidden = hidden[rows]
-            # the fp32 cast and the greedy argmax inside the graph: launches off the step's
-            # host path (a sampler with temperature still reads the logits)
-            logits = self.model.compute_logits(hidden).float()
+            # the greedy argmax inside the graph: a launch off the step's host path. The
+            # logits stay in the model's dtype (a float32 copy of every row would be the
+            # step's largest elementwise kernel); a sampler widens the rows it draws from
+            logits = self.model.compute_logits(hidden)
             return logits, ops.argmax(logits)
 
         return forward

@@ -341,9 +341,11 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o,
             _store_e4m3(y.to(tl.float32), scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
 
 
-# rows from which SwiGLU with e4m3 rows takes each row in pieces: faster so at a prefill
-# step's 2,048 rows, slower at a decode step's 256 (bench/RESULTS.md, "FP8 served")
-SILU_PIECES_FROM = 1024
+# SwiGLU with e4m3 rows holds a whole row in registers up to WHOLE_ROW columns; from
+# SILU_PIECES_FROM rows, a row it also stores in the activation dtype (`keep`), or a wider
+# one, goes in pieces (bench/RESULTS.md, "FP8 served": at 2,048 rows of 14,336 columns the
+# whole row is faster with e4m3 rows only, the pieces with both)
+SILU_PIECES_FROM, WHOLE_ROW = 1024, 16384
 
 
 def silu_and_mul(x: torch.Tensor, quantize: bool = False, keep: bool = True
@@ -353,7 +355,7 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False, keep: bool = True
     num_tokens, n = x.shape[0], x.shape[1] // 2
     out, quantized, qargs = _outputs((num_tokens, n), x, quantize, keep)
     if quantize:
-        whole = num_tokens < SILU_PIECES_FROM
+        whole = num_tokens < SILU_PIECES_FROM or not (keep or n > WHOLE_ROW)
         block = triton.next_power_of_2(n) if whole else 1024
         _silu_and_mul_quant_kernel[(num_tokens,)](x, out, *qargs[:2], x.stride(0),
                                                   out.stride(0), n, *qargs[2:], BLOCK=block,
@@ -424,5 +426,5 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None
     _quantize_rows_kernel[(t,)](x, q, scales, scales if static is None else static,
                                 x.stride(0), n, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
                                 STATIC=static is not None,
-                                BLOCK=block, num_warps=8 if block >= 8192 else 4)
+                                BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return q, scales

@@ -90,7 +90,7 @@ def chunk_probs(logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
     n, dev = logits.shape[0], logits.device
     top_k = torch.full((n,), chunk.top_k, dtype=torch.long, device=dev)
     top_p = torch.full((n,), chunk.top_p, dtype=torch.float32, device=dev)
-    return _filter_top_k_top_p(logits / chunk.temperature, top_k, top_p).softmax(-1)
+    return _filter_top_k_top_p(logits.float() / chunk.temperature, top_k, top_p).softmax(-1)
 
 
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
@@ -103,9 +103,10 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
                   masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Tokens [S] on the logits' device, with no host sync when `staging` is given or every
     row is greedy (the served loop keeps them there for the next step). logits: [S, vocab]
-    float32, one row per chunk (all chunks here sample); greedy: their argmax when the step
-    already took it (a graph's output: read, never written). `masks`: (rows, allowed) of
-    the rows that follow a grammar (`constrain`), which sample among its tokens only."""
+    in float32 or the model's dtype (sampled rows are widened to float32), one row per chunk
+    (all chunks here sample); greedy: their argmax when the step already took it (a graph's
+    output: read, never written). `masks`: (rows, allowed) of the rows that follow a grammar
+    (`constrain`), which sample among its tokens only."""
     out = ops.argmax(logits) if greedy is None else greedy
     rows = [i for i, c in enumerate(chunks) if c.temperature > 0]
     if masks:
@@ -122,7 +123,7 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
             temp = torch.tensor([chunks[i].temperature for i in rows], device=dev)
             top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
             top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
-        scaled = _filter_top_k_top_p(logits[sel] / temp.unsqueeze(1), top_k, top_p)
+        scaled = _filter_top_k_top_p(logits[sel].float() / temp.unsqueeze(1), top_k, top_p)
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):

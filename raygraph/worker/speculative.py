@@ -101,8 +101,9 @@ def sampled_targets(chunks: list[SeqChunk], logits: torch.Tensor, targets: torch
     verifying chunk replaced by its rejection sampling (`accept_sampled`, the drafts
     proposed with certainty): its kept drafts, then the token drawn where the first one was
     refused or after the last. `emitted` then reads them as it reads a greedy chunk's.
-    logits: [rows, vocab] float32. `staging`: int64 host room for the drafts, pinned on a
-    GPU (a copy from pageable memory would wait for the step's forward)."""
+    logits: [rows, vocab] in float32 or the model's dtype. `staging`: int64 host room for
+    the drafts, pinned on a GPU (a copy from pageable memory would wait for the step's
+    forward)."""
     picked, row = [], 0
     for c in chunks:
         if c.verify and c.temperature > 0:

@@ -86,13 +86,23 @@ def test_quantize_rows_equals_torchs(static) -> None:
     assert torch.equal(s, want_s)
 
 
+def pieces(monkeypatch, gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of gu feeding an FP8 GEMM, each row taken in pieces (WHOLE_ROW below it)."""
+    from raygraph.model import triton_ops
+
+    with monkeypatch.context() as m:
+        m.setattr(triton_ops, "WHOLE_ROW", 1024)
+        return ops.silu_and_mul(gu, Fp8Layout(gu.shape[1] // 2, "dynamic"))
+
+
 def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -> None:
     """An add_rms_norm or SwiGLU whose result feeds a dynamic FP8 GEMM stores it in e4m3
     only (the result is a stand-in: the GEMM reads nothing else), and the GEMM takes those
     rows (it launches no quantization of its own): its output equals the one from the
     kernel's rows kept in bf16 and quantized by the GEMM itself, bit for bit; fewer rows
     than the W8A8 GEMMs take, the rows are kept and nothing is attached. SwiGLU at 64 rows
-    (a row a pass) and at 1,100 (each row in pieces)."""
+    and at 1,100 (a whole row a program, then, with WHOLE_ROW below its width, each row in
+    pieces)."""
     from raygraph.model import triton_ops
     from raygraph.model.triton_ops import SILU_PIECES_FROM, quantize_rows
 
@@ -108,7 +118,8 @@ def test_norms_and_swiglu_feeding_an_fp8_gemm_quantize_their_rows(monkeypatch) -
              triton_ops.add_rms_norm(x, r, nw, 1e-6)[0], w1),
             (ops.silu_and_mul(gu, layout), triton_ops.silu_and_mul(gu)[0], w1),
             (ops.silu_and_mul(gu3, Fp8Layout(3072, "dynamic")),
-             triton_ops.silu_and_mul(gu3)[0], w3)):
+             triton_ops.silu_and_mul(gu3)[0], w3),
+            (pieces(monkeypatch, gu3), triton_ops.silu_and_mul(gu3)[0], w3)):
         assert made.shape == kept.shape and set(made.stride()) == {0}
         q, s = getattr(made, fp8_rows.QUANTIZED)
         want_q, want_s = quantize_rows(kept)
