@@ -61,8 +61,9 @@ class Executor(ABC):
 
     @abstractmethod
     def step(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Float32 logits [S, vocab], one row per sampling sequence, in plan order, and
-        their argmax [S] where the step already took it on the device (else None)."""
+        """Logits [S, vocab] (a graph's in the model's dtype, else float32), one row per
+        sampling sequence, in plan order, and their argmax [S] where the step already took
+        it on the device (else None)."""
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """A plan's float32 logits (for checks across ranks and modes)."""
