@@ -87,10 +87,12 @@ def test_scale_up_serves_and_scale_down_drains_and_releases(ray_session, coord):
 
 def test_the_autoscaler_starts_an_elastic_replica_when_the_one_saturates(ray_session, coord):
     ray = ray_session
-    ray.get(coord.scale.remote(1))  # one replica: its batch is 8, 12 requests leave 4 waiting
+    ray.get(coord.scale.remote(1))  # one replica: its batch is 8, 24 requests leave 16 waiting
     ups = ray.get(coord.stats.remote())["scale_ups"]
-    params = SamplingParams(max_tokens=128, ignore_eos=True)  # 4 wait a 128-step wave
-    flood = [coord.generate.remote([PROMPTS[i % 3]], params) for i in range(12)]
+    # 16 wait two 128-step waves: saturated across several of the autoscaler's reads
+    # (every PERIOD_S) however fast the machine runs a wave
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    flood = [coord.generate.remote([PROMPTS[i % 3]], params) for i in range(24)]
     wait_for(lambda: ray.get(coord.stats.remote())["scale_ups"] == ups + 1,
              "no replica started while requests waited")
     states = ray.get(coord.replica_states.remote())
