@@ -93,12 +93,8 @@ def kernel_summary(prof: torch.profiler.profile, runs: int, top: int = 16) -> di
 
 def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> dict:
     """Median microseconds of each host-side phase of one graph decode step."""
-    from cuda.bindings import driver
-
     ex, bs = worker.executor, 16
     times = collections.defaultdict(list)
-    dst, src = ex.bufs.device_bytes.data_ptr(), ex.bufs.host.data_ptr()
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
     for i in range(iters):
         plan = decode_plan(batch, context, bs, i)
         torch.cuda.synchronize()
@@ -106,9 +102,9 @@ def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> d
         h = host_inputs(plan, bs)
         t.append(time.perf_counter())
         key = ex.key_for(h)
-        end = ex.bufs.write(h, key.num_tokens, key.num_tokens)
+        span = ex.bufs.write(h, key.num_tokens, key.num_tokens)
         t.append(time.perf_counter())
-        ex.bufs.upload(end)
+        ex.bufs.upload(span)
         t.append(time.perf_counter())
         md = ex.bufs.metadata(key.num_tokens, key.num_tokens, h.num_tokens, 1,
                              max(h.seq_lens), True)
@@ -117,12 +113,10 @@ def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> d
         t.append(time.perf_counter())
         greedy[:batch].tolist()
         t.append(time.perf_counter())
-        driver.cuMemcpyHtoDAsync(dst, src, end, stream)  # the same copy without torch
-        t.append(time.perf_counter())
         torch.cuda.synchronize()
         t.append(time.perf_counter())
         for name, a, b in zip(("host_inputs", "write", "upload", "metadata", "replay_call",
-                                "tolist_sync", "driver_copy", "sync"),
+                                "tolist_sync", "sync"),
                               t, t[1:], strict=False):
             times[name].append(1e6 * (b - a))
     return {k: round(statistics.median(v), 1) for k, v in times.items()}

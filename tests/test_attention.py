@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raygraph.graph.inputs import prepare_batch
 from raygraph.model.ops import paged_attention_ref, store_kv
@@ -183,10 +185,10 @@ def test_input_buffers_clear_what_a_longer_table_left() -> None:
     assert bufs.slot_mapping[:4].tolist() == [3 * BS + 1, 1 * BS + 1, -1, -1]
 
 
-def test_input_buffers_one_copy_moves_every_field() -> None:
-    """The device side is one byte buffer filled by one prefix copy: every field the graphs
-    read (tokens, positions, slots, rows, sampled rows, tables, lengths) arrives, padded, and
-    the views keep their addresses from step to step."""
+def test_input_buffers_upload_moves_every_field() -> None:
+    """The device side is one byte buffer: every field the graphs read (tokens, positions,
+    slots, rows, sampled rows, tables, lengths) arrives, padded, and the views keep their
+    addresses from step to step. Of the tables only the columns the step wrote move."""
     from raygraph.graph.inputs import InputBuffers, host_inputs
 
     bufs = InputBuffers(16, 4, 3, torch.device("cpu"))
@@ -203,11 +205,35 @@ def test_input_buffers_one_copy_moves_every_field() -> None:
                                               2 * BS + 2, -1, -1, -1]
     assert bufs.token_seq[:5].tolist() == [0, 0, 0, 1, 1]
     assert bufs.sample_idx[:1].tolist() == [2]  # only the first chunk samples
-    assert bufs.block_tables[:3].tolist() == [[4, 0, 0], [1, 2, 0], [0, 0, 0]]
+    assert bufs.block_tables[:3, :2].tolist() == [[4, 0], [1, 2], [0, 0]]
+    assert (bufs.block_tables[:, 2] == 0x7F7F7F7F).all()  # past every table: not moved
     assert bufs.seq_lens[:3].tolist() == [3, 7, 0]
     assert bufs.query_start[:4].tolist() == [0, 3, 5, 5]  # the padding sequence is empty
     assert ptrs == [t.data_ptr() for t in (bufs.input_ids, bufs.sample_idx, bufs.block_tables,
                                            bufs.seq_lens)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=6), min_size=1, max_size=8),
+       st.data())
+def test_input_buffers_device_tables_equal_the_zero_padded_tables(steps, data) -> None:
+    """Whatever tables steps of any widths and row counts write, in any order, the device
+    rows a step uses equal its tables padded with zeros to max_blocks (the upload moves
+    only the columns a step changed: a longer table an earlier step left is cleared, on
+    both sides), and the device equals the host mirror everywhere."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+
+    bufs = InputBuffers(8, 8, 16, torch.device("cpu"))
+    for i, blocks in enumerate(steps):
+        chunks = [SeqChunk(j, [1], max(0, n * BS - 1), list(range(1, n + 1)) or [9], True)
+                  for j, n in enumerate(blocks)]
+        rows = data.draw(st.integers(len(chunks), 8))
+        bufs.fill(host_inputs(StepPlan(i, chunks), BS), rows, rows)
+        want = torch.zeros(rows, 16, dtype=torch.int32)
+        for j, c in enumerate(chunks):
+            want[j, : len(c.block_table)] = torch.tensor(c.block_table)
+        assert torch.equal(bufs.block_tables[:rows], want)
+        assert torch.equal(bufs.block_tables, bufs.host_tables)
 
 
 def test_input_buffers_give_a_decode_step_its_query_starts() -> None:

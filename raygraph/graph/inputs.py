@@ -4,6 +4,7 @@ persistent, max-shape buffers that captured graphs read (graph mode)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -226,28 +227,42 @@ def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Ba
                  t(h.feed) if h.feed is not None else None)
 
 
+class TableSpan(NamedTuple):
+    """The block-table part a step's upload moves: the first `cols` columns of its first
+    `rows` rows, every entry the step's write changed."""
+
+    rows: int
+    cols: int
+
+
 class InputBuffers:
     """One set of persistent device buffers at the max shape, shared by every bucket.
 
-    Each step writes the real prefix and safe padding into a pinned host mirror, then one
-    async driver copy moves it over; graphs read slice views of the bucket's size. NOTE: padding
-    slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and an
-    all-zero block table row. NOTE: the host mirror is rewritten only once the previous
+    Each step writes the real prefix and safe padding into a pinned host mirror, then two
+    async driver copies move it over; graphs read slice views of the bucket's size. NOTE:
+    padding slots are -1 (slot 0 is a real KV slot); padding sequences have kv length 0 and
+    an all-zero block table row. NOTE: the host mirror is rewritten only once the previous
     step's copy has run: the served loop sends step N+1 while step N runs, so write() waits
     on an event recorded after the last upload (it has nearly always run by then).
 
     Layout: one byte buffer, [seq lens | query starts | shared prefix length | token rows |
-    LoRA rows | block tables], so a step's inputs are one contiguous prefix (the tables'
-    first rows end it) and move in one copy. Strided copy_ calls of row slices stage
-    through pageable memory instead: with three of them, the fill took ~100 us a step on an
-    H100 host (bench/RESULTS.md, third decode pass). The LoRA rows (int32: each token's
-    slot, the tokens sorted by slot, their slots in that order; padding tokens -1) exist
-    only when `lora` is set: without it the layout is the plain model's. The shared prefix length
-    (`shared_prefix_len`) is written and handed to decode buckets only with `cascade`; the
-    rows' verify_row only with `verify` (speculative decoding: the decode kernel then reads
-    it, and a plain decode step pays nothing for it otherwise); a decode step's query starts
-    only with `decode_starts` (heads the decode kernel does not take decode through the
-    prefill kernel, which reads them: ops.decode_kernel_takes).
+    LoRA rows | block tables]: the fields before the tables move in one copy, the tables in
+    one 2-D copy of the columns the step changed. A table row is max_blocks wide (the
+    longest context) and a step's sequences use a few of its columns: at a 128K context
+    and 256 rows the whole mirror is 8 MB, the columns used a few KB (bench/RESULTS.md, "A
+    served decode step's timeline"). The device rows past those columns hold what the
+    host's do: a row's shrinking table clears its old columns, and those go up too. Strided
+    copy_ calls of row slices stage through pageable memory instead: with three of them,
+    the fill took ~100 us a step on an H100 host (bench/RESULTS.md, third decode pass).
+
+    The LoRA rows (int32: each token's slot, the tokens sorted by slot, their slots in that
+    order; padding tokens -1) exist only when `lora` is set: without it the layout is the
+    plain model's. The shared prefix length (`shared_prefix_len`) is written and handed to
+    decode buckets only with `cascade`; the rows' verify_row only with `verify` (speculative
+    decoding: the decode kernel then reads it, and a plain decode step pays nothing for it
+    otherwise); a decode step's query starts only with `decode_starts` (heads the decode
+    kernel does not take decode through the prefill kernel, which reads them:
+    ops.decode_kernel_takes).
 
     The host side writes through numpy views of the pinned mirror: a numpy slice assignment
     from a list costs about a microsecond, a torch op several, and this runs on the critical
@@ -316,6 +331,13 @@ class InputBuffers:
             self._device_index = (device.index if device.index is not None
                                   else torch.cuda.current_device())
             self._uploaded = torch.cuda.Event()  # the last upload; the mirror waits for it
+            # the tables' 2-D copy, its source and destination set once (a row's pitch)
+            copy = self._tables_copy = driver.CUDA_MEMCPY2D()
+            copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+            copy.srcHost = self.host_tables.data_ptr()
+            copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            copy.dstDevice = self.block_tables.data_ptr()
+            copy.srcPitch = copy.dstPitch = max_blocks * 4
 
     @property
     def nbytes(self) -> int:
@@ -325,13 +347,16 @@ class InputBuffers:
         """Write h into the buffers; pad tokens up to num_tokens and seqs up to num_seqs."""
         self.upload(self.write(h, num_tokens, num_seqs))
 
-    def upload(self, end: int) -> None:
-        """The host mirror's first `end` bytes to the device, in one async copy on the
-        current stream. On CUDA it is one driver call: torch's copy_ (slicing, dispatch, a
-        pinned-memory event) cost 3x as much host time (bench/RESULTS.md, fifth pass)."""
-        driver = self._driver
+    def upload(self, span: TableSpan) -> None:
+        """The host mirror to the device on the current stream: the fields before the tables
+        in one async copy, then the tables' `span` in a 2-D one. On CUDA these are driver
+        calls: torch's copy_ (slicing, dispatch, a pinned-memory event) cost 3x as much host
+        time (bench/RESULTS.md, fifth pass)."""
+        driver, end = self._driver, self._tables_at
         if driver is None:
             self.device_bytes[:end].copy_(self.host[:end])
+            self.block_tables[: span.rows, : span.cols].copy_(
+                self.host_tables[: span.rows, : span.cols])
             return
         # the raw handle, as inductor's generated code reads it: a Stream object costs more
         raw = torch._C._cuda_getCurrentRawStream(self._device_index)
@@ -340,12 +365,17 @@ class InputBuffers:
             stream = self._streams[raw] = driver.CUstream(raw)
         (err,) = driver.cuMemcpyHtoDAsync(self.device_bytes.data_ptr(), self.host.data_ptr(),
                                           end, stream)
+        if err == driver.CUresult.CUDA_SUCCESS and span.rows and span.cols:
+            copy = self._tables_copy
+            copy.WidthInBytes, copy.Height = span.cols * 4, span.rows
+            (err,) = driver.cuMemcpy2DAsync(copy, stream)
         if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"input upload of {end} bytes failed: {err}")
+            raise RuntimeError(f"input upload ({end} bytes, tables {span}) failed: {err}")
         self._uploaded.record()
 
-    def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> int:
-        """fill's host half: h into the pinned mirror; returns the bytes a step must move."""
+    def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> TableSpan:
+        """fill's host half: h into the pinned mirror; returns the tables' part the upload
+        must move."""
         if self._driver is not None:  # the previous step's copy may still be reading it
             self._uploaded.synchronize()
         n, b = h.num_tokens, h.num_seqs
@@ -377,11 +407,13 @@ class InputBuffers:
             # each padding token is its own padding sequence (decode), never a real one's row
             tok[3, n:num_tokens] = self._arange[n:num_tokens]
         tables, widths = self._tables, self._widths
+        cols = width  # every table column this write changes lies below it
         for i, t in enumerate(h.tables):
             w = len(t)
             tables[i, :w] = t
             if widths[i] > w:  # clear what a longer table left in this row
                 tables[i, w : widths[i]] = 0
+                cols = max(cols, widths[i])
             widths[i] = w
         if h.slots is None:  # after the tables: the slots are read from them
             tok[2, :n] = slot_mapping(tables, tok[3, :n], tok[1, :n], h.block_size)
@@ -400,8 +432,9 @@ class InputBuffers:
             if stale:
                 tables[b:num_seqs, :stale] = 0
                 widths[b:num_seqs] = [0] * (num_seqs - b)
+                cols = max(cols, stale)
             self._lens[b:num_seqs] = 0
-        return self._tables_at + num_seqs * self.max_blocks * 4
+        return TableSpan(num_seqs, cols)
 
     def _write_lora(self, slots: list[int] | None, n: int, num_tokens: int) -> None:
         """Each token's slot (padding -1) and the bucket's tokens sorted by slot."""

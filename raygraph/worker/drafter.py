@@ -183,7 +183,7 @@ class Drafter:
 
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, prev_tokens: torch.Tensor) -> None:
-        """Before the step's samples: its rows into the input buffers (pinned, one copy),
+        """Before the step's samples: its rows into the input buffers (pinned, one upload),
         then what the drafter takes of them (`_absorb`). `prev_tokens`: the buffer the
         step's fed tokens read (read before this step's samples overwrite it)."""
         self._step = None

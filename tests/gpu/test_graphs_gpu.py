@@ -497,3 +497,28 @@ def test_no_kernel_compiles_after_capture(gpu_llama, prefill_graph):
     torch.cuda.synchronize()
     assert compiled_variants() == before
     w.shutdown()
+
+
+def test_input_upload_moves_the_columns_each_step_changed() -> None:
+    """On the GPU the tables go up in a 2-D driver copy of the columns a step changed: over
+    steps whose tables grow, shrink and lose rows, the device rows equal the tables padded
+    with zeros, and the fields before the tables arrive as written."""
+    from raygraph.graph.inputs import InputBuffers, host_inputs
+
+    bs, rng = 16, random.Random(7)
+    bufs = InputBuffers(64, 32, 512, torch.device("cuda"))
+    for step in range(12):
+        rows = rng.randrange(1, 33)
+        lens = [rng.randrange(1, 512 * bs) if rng.random() < 0.2 else rng.randrange(1, 200)
+                for _ in range(rng.randrange(1, rows + 1))]
+        chunks = [SeqChunk(i, [1], n - 1, [rng.randrange(1, 1000) for _ in range(-(-n // bs))],
+                           True) for i, n in enumerate(lens)]
+        h = host_inputs(StepPlan(step, chunks), bs)
+        bufs.fill(h, rows, rows)
+        torch.cuda.synchronize()
+        want = torch.zeros(rows, 512, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            want[i, : len(c.block_table)] = torch.tensor(c.block_table)
+        assert torch.equal(bufs.block_tables[:rows].cpu(), want)
+        assert bufs.seq_lens[:rows].tolist() == lens + [0] * (rows - len(lens))
+        assert torch.equal(bufs.device_bytes.cpu(), bufs.host)
