@@ -7,7 +7,7 @@ size checks run before any route (`middleware.FrontDoor`)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -37,6 +37,8 @@ from raygraph.api.schemas import (
 
 __all__ = ["HttpConfig", "build_app"]
 
+Handler = Callable[..., Any]
+
 
 def sse(obj: dict | str) -> bytes:
     """One server-sent event. msgspec writes it (a streamed chunk's JSON is most of the
@@ -61,9 +63,15 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
     app.state.front = front
     install_handlers(app)
     app.add_middleware(FrontDoor, api_key=cfg.api_key, max_body_bytes=cfg.max_request_bytes)
-    # every GET route answers HEAD too (the same status and headers, no body), as probes
-    # and load balancers may ask
-    get = functools.partial(app.api_route, methods=["GET", "HEAD"])
+
+    def get(path: str) -> Callable[[Handler], Handler]:
+        """A GET route that answers HEAD too (its status and headers, no body), as probes and
+        load balancers may ask; the HEAD route stays out of the OpenAPI schema (one
+        operation id a path)."""
+        def register(fn: Handler) -> Handler:
+            app.api_route(path, methods=["HEAD"], include_in_schema=False)(fn)
+            return app.get(path)(fn)
+        return register
 
     @get("/health")
     async def health() -> Response:

@@ -228,8 +228,8 @@ def batch_from(h: HostInputs, device: torch.device, cascade: bool = False) -> Ba
 
 
 class TableSpan(NamedTuple):
-    """The block-table part a step's upload moves: the first `cols` columns of its first
-    `rows` rows, every entry the step's write changed."""
+    """The block-table part an upload moves: the first `cols` columns of the first `rows`
+    rows, every entry written since the last upload."""
 
     rows: int
     cols: int
@@ -318,6 +318,7 @@ class InputBuffers:
             setattr(self, name, self.tokens[i])
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self._widths = [0] * max_seqs  # table row lengths last written
+        self._span = TableSpan(0, 0)  # the tables' part written since the last upload
         # (num_tokens, num_seqs) -> (the metadata's row views, the verify rows' or None)
         self._views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...],
                                                  torch.Tensor | None]] = {}
@@ -357,6 +358,7 @@ class InputBuffers:
             self.device_bytes[:end].copy_(self.host[:end])
             self.block_tables[: span.rows, : span.cols].copy_(
                 self.host_tables[: span.rows, : span.cols])
+            self._span = TableSpan(0, 0)
             return
         # the raw handle, as inductor's generated code reads it: a Stream object costs more
         raw = torch._C._cuda_getCurrentRawStream(self._device_index)
@@ -372,6 +374,7 @@ class InputBuffers:
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"input upload ({end} bytes, tables {span}) failed: {err}")
         self._uploaded.record()
+        self._span = TableSpan(0, 0)
 
     def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> TableSpan:
         """fill's host half: h into the pinned mirror; returns the tables' part the upload
@@ -415,6 +418,14 @@ class InputBuffers:
                 tables[i, w : widths[i]] = 0
                 cols = max(cols, widths[i])
             widths[i] = w
+        if b < num_seqs:  # padding sequences: all-zero tables
+            stale = max(widths[b:num_seqs])
+            if stale:
+                tables[b:num_seqs, :stale] = 0
+                widths[b:num_seqs] = [0] * (num_seqs - b)
+                cols = max(cols, stale)
+        # kept until an upload moves it: a write that fails past here is moved by the next
+        self._span = TableSpan(max(self._span.rows, num_seqs), max(self._span.cols, cols))
         if h.slots is None:  # after the tables: the slots are read from them
             tok[2, :n] = slot_mapping(tables, tok[3, :n], tok[1, :n], h.block_size)
         self._lens[:b] = h.seq_lens
@@ -427,14 +438,8 @@ class InputBuffers:
             self._starts[: b + 1] = (self._arange[: b + 1] if h.decode
                                      else query_starts(tok[4, :n], b))
             self._starts[b + 1: num_seqs + 1] = n
-        if b < num_seqs:
-            stale = max(widths[b:num_seqs])
-            if stale:
-                tables[b:num_seqs, :stale] = 0
-                widths[b:num_seqs] = [0] * (num_seqs - b)
-                cols = max(cols, stale)
-            self._lens[b:num_seqs] = 0
-        return TableSpan(num_seqs, cols)
+        self._lens[b:num_seqs] = 0
+        return self._span
 
     def _write_lora(self, slots: list[int] | None, n: int, num_tokens: int) -> None:
         """Each token's slot (padding -1) and the bucket's tokens sorted by slot."""

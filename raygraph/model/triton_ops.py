@@ -304,11 +304,11 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o,
                                inv_max, min_scale, BLOCK: tl.constexpr, WHOLE: tl.constexpr,
                                KEEP: tl.constexpr):
     """One program a row. WHOLE (BLOCK >= n): the row in registers, stored, then stored in
-    e4m3 (few rows: more warps a row). Else two passes over it in pieces: the product
-    stored and its largest magnitude found, then the stored row read back (from L2) and
-    stored in e4m3, as a whole 14,336-wide row in registers leaves one program an SM.
-    Without KEEP the row is stored in e4m3 only (the second pass computes it again from
-    its input, which L2 still holds)."""
+    e4m3. Else two passes over it in pieces: the product stored and its largest magnitude
+    found, then the stored row read back (from L2) and stored in e4m3 (`silu_and_mul` says
+    when: many rows that are kept too, or very wide ones). Without KEEP the row is stored
+    in e4m3 only (the second pass computes it again from its input, which L2 still
+    holds)."""
     row = tl.program_id(0)
     x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_o
     if WHOLE:
@@ -341,10 +341,10 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o,
             _store_e4m3(y.to(tl.float32), scale, cols, mask, q_ptr, s_ptr, row, n, fp8_max)
 
 
-# SwiGLU with e4m3 rows holds a whole row in registers up to WHOLE_ROW columns; from
-# SILU_PIECES_FROM rows, a row it also stores in the activation dtype (`keep`), or a wider
-# one, goes in pieces (bench/RESULTS.md, "FP8 served": at 2,048 rows of 14,336 columns the
-# whole row is faster with e4m3 rows only, the pieces with both)
+# SwiGLU with e4m3 rows holds each row whole in registers below SILU_PIECES_FROM rows;
+# from there, a row it also stores in the activation dtype (`keep`), or one wider than
+# WHOLE_ROW columns, goes in pieces (bench/RESULTS.md, "FP8 served": at 2,048 rows of
+# 14,336 columns the whole row is faster with e4m3 rows only, the pieces with both)
 SILU_PIECES_FROM, WHOLE_ROW = 1024, 16384
 
 

@@ -86,7 +86,7 @@ def test_quantize_rows_equals_torchs(static) -> None:
     assert torch.equal(s, want_s)
 
 
-def pieces(monkeypatch, gu: torch.Tensor) -> torch.Tensor:
+def pieces(monkeypatch: pytest.MonkeyPatch, gu: torch.Tensor) -> torch.Tensor:
     """SwiGLU of gu feeding an FP8 GEMM, each row taken in pieces (WHOLE_ROW below it)."""
     from raygraph.model import triton_ops
 
