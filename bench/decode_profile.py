@@ -102,9 +102,9 @@ def host_phases(worker: Worker, batch: int, context: int, iters: int = 200) -> d
         h = host_inputs(plan, bs)
         t.append(time.perf_counter())
         key = ex.key_for(h)
-        span = ex.bufs.write(h, key.num_tokens, key.num_tokens)
+        ex.bufs.write(h, key.num_tokens, key.num_tokens)
         t.append(time.perf_counter())
-        ex.bufs.upload(span)
+        ex.bufs.upload()
         t.append(time.perf_counter())
         md = ex.bufs.metadata(key.num_tokens, key.num_tokens, h.num_tokens, 1,
                              max(h.seq_lens), True)

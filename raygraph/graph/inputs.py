@@ -247,13 +247,12 @@ class InputBuffers:
 
     Layout: one byte buffer, [seq lens | query starts | shared prefix length | token rows |
     LoRA rows | block tables]: the fields before the tables move in one copy, the tables in
-    one 2-D copy of the columns the step changed. A table row is max_blocks wide (the
-    longest context) and a step's sequences use a few of its columns: at a 128K context
-    and 256 rows the whole mirror is 8 MB, the columns used a few KB (bench/RESULTS.md, "A
-    served decode step's timeline"). The device rows past those columns hold what the
-    host's do: a row's shrinking table clears its old columns, and those go up too. Strided
-    copy_ calls of row slices stage through pageable memory instead: with three of them,
-    the fill took ~100 us a step on an H100 host (bench/RESULTS.md, third decode pass).
+    one 2-D copy of the columns written since the last upload. A table row is max_blocks
+    wide (the longest context) and a step's sequences use a few of its columns
+    (bench/RESULTS.md, "A served decode step's timeline"). The device rows past those
+    columns hold what the host's do: a row's shrinking table clears its old columns, and
+    those go up too. Strided copy_ calls of row slices would stage through pageable memory
+    instead (bench/RESULTS.md, third decode pass).
 
     The LoRA rows (int32: each token's slot, the tokens sorted by slot, their slots in that
     order; padding tokens -1) exist only when `lora` is set: without it the layout is the
@@ -346,14 +345,15 @@ class InputBuffers:
 
     def fill(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
         """Write h into the buffers; pad tokens up to num_tokens and seqs up to num_seqs."""
-        self.upload(self.write(h, num_tokens, num_seqs))
+        self.write(h, num_tokens, num_seqs)
+        self.upload()
 
-    def upload(self, span: TableSpan) -> None:
+    def upload(self) -> None:
         """The host mirror to the device on the current stream: the fields before the tables
-        in one async copy, then the tables' `span` in a 2-D one. On CUDA these are driver
-        calls: torch's copy_ (slicing, dispatch, a pinned-memory event) cost 3x as much host
-        time (bench/RESULTS.md, fifth pass)."""
-        driver, end = self._driver, self._tables_at
+        in one async copy, then the tables' part written since the last upload in a 2-D
+        one. On CUDA these are driver calls: torch's copy_ (slicing, dispatch, a
+        pinned-memory event) cost 3x as much host time (bench/RESULTS.md, fifth pass)."""
+        driver, end, span = self._driver, self._tables_at, self._span
         if driver is None:
             self.device_bytes[:end].copy_(self.host[:end])
             self.block_tables[: span.rows, : span.cols].copy_(
@@ -376,9 +376,8 @@ class InputBuffers:
         self._uploaded.record()
         self._span = TableSpan(0, 0)
 
-    def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> TableSpan:
-        """fill's host half: h into the pinned mirror; returns the tables' part the upload
-        must move."""
+    def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
+        """fill's host half: h into the pinned mirror (and what of the tables changed)."""
         if self._driver is not None:  # the previous step's copy may still be reading it
             self._uploaded.synchronize()
         n, b = h.num_tokens, h.num_seqs
@@ -439,7 +438,6 @@ class InputBuffers:
                                      else query_starts(tok[4, :n], b))
             self._starts[b + 1: num_seqs + 1] = n
         self._lens[b:num_seqs] = 0
-        return self._span
 
     def _write_lora(self, slots: list[int] | None, n: int, num_tokens: int) -> None:
         """Each token's slot (padding -1) and the bucket's tokens sorted by slot."""

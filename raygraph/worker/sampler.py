@@ -123,7 +123,8 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
             temp = torch.tensor([chunks[i].temperature for i in rows], device=dev)
             top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
             top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
-        scaled = _filter_top_k_top_p(logits[sel].float() / temp.unsqueeze(1), top_k, top_p)
+        # float32 temperatures: the model's-dtype rows divide into float32
+        scaled = _filter_top_k_top_p(logits[sel] / temp.unsqueeze(1), top_k, top_p)
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
