@@ -28,10 +28,12 @@ PRESETS = {
                           rope_type="llama3", rope_theta=500000.0, factor=32.0,
                           low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
-    # Llama-3.1-8B's shape (8.03 B params, 16.1 GB in bf16): the figure of merit's model
+    # Llama-3.1-8B's config.json (8.03 B params, 16.1 GB in bf16): the figure of merit's
+    # model, served at its full 128K context (a block-table row of 8,192 blocks)
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192,
+                      max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      bos_token_id=128000, eos_token_id=128001,
                       rope_parameters=dict(
                           rope_type="llama3", rope_theta=500000.0, factor=8.0,
                           low_freq_factor=1.0, high_freq_factor=4.0,

@@ -213,6 +213,24 @@ def test_input_buffers_upload_moves_every_field() -> None:
                                            bufs.seq_lens)]
 
 
+def test_table_copy_moves_the_leading_rows_and_columns_only() -> None:
+    """A table upload moves the first rows x columns and leaves the rest of the device
+    table as it was; tables of different shapes are refused."""
+    from raygraph.graph.upload import TableCopy
+
+    host = torch.arange(24, dtype=torch.int32).view(4, 6)
+    dev = torch.full((4, 6), -1, dtype=torch.int32)
+    copy = TableCopy(host, dev)
+    copy(2, 3)
+    expect = torch.full((4, 6), -1, dtype=torch.int32)
+    expect[:2, :3] = host[:2, :3]
+    assert torch.equal(dev, expect)
+    copy(0, 5)  # nothing to move
+    assert torch.equal(dev, expect)
+    with pytest.raises(ValueError, match="differ"):
+        TableCopy(host, torch.zeros(4, 5, dtype=torch.int32))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=6), min_size=1, max_size=8),
        st.data())

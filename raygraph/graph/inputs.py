@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from raygraph.graph.buckets import drafts_as_rows
+from raygraph.graph.upload import TableCopy
 from raygraph.model.context import AttentionMetadata, ForwardContext, LoRAInputs
 from raygraph.protocol import StepPlan
 
@@ -322,22 +323,10 @@ class InputBuffers:
         self._views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...],
                                                  torch.Tensor | None]] = {}
         self._lora_views: dict[int, LoRAInputs] = {}
-        self._streams: dict[int, object] = {}  # raw stream handle -> its driver CUstream
-        self._driver = None
-        if device.type == "cuda":
-            from cuda.bindings import driver  # GPU-only import
-
-            self._driver = driver
-            self._device_index = (device.index if device.index is not None
-                                  else torch.cuda.current_device())
+        self._tables_copy = TableCopy(self.host_tables, self.block_tables)
+        self._stream = self._tables_copy.stream  # None on the CPU
+        if self._stream is not None:
             self._uploaded = torch.cuda.Event()  # the last upload; the mirror waits for it
-            # the tables' 2-D copy, its source and destination set once (a row's pitch)
-            copy = self._tables_copy = driver.CUDA_MEMCPY2D()
-            copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
-            copy.srcHost = self.host_tables.data_ptr()
-            copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-            copy.dstDevice = self.block_tables.data_ptr()
-            copy.srcPitch = copy.dstPitch = max_blocks * 4
 
     @property
     def nbytes(self) -> int:
@@ -353,32 +342,23 @@ class InputBuffers:
         in one async copy, then the tables' part written since the last upload in a 2-D
         one. On CUDA these are driver calls: torch's copy_ (slicing, dispatch, a
         pinned-memory event) cost 3x as much host time (bench/RESULTS.md, fifth pass)."""
-        driver, end, span = self._driver, self._tables_at, self._span
-        if driver is None:
+        end, span = self._tables_at, self._span
+        if self._stream is None:
             self.device_bytes[:end].copy_(self.host[:end])
-            self.block_tables[: span.rows, : span.cols].copy_(
-                self.host_tables[: span.rows, : span.cols])
-            self._span = TableSpan(0, 0)
-            return
-        # the raw handle, as inductor's generated code reads it: a Stream object costs more
-        raw = torch._C._cuda_getCurrentRawStream(self._device_index)
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = driver.CUstream(raw)
-        (err,) = driver.cuMemcpyHtoDAsync(self.device_bytes.data_ptr(), self.host.data_ptr(),
-                                          end, stream)
-        if err == driver.CUresult.CUDA_SUCCESS and span.rows and span.cols:
-            copy = self._tables_copy
-            copy.WidthInBytes, copy.Height = span.cols * 4, span.rows
-            (err,) = driver.cuMemcpy2DAsync(copy, stream)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"input upload ({end} bytes, tables {span}) failed: {err}")
-        self._uploaded.record()
+        else:
+            driver = self._stream.driver
+            (err,) = driver.cuMemcpyHtoDAsync(self.device_bytes.data_ptr(),
+                                              self.host.data_ptr(), end, self._stream.current())
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"input upload ({end} bytes) failed: {err}")
+        self._tables_copy(span.rows, span.cols)
+        if self._stream is not None:
+            self._uploaded.record()
         self._span = TableSpan(0, 0)
 
     def write(self, h: HostInputs, num_tokens: int, num_seqs: int) -> None:
         """fill's host half: h into the pinned mirror (and what of the tables changed)."""
-        if self._driver is not None:  # the previous step's copy may still be reading it
+        if self._stream is not None:  # the previous step's copy may still be reading it
             self._uploaded.synchronize()
         n, b = h.num_tokens, h.num_seqs
         if n > num_tokens or b > num_seqs or num_seqs > self.max_seqs:

@@ -33,6 +33,7 @@ from torch import nn
 from raygraph.config import ModelConfig, ServeConfig
 from raygraph.graph.buckets import bucket_plan
 from raygraph.graph.inputs import InputBuffers, feed_tokens, host_inputs, padding_inputs
+from raygraph.graph.upload import TableCopy
 from raygraph.model import ops
 from raygraph.model.checkpoint import read_headers
 from raygraph.model.context import AttentionMetadata, ForwardContext, forward_context
@@ -132,6 +133,8 @@ class Drafter:
         self._host = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._host_tables = [torch.zeros(n, self.width, dtype=torch.int32, pin_memory=pinned)
                              for _ in range(2)]
+        # a proposal uploads its rows' used columns only (a table row spans the context)
+        self._table_copies = [TableCopy(t, self.tables) for t in self._host_tables]
         self._lookahead_rows = np.arange(self.lookahead, dtype=np.int32)
         self._turn = 0
         self._step: tuple[int, AttentionMetadata, bool] | None = None  # catch_up's rows
@@ -319,12 +322,13 @@ class Drafter:
                extra: np.ndarray) -> torch.Tensor:
         """The proposal's host inputs on the device in one copy: [asks | their newest
         token's position before any kept draft | their first logits row | drafts verified |
-        the drafts (-1 padded) | `extra`]; and the first n rows of the tables in another
-        (a sequence's blocks, then its own lookahead blocks; padding rows the scratch
-        block)."""
+        the drafts (-1 padded) | `extra`]; and the columns the loop reads of the first n rows
+        of the tables in another (a sequence's blocks, then its own lookahead blocks; padding
+        rows the scratch block). Past those columns a row holds blocks an earlier proposal
+        wrote: valid, and read by no query."""
         d = len(asks)
-        host, tables = self._host[self._turn], self._host_tables[self._turn]
-        mirror = tables.numpy()
+        host, mirror = self._host[self._turn], self._host_tables[self._turn].numpy()
+        upload = self._table_copies[self._turn]
         self._turn ^= 1
         rows, row = [], 0
         for c in chunks:
@@ -336,9 +340,11 @@ class Drafter:
         if k:
             heads += [t for c in cs
                       for t in c.token_ids[len(c.token_ids) - c.verify:] + [-1] * (k - c.verify)]
+        cols = 1  # columns the loop reads: a padding row reads its first
         if d:  # every row's blocks, then its lookahead blocks, in one scatter
             la = self.lookahead
             lens = np.array([len(c.block_table) for c in cs], dtype=np.int64)
+            cols = int(lens.max()) + la
             blocks = np.fromiter(chain.from_iterable(c.block_table for c in cs), np.int32,
                                  int(lens.sum()))
             row = np.repeat(np.arange(d), lens)
@@ -351,7 +357,7 @@ class Drafter:
                            + self._lookahead_rows[None, :])
         mirror[d:n, 0] = self.first_lookahead - 1  # the target's scratch block: never read
         if n:
-            self.tables[:n].copy_(tables[:n], non_blocking=True)
+            upload(n, cols)
         size = len(heads) + len(extra)
         view = host[:size].numpy()
         view[: len(heads)] = heads
