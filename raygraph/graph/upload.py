@@ -36,13 +36,12 @@ class TableCopy:
     [rows, cols] and contiguous) on the current stream: one `cuMemcpy2DAsync` on a GPU, a
     slice copy on the CPU."""
 
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor,
-                 stream: DriverStream | None = None) -> None:
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         if host.shape != dev.shape or not (host.is_contiguous() and dev.is_contiguous()):
             raise ValueError(f"tables differ or are strided: {tuple(host.shape)} and "
                              f"{tuple(dev.shape)}")
         self.host, self.dev = host, dev
-        self.stream = stream or (DriverStream(dev.device) if dev.is_cuda else None)
+        self.stream = DriverStream(dev.device) if dev.is_cuda else None
         if self.stream is not None:
             driver = self.stream.driver
             copy = self._copy = driver.CUDA_MEMCPY2D()  # source and destination set once
