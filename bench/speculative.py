@@ -20,7 +20,7 @@ and the speedup is the most k drafts can give.
     python -m bench.speculative --oracle [--preset llama3-8b --load-format dummy]
         [--dtype auto|bfloat16|float32] [--batches 1 64 256] [--step-batches 1 64]
         [--k 4] [--prompt-tokens 128] [--max-tokens 256] [--disable-by-batch-size N]
-        [--keep-drafts]
+        [--keep-drafts] [--repeats 3]
 
 --keep-drafts: the workers keep every draft whatever their greedy tokens (and the proposer
 drafts by position): the loop timed at 100% acceptance where the verify and decode kernels
@@ -237,9 +237,13 @@ def ngram_main(a: argparse.Namespace, device: str) -> None:
 
 def timed(cfg: ServeConfig, worker: Worker, ids: list[list[int]], a: argparse.Namespace,
           blocks: int, proposer: Proposer | None = None) -> dict:
-    """A short untimed run first (shapes first seen compile or autotune), then the run."""
+    """A short untimed run first (shapes first seen compile or autotune), then --repeats
+    runs, of which the median by time: a run of about a second moves 5-10% from one to the
+    next on a GPU."""
     run(cfg, worker, ids, min(16, a.max_tokens), blocks, proposer)
-    return run(cfg, worker, ids, a.max_tokens, blocks, proposer)
+    runs = sorted((run(cfg, worker, ids, a.max_tokens, blocks, proposer)
+                   for _ in range(a.repeats)), key=lambda r: r["seconds"])
+    return runs[len(runs) // 2]
 
 
 def agreement(tokens: list[list[int]], plain: list[list[int]]) -> dict:
@@ -405,6 +409,8 @@ def main() -> None:
                    help="oracle: batches of the direct step timings (default: --batches; "
                         "none: no timings)")
     p.add_argument("--iters", type=int, default=50, help="oracle: timed steps per figure")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each batch and mode; the median is reported")
     p.add_argument("--draft", default="",
                    help="oracle: drafts from this draft model or EAGLE-3 head (a preset, a "
                         "checkpoint directory, or eagle3: a dummy head for --preset) instead "
