@@ -5,6 +5,7 @@ weights on the device: shapes too large to write to disk can be timed)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,26 @@ def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16"
     import transformers
 
     out = Path(out)
-    if (out / "config.json").is_file():
-        return out
-    torch.manual_seed(0)
     arch, cfg = hf_config(preset)
+    if (out / "config.json").is_file():
+        # fields that shape no weight (positions, eps, token ids) follow edits to PRESETS
+        if _weight_shapes(json.loads((out / "config.json").read_text())) == \
+                _weight_shapes(cfg.to_dict()):
+            hf_config(preset, dtype=getattr(torch, dtype))[1].save_pretrained(out)
+            return out
+    torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out)
     return out
+
+
+def _weight_shapes(config: dict) -> tuple:
+    """The config.json fields that shape a checkpoint's tensors."""
+    return tuple(config.get(k) for k in (
+        "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+        "tie_word_embeddings", "num_local_experts"))
 
 
 def write_config(out: str | Path, preset: str, dtype: str = "bfloat16") -> Path:

@@ -243,7 +243,10 @@ def timed(cfg: ServeConfig, worker: Worker, ids: list[list[int]], a: argparse.Na
     run(cfg, worker, ids, min(16, a.max_tokens), blocks, proposer)
     runs = sorted((run(cfg, worker, ids, a.max_tokens, blocks, proposer)
                    for _ in range(a.repeats)), key=lambda r: r["seconds"])
-    return runs[len(runs) // 2]
+    median = runs[len(runs) // 2]
+    # greedy runs of one batch give the same tokens: a repeat that did not is reported
+    median["repeats_differing"] = sum(r["tokens"] != median["tokens"] for r in runs)
+    return median
 
 
 def agreement(tokens: list[list[int]], plain: list[list[int]]) -> dict:
@@ -270,6 +273,7 @@ def summary(batch: int, mode: str, r: dict, plain: dict) -> dict:
                                                     / plain["decode_seconds"]), 3),
             "drafts": r["drafts"], "kept": r["kept"],
             "acceptance": round(r["kept"] / r["drafts"], 4) if r["drafts"] else None,
+            "repeats_differing": r.get("repeats_differing", 0),
             **agreement(r["tokens"], plain["tokens"])}
 
 
@@ -349,7 +353,7 @@ def oracle_main(a: argparse.Namespace, device: str) -> int:
         row = {}
         for mode, r in runs.items():
             row[mode] = summary(b, mode, r, plain)
-            mismatched += row[mode]["mismatched_seqs"]
+            mismatched += row[mode]["mismatched_seqs"] + row[mode]["repeats_differing"]
             print(json.dumps(row[mode]), flush=True)
         table.append(row)
     print_steps(list(steps.values()), a.k)
@@ -410,7 +414,7 @@ def main() -> None:
                         "none: no timings)")
     p.add_argument("--iters", type=int, default=50, help="oracle: timed steps per figure")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs of each batch and mode; the median is reported")
+                   help="timed runs of each batch and mode (odd: the median is reported)")
     p.add_argument("--draft", default="",
                    help="oracle: drafts from this draft model or EAGLE-3 head (a preset, a "
                         "checkpoint directory, or eagle3: a dummy head for --preset) instead "
@@ -419,13 +423,16 @@ def main() -> None:
                    help="oracle: the workers keep every draft (timing at 100%% acceptance; "
                         "tokens not checked)")
     a = p.parse_args()
+    if a.repeats < 1 or a.repeats % 2 == 0:
+        p.error(f"--repeats must be odd and positive (a median run), got {a.repeats}")
     device = a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if not a.oracle:
         ngram_main(a, device)
         return
     mismatched = oracle_main(a, device)
     if mismatched:
-        sys.exit(f"{mismatched} requests' greedy tokens differ from the plain run's in float32")
+        sys.exit(f"{mismatched} requests' greedy tokens (or repeats' runs) differ from the "
+                 "plain run's in float32")
 
 
 if __name__ == "__main__":

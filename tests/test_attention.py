@@ -229,6 +229,10 @@ def test_table_copy_moves_the_leading_rows_and_columns_only() -> None:
     assert torch.equal(dev, expect)
     with pytest.raises(ValueError, match="differ"):
         TableCopy(host, torch.zeros(4, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="differ"):
+        TableCopy(host, torch.zeros(4, 6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="5 x 3"):
+        copy(5, 3)  # past the table's rows
 
 
 @settings(max_examples=60, deadline=None)

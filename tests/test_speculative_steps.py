@@ -306,3 +306,31 @@ def test_a_drafters_graph_sizes_up_to_a_decode_keys_rows():
     drafter.graphs.update({1: None, 2: None})  # as if captured: not again
     assert drafter.sizes_upto(5) == [4, 6]
     worker.shutdown()
+
+
+def test_a_proposals_padding_rows_reach_only_the_scratch_block():
+    """A graph runs a proposal's rows padded to its size, and a padding row's loop steps
+    store K/V at positions 0 .. k - 1: past its first block when k is larger than a block.
+    Every column those steps reach holds the scratch block, never a block an earlier
+    proposal's real row left in that row of the tables (a live sequence's draft cache)."""
+    import numpy as np
+
+    from raygraph.config import DEFAULT_MODEL
+    from raygraph.protocol import SeqChunk
+    from tests.conftest import loaded_worker
+
+    cfg = spec_config("draft", draft=DEFAULT_MODEL, max_num_seqs=4)
+    cfg = msgspec.structs.replace(cfg, cache=msgspec.structs.replace(cfg.cache, block_size=2))
+    worker = loaded_worker(cfg, 64)
+    drafter = worker.drafter
+    la, scratch = drafter.lookahead, drafter.first_lookahead - 1
+    assert la == 3  # k = 4 over blocks of 2 tokens
+    real = [SeqChunk(i, [5], 10, list(range(10 * i + 1, 10 * i + 7)), True, propose=True)
+            for i in range(4)]
+    none = np.zeros(0, dtype=np.int64)
+    for _ in range(2):  # both host mirrors hold four real rows
+        drafter._stage(real, [0, 1, 2, 3], 4, 0, none)
+    drafter._stage(real[:1], [0], 4, 0, none)  # one real row, three padding rows
+    assert drafter.tables[0, :6].tolist() == [1, 2, 3, 4, 5, 6]
+    assert (drafter.tables[1:4, :la] == scratch).all(), drafter.tables[:4, :la]
+    worker.shutdown()

@@ -342,16 +342,16 @@ class InputBuffers:
         in one async copy, then the tables' part written since the last upload in a 2-D
         one. On CUDA these are driver calls: torch's copy_ (slicing, dispatch, a
         pinned-memory event) cost 3x as much host time (bench/RESULTS.md, fifth pass)."""
-        end, span = self._tables_at, self._span
+        end, span, stream = self._tables_at, self._span, None
         if self._stream is None:
             self.device_bytes[:end].copy_(self.host[:end])
         else:
-            driver = self._stream.driver
+            driver, stream = self._stream.driver, self._stream.current()
             (err,) = driver.cuMemcpyHtoDAsync(self.device_bytes.data_ptr(),
-                                              self.host.data_ptr(), end, self._stream.current())
+                                              self.host.data_ptr(), end, stream)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"input upload ({end} bytes) failed: {err}")
-        self._tables_copy(span.rows, span.cols)
+        self._tables_copy(span.rows, span.cols, stream)
         if self._stream is not None:
             self._uploaded.record()
         self._span = TableSpan(0, 0)

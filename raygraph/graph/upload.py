@@ -37,9 +37,10 @@ class TableCopy:
     slice copy on the CPU."""
 
     def __init__(self, host: torch.Tensor, dev: torch.Tensor) -> None:
-        if host.shape != dev.shape or not (host.is_contiguous() and dev.is_contiguous()):
-            raise ValueError(f"tables differ or are strided: {tuple(host.shape)} and "
-                             f"{tuple(dev.shape)}")
+        if (host.shape != dev.shape or host.dtype != dev.dtype or host.dim() != 2
+                or not (host.is_contiguous() and dev.is_contiguous())):
+            raise ValueError(f"tables differ or are strided: {tuple(host.shape)} "
+                             f"{host.dtype} and {tuple(dev.shape)} {dev.dtype}")
         self.host, self.dev = host, dev
         self.stream = DriverStream(dev.device) if dev.is_cuda else None
         if self.stream is not None:
@@ -51,7 +52,10 @@ class TableCopy:
             copy.dstDevice = dev.data_ptr()
             copy.srcPitch = copy.dstPitch = host.stride(0) * host.element_size()
 
-    def __call__(self, rows: int, cols: int) -> None:
+    def __call__(self, rows: int, cols: int, stream: object | None = None) -> None:
+        """`stream`: the current stream's CUstream where the caller has it already."""
+        if not (0 <= rows <= self.host.shape[0] and 0 <= cols <= self.host.shape[1]):
+            raise ValueError(f"{rows} x {cols} of a {tuple(self.host.shape)} table")
         if not (rows and cols):
             return
         if self.stream is None:
@@ -59,6 +63,6 @@ class TableCopy:
             return
         driver, copy = self.stream.driver, self._copy
         copy.WidthInBytes, copy.Height = cols * self.host.element_size(), rows
-        (err,) = driver.cuMemcpy2DAsync(copy, self.stream.current())
+        (err,) = driver.cuMemcpy2DAsync(copy, stream or self.stream.current())
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"table upload ({rows} x {cols}) failed: {err}")

@@ -340,7 +340,7 @@ class Drafter:
         if k:
             heads += [t for c in cs
                       for t in c.token_ids[len(c.token_ids) - c.verify:] + [-1] * (k - c.verify)]
-        cols = 1  # columns the loop reads: a padding row reads its first
+        cols = self.lookahead  # columns the loop reads (padding rows: the lookahead's)
         if d:  # every row's blocks, then its lookahead blocks, in one scatter
             la = self.lookahead
             lens = np.array([len(c.block_table) for c in cs], dtype=np.int64)
@@ -355,7 +355,9 @@ class Drafter:
                      + self._lookahead_rows[None, :])
             flat[ahead] = (self.first_lookahead + np.arange(d)[:, None] * la
                            + self._lookahead_rows[None, :])
-        mirror[d:n, 0] = self.first_lookahead - 1  # the target's scratch block: never read
+        # padding rows: the target's scratch block (never read) in every column their loop
+        # steps reach, the lookahead's (k past a block size reaches column 1 and on)
+        mirror[d:n, : self.lookahead] = self.first_lookahead - 1
         if n:
             upload(n, cols)
         size = len(heads) + len(extra)
