@@ -284,17 +284,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError(
             "--detach needs a Ray cluster that outlives this command: start one with "
             "`ray start --head` and pass --address auto (or the head's address)")
-    addr = connect(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1,
-                   log_to_driver=a.verbose)
-    coord = start_coordinator(cfg, detached=a.detach, progress=True)
-    print(f"coordinator {cfg.coordinator_name!r} serving {cfg.model} on the Ray cluster at "
-          f"{addr}", flush=True)
-    print(f"clients: raygraph generate --address {addr} \"The import statement\"; "
-          f"stop: raygraph stop --address {addr}"
-          + ("" if a.detach else " (or Ctrl-C here)"), flush=True)
+    http = None  # checked before anything starts: a bad flag leaves no coordinator behind
     if not a.no_http:
         from raygraph.api.app import HttpConfig
-        from raygraph.api.server import start_http, stop_http
 
         # a hub id is the name clients know the model by, not its snapshot's directory
         hub_id = a.model if a.model and not os.path.isdir(a.model) else None
@@ -306,6 +298,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           enable_lora_updates=a.enable_lora_updates,
                           reasoning_parser=a.reasoning_parser,
                           tool_call_parser=a.tool_call_parser)
+    addr = connect(a.address, num_cpus=None if a.address else cfg.parallel.world_size + 1,
+                   log_to_driver=a.verbose)
+    coord = start_coordinator(cfg, detached=a.detach, progress=True)
+    print(f"coordinator {cfg.coordinator_name!r} serving {cfg.model} on the Ray cluster at "
+          f"{addr}", flush=True)
+    print(f"clients: raygraph generate --address {addr} \"The import statement\"; "
+          f"stop: raygraph stop --address {addr}"
+          + ("" if a.detach else " (or Ctrl-C here)"), flush=True)
+    if http is not None:
+        from raygraph.api.server import start_http, stop_http
+
         try:
             servers, url = start_http(http, cfg.coordinator_name, cfg.namespace,
                                       a.detach)  # kept: they live while serve runs

@@ -28,6 +28,10 @@ MIN_TOP_P = 1e-30
 ALLOCATE_SAMPLE = 16
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+# stop strings a request may give, and their length: every new token of the request is
+# checked against each on the engine's event loop, which serves every request of the replica
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 def nth_seed(seed: int, i: int) -> int:
@@ -55,7 +59,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1.0)] | None = None
     seed: Seed | None = None
     stop_token_ids: list[TokenId] = []
-    stop: list[Annotated[str, Meta(min_length=1)]] = []  # "" would stop before any text
+    # "" would stop before any text
+    stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
     ignore_eos: bool = False
     # return each output token's logprob and this many top alternatives (0: the token's only)
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

@@ -48,13 +48,17 @@ def bad_models(tmp_path: Path) -> dict[str, Path]:
     ("port", ["--port", "70000"], "--port must be in [0, 65535], got 70000"),
     ("seqs", ["--max-num-seqs", str(10**20)], "max_num_seqs must be in [1, 65536]"),
     ("len", ["--max-model-len", "-5"], "max_model_len must be >= 1"),
+    ("bytes", ["--max-request-bytes", "0"], "max_request_bytes must be >= 1"),
 ])
 def test_bad_startup_input_is_one_line_exit_2(bad_models, case, args, cause):
+    """Refused before anything starts: no coordinator is left serving (with --detach it
+    would outlive the command)."""
     args = [a.format(**{k: str(v) for k, v in bad_models.items()}) for a in args]
     p = raygraph("serve", *args)
     assert p.returncode == 2, p.stderr
     line = one_error_line(p)
     assert cause in line
+    assert "coordinator" not in p.stdout, p.stdout
     if case in bad_models:
         assert str(bad_models[case]) in line  # the file or directory is named
 

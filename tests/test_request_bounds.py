@@ -149,6 +149,28 @@ def test_an_empty_stop_string_is_a_bad_request():
         parse_params({"stop": [""]})
 
 
+def test_stop_strings_are_bounded_in_number_and_length():
+    """Each new token is checked against every stop string on the engine's event loop,
+    which serves the whole replica: a request may give at most MAX_STOP_STRINGS of at most
+    MAX_STOP_CHARS, on the HTTP front and the Python API alike."""
+    import pydantic
+
+    from raygraph.api.schemas import CompletionRequest
+    from raygraph.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    most = [f"s{i}" for i in range(MAX_STOP_STRINGS)]
+    assert parse_params({"stop": most}).stop == most
+    CompletionRequest(prompt="x", stop=most)
+    CompletionRequest(prompt="x", stop="a" * MAX_STOP_CHARS)
+    for stop in ([*most, "one more"], ["a" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(BadRequest, match="stop"):
+            parse_params({"stop": stop})
+        with pytest.raises(pydantic.ValidationError, match="stop"):
+            CompletionRequest(prompt="x", stop=stop)
+    with pytest.raises(pydantic.ValidationError, match="stop"):
+        CompletionRequest(prompt="x", stop="a" * (MAX_STOP_CHARS + 1))
+
+
 def test_a_prompt_that_is_neither_text_nor_ids_is_a_bad_request():
     from raygraph.requests import split_prompts
 

@@ -24,6 +24,8 @@ from raygraph.protocol import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     SamplingParams,
     TokenLogprobs,
@@ -40,6 +42,7 @@ TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=20)]
 Temperature = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0,
                                      le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)]
+StopString = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
 # choices (prompts x n) one completion request may ask for: each is a sequence held until it
 # ends, so more is a 400 before any prompt is read (a batch job sends several requests)
 MAX_SEQUENCES = 1024
@@ -111,7 +114,8 @@ class _Sampling(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, Field(strict=True, ge=1, le=16)] = 1
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
+        = None
     seed: Seed | None = None
     user: StrictStr | None = None
     stream: StrictBool = False
