@@ -1024,3 +1024,29 @@ def test_chat_without_a_template_is_refused_and_a_given_one_is_used(tmp_path):
                          "{% endfor %}{% if add_generation_prompt %}!{% endif %}")
     ids = given.render([{"role": "user", "content": "hi"}])
     assert ids == tok.encode("<hi>!", add_special_tokens=False)  # the template adds no BOS
+
+
+def test_a_client_gone_before_its_answer_is_a_499_and_its_calls_are_cancelled(ray_session):
+    """A non-streamed request whose client disconnects ends as ClientGone (499) at once,
+    its coordinator calls cancelled, not as a 500 from reading a gather still cancelling."""
+    from raygraph.api.front import ClientGone, Front
+
+    @ray.remote
+    class Slow:
+        async def generate(self, prompts, params):
+            await asyncio.sleep(60)
+
+    class Fake:  # what Front.generate reads of its front
+        coord = Slow.remote()
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def call():
+        t0 = time.perf_counter()
+        with pytest.raises(ClientGone):
+            await Front.generate(Fake(), [(0, [1, 2], SamplingParams(seed=1))], receive)
+        return time.perf_counter() - t0
+
+    assert asyncio.run(call()) < 10
+    ray.kill(Fake.coord)

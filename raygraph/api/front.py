@@ -255,15 +255,19 @@ class Front:
         refs = [self.coord.generate.remote([c[1] for c in g], g[0][2]) for g in groups.values()]
         work = asyncio.ensure_future(asyncio.gather(*refs))
         gone = asyncio.ensure_future(until_disconnected(receive))
+        left = False
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():  # the client went away, or this handler was cancelled
+                left = True
+                # a gather is cancelled only once its calls are: its end is not awaited
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())
                 work.cancel()
                 for ref in refs:
                     ray.cancel(ref)
-        if work.cancelled():
+        if left:
             raise ClientGone
         try:
             outs = work.result()
