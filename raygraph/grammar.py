@@ -88,7 +88,7 @@ class Grammars:
         if spec.kind == "choice":
             try:
                 choices = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 choices = None
             if not (isinstance(choices, list) and choices
                     and all(isinstance(c, str) for c in choices)):
@@ -176,13 +176,13 @@ def fixed_whitespace(schema: str) -> str:
     with newlines and never close the object."""
     try:
         doc = json.loads(schema)
-    except ValueError:
+        if not isinstance(doc, dict) or "x-guidance" in doc:
+            return schema
+        doc["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
+                             "key_separator": ": "}
+        return json.dumps(doc)
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return schema  # llguidance reports it
-    if not isinstance(doc, dict) or "x-guidance" in doc:
-        return schema
-    doc["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
-                         "key_separator": ": "}
-    return json.dumps(doc)
 
 
 def one_line(err: Any) -> str:

@@ -1050,3 +1050,26 @@ def test_a_client_gone_before_its_answer_is_a_499_and_its_calls_are_cancelled(ra
 
     assert asyncio.run(call()) < 10
     ray.kill(Fake.coord)
+
+
+def test_a_stream_that_fails_before_reading_its_deltas_still_stops_them():
+    """An SSE stream whose events fail before its engine streams are read (its first
+    events could not be encoded) ends with one error event and [DONE], and its streams
+    are stopped: a generator closed before it started runs no cleanup of its own."""
+    from raygraph.api.app import _guard
+    from raygraph.api.front import Merged
+
+    stopped = []
+
+    async def deltas():
+        yield 0, None
+
+    async def events():
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        yield b""
+
+    async def run():
+        return [e async for e in _guard(events(), Merged(deltas(), lambda: stopped.append(1)))]
+
+    out = asyncio.run(run())
+    assert stopped == [1] and b"surrogates" in out[0] and out[-1].strip() == b"data: [DONE]"

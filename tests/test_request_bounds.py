@@ -91,7 +91,12 @@ def test_echoed_responses_fields_and_text_parts_are_checked_before_running():
     from raygraph.api.responses import ResponsesRequest
 
     ResponsesRequest(input="hi", metadata={"a": 1.5})
+    deep: dict = {}
+    for _ in range(990):  # parses (pydantic), past what json.dumps then recurses through
+        deep = {"a": deep}
     for body in ({"input": "hi", "metadata": {"a": math.nan}},
+                 {"input": "hi", "metadata": {"k": "\ud800"}},  # a lone surrogate
+                 {"input": "hi", "metadata": deep},
                  {"input": "hi", "text": {"format": {"type": "text"}, "x": math.inf}},
                  {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}):
         with pytest.raises(pydantic.ValidationError):
@@ -202,3 +207,27 @@ def test_validation_messages_name_the_problem():
     with pytest.raises(pydantic.ValidationError) as e:
         ResponsesRequest(input="hi", text={"format": {"type": "json_schema"}})
     assert "Value error, " not in str(e.value).replace("Value error, ", "", 1)
+
+
+def test_json_text_nested_past_pythons_stack_is_refused_or_plain_text():
+    """JSON given as text and nested past Python's recursion limit is a schema llguidance
+    refuses (a 400), an assistant's arguments passed to the template as written, and a
+    model's output not a tool call: never a RecursionError (a 500)."""
+    import pydantic
+
+    from raygraph.api.schemas import CompletionRequest
+    from raygraph.api.tools import template_message, to_call
+    from raygraph.grammar import fixed_whitespace
+
+    deep = "[" * 50_000 + "]" * 50_000
+    assert fixed_whitespace(deep) == deep
+    args = '{"a": ' + deep + "}"
+    m = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}
+    assert template_message(m)["tool_calls"][0]["function"]["arguments"] == args
+    assert to_call('{"name": "f", "arguments": ' + deep + "}", frozenset({"f"})) is None
+    schema: dict = {}
+    for _ in range(990):
+        schema = {"not": schema}
+    with pytest.raises(pydantic.ValidationError, match="nested too deeply"):
+        CompletionRequest(prompt="x", response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})

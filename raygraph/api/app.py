@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from raygraph.api.answers import AnswerStream, after_reasoning, answer, chat_chunks, ending
 from raygraph.api.errors import ApiError, install_handlers, translate
-from raygraph.api.front import Choice, Front, HttpConfig
+from raygraph.api.front import Choice, Front, HttpConfig, Merged
 from raygraph.api.middleware import FrontDoor
 from raygraph.api.responses import (
     ResponseEvents,
@@ -144,7 +144,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                 yield sse(envelope(kind, rid, name, [], usage(prompt_tokens, n)))
             yield sse("[DONE]")
 
-        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+        return StreamingResponse(_guard(events(), deltas), media_type="text/event-stream")
 
     async def start_chat(body: ChatRequest) -> tuple[str, list[int], list[Choice]]:
         """A chat request's model name, prompt (the template with its tools) and choices."""
@@ -203,7 +203,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
                 yield sse(envelope(kind, rid, name, [], usage(len(prompt), n)))
             yield sse("[DONE]")
 
-        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+        return StreamingResponse(_guard(events(), deltas), media_type="text/event-stream")
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -249,7 +249,7 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             done = "response.incomplete" if finish == "length" else "response.completed"
             yield event(out.event(done, response=response(out.items, n, finish)))
 
-        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+        return StreamingResponse(_guard(events(), deltas), media_type="text/event-stream")
 
     @get("/is_sleeping")
     async def is_sleeping() -> dict:
@@ -305,11 +305,14 @@ def add_lora_routes(app: FastAPI, coord: Any) -> None:
         return {"lora_name": body.lora_name, "unloaded": True}
 
 
-async def _guard(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A stream that fails after its 200 ends with one OpenAI error event, then [DONE]."""
+async def _guard(events: AsyncIterator[bytes], deltas: Merged) -> AsyncIterator[bytes]:
+    """A stream that fails after its 200 ends with one OpenAI error event, then [DONE];
+    however it ends, its engine streams stop (one that failed before it read them too)."""
     try:
         async for e in events:
             yield e
     except Exception as e:
         yield sse(translate(e).body())
         yield sse("[DONE]")
+    finally:
+        await deltas.aclose()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -100,6 +100,23 @@ def text_size(arg: Any) -> int:
         if isinstance(x, str):
             size += len(x)
     return size
+
+
+class Merged:
+    """A request's merged stream deltas (`Front.open_streams`), iterated once. `aclose()`
+    stops every stream not finished, whether or not they were read: a generator closed
+    before it started runs no cleanup of its own."""
+
+    def __init__(self, deltas: AsyncGenerator[tuple[int, StreamDelta], None],
+                 stop: Callable[[], None]) -> None:
+        self._deltas, self._stop = deltas, stop
+
+    def __aiter__(self) -> AsyncGenerator[tuple[int, StreamDelta], None]:
+        return self._deltas
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+        self._stop()
 
 
 class Front:
@@ -289,8 +306,7 @@ class Front:
         return await self.off_loop(
             lambda: [shape(r.token_ids, r.logprobs or []) for r in results])
 
-    async def open_streams(self, choices: list[Choice]
-                           ) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def open_streams(self, choices: list[Choice]) -> Merged:
         """Start a stream per choice and wait for each one's first delta, so a refused
         request fails before any byte is sent; then the merged deltas, as they come."""
         hub = self.streams
@@ -305,12 +321,14 @@ class Front:
         except Exception as e:
             hub.cancel(rids)
             raise translate(e) from None
-        return self._merge([c[0] for c in choices], rids, firsts)
-
-    async def _merge(self, indices: list[int], rids: list[int], firsts: list[StreamDelta]
-                     ) -> AsyncIterator[tuple[int, StreamDelta]]:
-        queue: asyncio.Queue = asyncio.Queue()
         done: set[int] = set()
+        return Merged(self._merge([c[0] for c in choices], rids, firsts, done),
+                      lambda: hub.cancel([r for r in rids if r not in done]))
+
+    async def _merge(self, indices: list[int], rids: list[int], firsts: list[StreamDelta],
+                     done: set[int]) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """The deltas as they come; `done` gathers the streams that finished."""
+        queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, rid: int, delta: StreamDelta) -> None:
             gaps, tokens, last = [], 0, time.perf_counter()

@@ -50,10 +50,14 @@ class ResponsesRequest(BaseModel):
             raise ValueError("previous_response_id: this server stores no responses; send the "
                              "whole conversation as input")
         for key in ("metadata", "text", "tools", "tool_choice"):  # echoed in the Response
-            try:
-                json.dumps(getattr(self, key), allow_nan=False)
+            try:  # as the response will encode it
+                json.dumps(getattr(self, key), allow_nan=False, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"{key}: text with a lone surrogate is not UTF-8") from None
             except ValueError:
                 raise ValueError(f"{key}: NaN and infinities are not JSON") from None
+            except RecursionError:
+                raise ValueError(f"{key}: nested too deeply") from None
         body: dict[str, Any] = {"messages": self.messages(), "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls}
         for key in ("model", "temperature", "top_p", "user"):

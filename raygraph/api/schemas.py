@@ -98,7 +98,10 @@ class StructuredOutputsField(BaseModel):
 
 def structured_spec(kind: str, value: Any) -> dict[str, str]:
     """A StructuredOutputs for the coordinator: values that are not text become JSON."""
-    return {"kind": kind, "value": value if isinstance(value, str) else json.dumps(value)}
+    try:
+        return {"kind": kind, "value": value if isinstance(value, str) else json.dumps(value)}
+    except RecursionError:  # a body parses a little deeper than json.dumps goes
+        raise ValueError(f"structured output {kind}: nested too deeply") from None
 
 
 ANY_OBJECT = {"type": "object"}

@@ -69,7 +69,7 @@ class ToolFormat:
                 docs += doc if isinstance(doc, list) else [doc]
                 while i < len(text) and text[i] in "; \n":
                     i += 1
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         calls = [to_call(d, names) for d in docs]
         return calls if calls and all(c is not None for c in calls) else None
@@ -106,7 +106,7 @@ def to_call(doc: Any, names: frozenset[str]) -> dict[str, Any] | None:
     if isinstance(doc, str):
         try:
             doc = json.loads(doc)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not (isinstance(doc, dict) and isinstance(doc.get("name"), str)
             and doc["name"] in names):
@@ -210,7 +210,7 @@ def template_message(m: dict[str, Any]) -> dict[str, Any]:
         if isinstance(f.get("arguments"), str):
             try:
                 f["arguments"] = json.loads(f["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # the template writes it as it came
         out.append({**c, "function": f})
     return {**m, "tool_calls": out}
