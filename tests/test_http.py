@@ -1073,3 +1073,22 @@ def test_a_stream_that_fails_before_reading_its_deltas_still_stops_them():
 
     out = asyncio.run(run())
     assert stopped == [1] and b"surrogates" in out[0] and out[-1].strip() == b"data: [DONE]"
+
+
+def test_what_a_chat_template_writes_counts_toward_the_bulk_lane():
+    """A chat request tokenizes in the bulk lane when its template has much to write: long
+    tools or kwargs, or many messages (each costs the template its markers), not only
+    long message text."""
+    from raygraph.api.app import template_size
+    from raygraph.api.front import BULK_CHARS, MESSAGE_CHARS, text_size
+
+    assert text_size([{"role": "user", "content": "hi"}]) == 2 + MESSAGE_CHARS
+    assert text_size([{"role": "user", "content": ""}] * (BULK_CHARS // MESSAGE_CHARS)) \
+        >= BULK_CHARS
+    assert template_size(None, None) == 0
+    tool = {"type": "function", "function": {"name": "f", "description": "x" * BULK_CHARS}}
+    assert template_size([tool], None) >= BULK_CHARS
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"a": deep}
+    assert template_size(None, deep) == BULK_CHARS

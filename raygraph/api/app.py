@@ -7,6 +7,7 @@ size checks run before any route (`middleware.FrontDoor`)."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from raygraph.api.answers import AnswerStream, after_reasoning, answer, chat_chunks, ending
 from raygraph.api.errors import ApiError, install_handlers, translate
-from raygraph.api.front import Choice, Front, HttpConfig, Merged
+from raygraph.api.front import BULK_CHARS, Choice, Front, HttpConfig, Merged
 from raygraph.api.middleware import FrontDoor
 from raygraph.api.responses import (
     ResponseEvents,
@@ -152,7 +153,8 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] \
             if body.tools_active else None
         render = functools.partial(front.render, tools=tools, kwargs=body.chat_template_kwargs)
-        (prompt,) = await front.tokenize(render, [m.text() for m in body.messages])
+        (prompt,) = await front.tokenize(render, [m.text() for m in body.messages],
+                                         template_size(tools, body.chat_template_kwargs))
         top = body.top_logprobs or 0
         max_tokens = body.given_max_tokens or front.max_model_len
         fields = {**body.params(max_tokens, top if body.logprobs else None), "lora": lora}
@@ -303,6 +305,17 @@ def add_lora_routes(app: FastAPI, coord: Any) -> None:
         except Exception as e:
             raise translate(e) from None
         return {"lora_name": body.lora_name, "unloaded": True}
+
+
+def template_size(tools: list | None, kwargs: dict | None) -> int:
+    """The characters a chat template writes out of a request's tools and kwargs (deeper
+    than Python's stack: as many as a long prompt, to the bulk lane)."""
+    if not (tools or kwargs):
+        return 0
+    try:
+        return len(json.dumps([tools, kwargs]))
+    except (RecursionError, TypeError, ValueError):
+        return BULK_CHARS
 
 
 async def _guard(events: AsyncIterator[bytes], deltas: Merged) -> AsyncIterator[bytes]:

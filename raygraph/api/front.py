@@ -90,12 +90,17 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
+# what a chat message costs a template past its text (its role, markers), in characters
+MESSAGE_CHARS = 16
+
+
 def text_size(arg: Any) -> int:
     """The characters of text in a prompt, a list of prompts or of chat messages: what
-    tokenizing them costs (token ids cost nothing)."""
+    tokenizing them costs (token ids cost nothing; a message its text and MESSAGE_CHARS)."""
     size = 0
     for x in arg if isinstance(arg, list) else [arg]:
         if isinstance(x, dict):
+            size += MESSAGE_CHARS
             x = x.get("content")
         if isinstance(x, str):
             size += len(x)
@@ -208,13 +213,14 @@ class Front:
         """The chat template's token ids, checked as a prompt; run it off the loop."""
         return self.encode([self.chat.render(messages, tools, kwargs)])
 
-    async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any
+    async def tokenize(self, fn: Callable[[Any], list[list[int]]], arg: Any, extra: int = 0
                        ) -> list[list[int]]:
-        """`encode` or `render` on the CPU pool (the bulk lane for long text); a bad prompt
-        is a 400."""
+        """`encode` or `render` on the CPU pool (the bulk lane for long text: `arg`'s and
+        `extra` characters more, a chat template's tools); a bad prompt is a 400."""
         await asyncio.wrap_future(self._text)  # the tokenizer, and what uses it after
         try:
-            return await self.off_loop(fn, arg, bulk=text_size(arg) >= BULK_CHARS)
+            bulk = text_size(arg) + extra >= BULK_CHARS
+            return await self.off_loop(fn, arg, bulk=bulk)
         except ValueError as e:  # BadRequest
             raise translate(e) from None
 
