@@ -1092,3 +1092,44 @@ def test_what_a_chat_template_writes_counts_toward_the_bulk_lane():
     for _ in range(5000):
         deep = {"a": deep}
     assert template_size(None, deep) == BULK_CHARS
+
+
+def test_a_failed_seed_group_cancels_the_requests_other_calls(ray_session):
+    """Choices with different seeds go in separate coordinator calls: when one fails, the
+    request fails and its other calls are cancelled, not left generating for no one."""
+    from raygraph.api.front import Front
+
+    @ray.remote
+    class Coordinator:
+        def __init__(self):
+            self.cancelled = False
+
+        async def generate(self, prompts, params):
+            if params.seed == 1:
+                raise ValueError("this group failed")
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+
+        def was_cancelled(self):
+            return self.cancelled
+
+    class Fake:  # what Front.generate reads of its front
+        coord = Coordinator.remote()
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def call():
+        with pytest.raises(Exception, match="this group failed"):
+            await Front.generate(Fake(), [(0, [1], SamplingParams(seed=1)),
+                                          (1, [1], SamplingParams(seed=2))], receive)
+
+    asyncio.run(call())
+    deadline = time.time() + 20
+    while not ray.get(Fake.coord.was_cancelled.remote()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray.get(Fake.coord.was_cancelled.remote())
+    ray.kill(Fake.coord)

@@ -294,7 +294,9 @@ class Front:
             raise ClientGone
         try:
             outs = work.result()
-        except Exception as e:
+        except Exception as e:  # one call failed: the others' answers are not sent either
+            for ref in refs:
+                ray.cancel(ref)
             raise translate(e) from None
         results: dict[int, GenerateResult] = {}
         for g, rs in zip(groups.values(), outs):
@@ -382,7 +384,8 @@ class Front:
                          "reason": r.get("reason")} for r in stats.get("replicas", [])]
             if not stats["healthy"]:
                 return False, f"not serving: {stats['reason'] or 'not started'}", replicas
-            if await self.coord.is_sleeping.remote():
+            if await asyncio.wait_for(self.coord.is_sleeping.remote(),
+                                      self.cfg.probe_timeout_s):
                 return False, "asleep; POST /wake_up", replicas
         except asyncio.TimeoutError:
             return False, f"the coordinator did not answer in {self.cfg.probe_timeout_s}s", []
@@ -396,7 +399,8 @@ class Front:
             stats = await asyncio.wait_for(self.coord.stats.remote(), self.cfg.probe_timeout_s)
             h2d = 0
             if stats.get("offload"):
-                ranks = await self.coord.worker_stats.remote()
+                ranks = await asyncio.wait_for(self.coord.worker_stats.remote(),
+                                               self.cfg.probe_timeout_s)
                 h2d = sum((r["offload"] or {}).get("bytes_copied", 0) for r in ranks)
         except Exception as e:
             raise translate(e) from None
