@@ -79,12 +79,14 @@ def test_qk_norm_in_one_launch_equals_two_norms(interpreted, dtype, t):
     assert not torch.allclose(got_k, ops.rms_norm(k.reshape(-1, d), wq, 1e-6).view(t, hk, d))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_rotary_in_place(interpreted, dtype):
+@pytest.mark.parametrize("dtype,d", [(torch.float16, 32), (torch.float32, 32),
+                                     (torch.float32, 80), (torch.float32, 100)])
+def test_rotary_in_place(interpreted, dtype, d):
+    """Any even head size: half of 80 or 100 is no power of two."""
     k_ops = interpreted("triton_ops")
     torch.manual_seed(1)
-    cos, sin = rope_tables(32, 512, 10000.0)
-    q, k = torch.randn(5, 6, 32, dtype=dtype), torch.randn(5, 2, 32, dtype=dtype)
+    cos, sin = rope_tables(d, 512, 10000.0)
+    q, k = torch.randn(5, 6, d, dtype=dtype), torch.randn(5, 2, d, dtype=dtype)
     pos = torch.tensor([0, 3, 100, 511, 7])
     want_q, want_k = ops.rotary(q, k, cos, sin, pos)
     k_ops.rotary_(q, k, cos, sin, pos)

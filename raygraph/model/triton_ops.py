@@ -247,10 +247,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool =
 
 @triton.jit
 def _rope_heads(ptr, stride_h, cos, sin, H: tl.constexpr, H_PAD: tl.constexpr,
-                HALF: tl.constexpr):
+                HALF: tl.constexpr, HALF_PAD: tl.constexpr):
     h = tl.arange(0, H_PAD)[:, None]
-    off = ptr + h * stride_h + tl.arange(0, HALF)[None, :]
-    m = h < H
+    d = tl.arange(0, HALF_PAD)[None, :]
+    off = ptr + h * stride_h + d
+    m = (h < H) & (d < HALF)
     x1 = tl.load(off, mask=m).to(tl.float32)
     x2 = tl.load(off + HALF, mask=m).to(tl.float32)
     tl.store(off, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=m)
@@ -260,14 +261,15 @@ def _rope_heads(ptr, stride_h, cos, sin, H: tl.constexpr, H_PAD: tl.constexpr,
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_c, HQ: tl.constexpr, HK: tl.constexpr,
-                   HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr):
+                   HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr,
+                   HALF_PAD: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * stride_c + d)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_c + d)[None, :]
-    _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, HQ, HQ_PAD, HALF)
-    _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, HK, HK_PAD, HALF)
+    d = tl.arange(0, HALF_PAD)  # heads of 80, 96 or 100: half a head is no power of two
+    cos = tl.load(cos_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, HQ, HQ_PAD, HALF, HALF_PAD)
+    _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, HK, HK_PAD, HALF, HALF_PAD)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -278,7 +280,8 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     _rotary_kernel[(num_tokens,)](
         q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), HQ=hq, HK=hk, HQ_PAD=triton.next_power_of_2(hq),
-        HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, num_warps=1,
+        HK_PAD=triton.next_power_of_2(hk), HALF=d // 2,
+        HALF_PAD=triton.next_power_of_2(d // 2), num_warps=1,
     )
 
 
