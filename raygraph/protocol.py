@@ -20,6 +20,9 @@ SAMPLING_FALLBACK: dict[str, float | int] = {"temperature": 0.0, "top_k": 0, "to
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_TEMPERATURE = 1e4  # float32-safe; a softmax is uniform long before this
+# below this a temperature samples greedily (as vLLM does): logits divided by 1e-38 overflow
+# float32, and the NaN rows gave token 0
+MIN_TEMPERATURE = 1e-5
 # float32-safe (a smaller one rounds to 0 in the sampler's rows); any top_p below the top
 # token's probability keeps that token alone
 MIN_TOP_P = 1e-30
@@ -49,7 +52,8 @@ class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters.
+    """Greedy when temperature is 0 (or below MIN_TEMPERATURE); top_k == 0 and top_p == 1
+    disable those filters.
     None: not given; the coordinator fills it from the model's generation_config.json
     (`resolved`), else from SAMPLING_FALLBACK."""
 
@@ -73,6 +77,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         SAMPLING_FALLBACK."""
         fill = {**SAMPLING_FALLBACK, **(defaults or {})}
         unset = {k: fill[k] for k in SAMPLING_FALLBACK if getattr(self, k) is None}
+        temperature = unset.get("temperature", self.temperature)
+        if 0 < temperature < MIN_TEMPERATURE:
+            unset["temperature"] = 0.0
         return msgspec.structs.replace(self, **unset) if unset else self
 
 

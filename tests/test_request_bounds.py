@@ -231,3 +231,14 @@ def test_json_text_nested_past_pythons_stack_is_refused_or_plain_text():
     with pytest.raises(pydantic.ValidationError, match="nested too deeply"):
         CompletionRequest(prompt="x", response_format={
             "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+
+
+def test_a_temperature_below_the_floor_samples_greedily():
+    """logits / 1e-38 overflow float32: such a request (or model default) samples
+    greedily, as vLLM does, instead of drawing token 0 from NaN rows every step."""
+    from raygraph.protocol import MIN_TEMPERATURE, SamplingParams
+
+    assert SamplingParams(temperature=1e-38).resolved().temperature == 0.0
+    assert SamplingParams().resolved({"temperature": 1e-30}).temperature == 0.0
+    assert SamplingParams(temperature=MIN_TEMPERATURE).resolved().temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.7).resolved().temperature == 0.7
