@@ -169,3 +169,15 @@ def test_logits_in_the_model_dtype_sample_as_their_float32_copy() -> None:
             sample(logits.float(), chunks, torch.Generator())
         chunks = [msgspec.structs.replace(c, num_generated=c.num_generated + 1) for c in chunks]
     assert torch.equal(chunk_probs(logits, chunks[0]), chunk_probs(logits.float(), chunks[0]))
+
+
+def test_top_p_1_keeps_every_token_of_a_large_vocabulary() -> None:
+    """top_p == 1 turns the nucleus off: a float32 running sum reaches 1 long before a
+    peaked row's tail, and every token there must still be drawable."""
+    from raygraph.worker.sampler import _filter_top_k_top_p
+
+    logits = torch.zeros(2, 152_064)
+    logits[:, 7] = 30.0  # the rest: e^-30 each, ~1e-8 of the mass together
+    kept = _filter_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(kept[0]).all()
+    assert torch.isfinite(kept[1]).sum() == 1  # a nucleus of 0.5: the top token alone

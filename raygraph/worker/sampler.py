@@ -22,8 +22,9 @@ def _filter_top_k_top_p(
     rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
     drop = rank >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    # drop a token when the mass before it already reaches top_p (the top token always stays)
-    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    # drop a token when the mass before it already reaches top_p (the top token always
+    # stays); top_p 1 keeps every token, though a float32 sum reaches 1 before the tail
+    drop |= ((probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
