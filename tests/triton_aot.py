@@ -180,6 +180,8 @@ def other_cases() -> list[Case]:
         ("argmax", op._argmax_kernel, dict(BLOCK=16384), 16, {"out_ptr": "*i64"}),
         ("rotary", op._rotary_kernel,
          dict(HQ=32, HK=8, HQ_PAD=32, HK_PAD=8, HALF=32, HALF_PAD=32), 1, rope),
+        ("rotary, head 80", op._rotary_kernel,
+         dict(HQ=32, HK=8, HQ_PAD=32, HK_PAD=8, HALF=40, HALF_PAD=64), 1, rope),
         ("silu_and_mul", op._silu_and_mul_kernel, dict(BLOCK=1024), 4, {}),
         ("silu_and_mul + e4m3 rows", op._silu_and_mul_quant_kernel,
          dict(BLOCK=1024, WHOLE=False, KEEP=False), 4, quantized),
