@@ -1043,12 +1043,11 @@ def test_a_client_gone_before_its_answer_is_a_499_and_its_calls_are_cancelled(ra
         return {"type": "http.disconnect"}
 
     async def call():
-        t0 = time.perf_counter()
-        with pytest.raises(ClientGone):
-            await Front.generate(Fake(), [(0, [1, 2], SamplingParams(seed=1))], receive)
-        return time.perf_counter() - t0
+        with pytest.raises(ClientGone):  # the call sleeps 60 s: a hang guard, not a timing
+            await asyncio.wait_for(
+                Front.generate(Fake(), [(0, [1, 2], SamplingParams(seed=1))], receive), 30)
 
-    assert asyncio.run(call()) < 10
+    asyncio.run(call())
     ray.kill(Fake.coord)
 
 

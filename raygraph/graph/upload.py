@@ -63,6 +63,7 @@ class TableCopy:
             return
         driver, copy = self.stream.driver, self._copy
         copy.WidthInBytes, copy.Height = cols * self.host.element_size(), rows
-        (err,) = driver.cuMemcpy2DAsync(copy, stream or self.stream.current())
+        (err,) = driver.cuMemcpy2DAsync(
+            copy, stream if stream is not None else self.stream.current())
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"table upload ({rows} x {cols}) failed: {err}")

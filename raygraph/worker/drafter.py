@@ -340,9 +340,9 @@ class Drafter:
         if k:
             heads += [t for c in cs
                       for t in c.token_ids[len(c.token_ids) - c.verify:] + [-1] * (k - c.verify)]
-        cols = self.lookahead  # columns the loop reads (padding rows: the lookahead's)
+        la = self.lookahead
+        cols = la  # columns the loop reads (padding rows: the lookahead's)
         if d:  # every row's blocks, then its lookahead blocks, in one scatter
-            la = self.lookahead
             lens = np.array([len(c.block_table) for c in cs], dtype=np.int64)
             cols = int(lens.max()) + la
             blocks = np.fromiter(chain.from_iterable(c.block_table for c in cs), np.int32,
@@ -357,7 +357,7 @@ class Drafter:
                            + self._lookahead_rows[None, :])
         # padding rows: the target's scratch block (never read) in every column their loop
         # steps reach, the lookahead's (k past a block size reaches column 1 and on)
-        mirror[d:n, : self.lookahead] = self.first_lookahead - 1
+        mirror[d:n, :la] = self.first_lookahead - 1
         if n:
             upload(n, cols)
         size = len(heads) + len(extra)
