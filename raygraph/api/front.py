@@ -335,7 +335,8 @@ class Front:
 
     async def _merge(self, indices: list[int], rids: list[int], firsts: list[StreamDelta],
                      done: set[int]) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """The deltas as they come; `done` gathers the streams that finished."""
+        """The deltas as they come; `done` gathers the streams that finished (Merged stops
+        the others)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, rid: int, delta: StreamDelta) -> None:
@@ -368,10 +369,9 @@ class Front:
                     raise translate(item)
                 yield index, item
                 left -= item.finish_reason is not None
-        finally:  # the client went away, or a stream failed: stop the others
+        finally:  # the streams themselves stop in Merged.aclose, read or not
             for t in tasks:
                 t.cancel()
-            self.streams.cancel([r for r in rids if r not in done])
 
     async def probe(self) -> tuple[bool, str, list[dict]]:
         """(serving, why not, each replica's state) from the coordinator: serving while one
