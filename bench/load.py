@@ -91,14 +91,15 @@ def make_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
     rng = random.Random(a.seed)
     ins = sample_lengths(a.num_prompts, a.input_len, a.range_ratio, rng)
     outs = sample_lengths(a.num_prompts, a.output_len, a.range_ratio, rng)
-    sampled = a.temperature > 0
+    seeded = a.temperature > 0 and not a.unseeded
     # drawn after the lengths, so the suffixes' lengths do not depend on the prefixes'
     prefixes = [[rng.randrange(3, vocab) for _ in range(a.shared_prefix_len)]
                 for _ in range(a.num_prefixes)]
     picks = [rng.randrange(a.num_prefixes) for _ in ins] if a.num_prefixes > 1 else [0] * len(ins)
     return [Request(prefixes[picks[k]] + [rng.randrange(3, vocab) for _ in range(i)],
                     SamplingParams(max_tokens=o, ignore_eos=True, temperature=a.temperature,
-                                   top_k=a.top_k, seed=a.seed + k if sampled else None))
+                                   top_k=a.top_k, top_p=a.top_p,
+                                   seed=a.seed + k if seeded else None))
             for k, (i, o) in enumerate(zip(ins, outs))]
 
 
@@ -340,6 +341,8 @@ def http_client(session: Any, endpoint: str, model: str) -> Client:
             "stream": True, "stream_options": {"include_usage": True}}
         if params.top_k:
             body["top_k"] = params.top_k
+        if params.top_p < 1:
+            body["top_p"] = params.top_p
         if params.seed is not None:
             body["seed"] = params.seed
         async with session.post(url, json=body) as resp:

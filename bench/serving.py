@@ -131,8 +131,8 @@ def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int | str | None
 def sampling(a: argparse.Namespace) -> tuple[SamplingParams, SamplingParams]:
     """(the timed requests' params, the warm-up's). With a temperature, requests are seeded:
     their draws then do not depend on the batch, and both phases give the same tokens."""
-    kw = dict(ignore_eos=True, temperature=a.temperature, top_k=a.top_k,
-              seed=0 if a.temperature > 0 else None)
+    kw = dict(ignore_eos=True, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+              seed=0 if a.temperature > 0 and not a.unseeded else None)
     return (SamplingParams(max_tokens=a.max_tokens, **kw),
             SamplingParams(max_tokens=min(4, a.max_tokens), **kw))
 
@@ -326,7 +326,8 @@ def load_main(a: argparse.Namespace, model: str, name: str) -> None:
                     "decode_cascade": None if a.endpoint else a.decode_cascade,
                     "range_ratio": a.range_ratio, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
                     "max_num_batched_tokens": a.max_num_batched_tokens,
-                    "temperature": a.temperature, "top_k": a.top_k}
+                    "temperature": a.temperature, "top_k": a.top_k,
+                    "top_p": a.top_p, "seeded": a.temperature > 0 and not a.unseeded}
     line = json.dumps(row)
     print(line, flush=True)
     if a.json_out:
@@ -365,6 +366,10 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0, seeded sampling (with --top-k)")
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature 0.6: Llama-3.1's generation_config.json")
+    p.add_argument("--unseeded", action="store_true",
+                   help="sampled requests carry no seed, as most clients send them")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="the coordinator keeps no KV blocks for shared prefixes")
     p.add_argument("--decode-cascade", action=argparse.BooleanOptionalAction, default=True,
@@ -430,7 +435,7 @@ def main() -> None:
             "tokens_match": runs[0]["tokens"] == eng["tokens"] if in_process else None,
             "device": cfg.device, "dtype": cfg.dtype, "tp": a.tp, "mode": a.mode,
             "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
-            "temperature": a.temperature, "top_k": a.top_k,
+            "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
             "model": name,
         }), flush=True)
     ray.get(coord.shutdown.remote())

@@ -181,3 +181,41 @@ def test_top_p_1_keeps_every_token_of_a_large_vocabulary() -> None:
     kept = _filter_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([1.0, 0.5]))
     assert torch.isfinite(kept[0]).all()
     assert torch.isfinite(kept[1]).sum() == 1  # a nucleus of 0.5: the top token alone
+
+
+def test_a_top_k_filter_ranks_only_its_candidates_and_keeps_what_a_full_sort_keeps() -> None:
+    """Rows that all keep at most CANDIDATES tokens by top-k are ranked by `topk`; the kept
+    logits are those of the whole-row sort, top-p applied within the top-k alike."""
+    from raygraph.worker.sampler import CANDIDATES, _filter_top_k_top_p
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 3000, generator=g) * 2  # distinct values: one ranking
+    top_k = torch.tensor([1, 7, 50, CANDIDATES, 300])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1.0])
+    whole = _filter_top_k_top_p(logits, top_k, top_p)
+    ranked = _filter_top_k_top_p(logits, top_k, top_p, width=CANDIDATES)
+    assert torch.equal(ranked, whole)
+    assert torch.isfinite(whole).sum(-1).tolist()[0] == 1
+    assert torch.isfinite(whole[2]).sum() < 50 and torch.isfinite(whole[4]).sum() == 300
+
+
+def test_filter_width_ranks_the_least_the_rows_need() -> None:
+    from raygraph.worker.sampler import CANDIDATES, filter_width
+
+    def width(*params: tuple[int, float]) -> int:
+        chunks = [chunk(top_k=k, top_p=p) for k, p in params]
+        return filter_width(chunks, list(range(len(chunks))), 5000)
+
+    assert width((0, 1.0), (5000, 1.0), (9000, 1.0)) == 0  # nothing filters: no ranking
+    assert width((40, 1.0), (7, 0.9)) == 40
+    assert width((40, 1.0), (0, 1.0)) == 5000  # a row keeping every token needs them all
+    assert width((40, 1.0), (0, 0.9)) == 5000  # top-p alone: the whole row
+    assert width((CANDIDATES + 1, 1.0)) == 5000
+
+
+def test_rows_without_a_filter_sample_from_the_whole_distribution() -> None:
+    """No row filters, so no ranking runs: every token stays reachable (a near-flat row
+    drawn 600 times reaches most of its 40 tokens), greedy rows untouched."""
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(7)) * 0.1
+    got = draws(logits[0], 600, temperature=1.0, top_k=0, top_p=1.0)
+    assert len(set(got)) > 35

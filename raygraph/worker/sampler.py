@@ -12,21 +12,49 @@ from raygraph.model import ops
 from raygraph.protocol import SeqChunk, TokenLogprobs
 
 
-def _filter_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+# a top-k of at most this many tokens is found by `topk`; past it, or with top-p alone,
+# the whole vocabulary is sorted
+CANDIDATES = 1024
+
+
+def _drop_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """Descending logits [R, W] with the tokens past each row's top-k and top-p at -inf."""
+    width = sorted_logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, width).clamp(max=width)
+    rank = torch.arange(width, device=sorted_logits.device).expand_as(sorted_logits)
     drop = rank >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # drop a token when the mass before it already reaches top_p (the top token always
     # stays); top_p 1 keeps every token, though a float32 sum reaches 1 before the tail
     drop |= ((probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        width: int | None = None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf. `width` (from
+    `filter_width`): how many of each row's largest logits the filters can keep; below the
+    vocabulary only those are ranked (`topk`), not the whole row sorted."""
+    vocab = logits.shape[-1]
+    if width is not None and width < vocab:
+        values, order = logits.topk(width, dim=-1)
+        out = torch.full_like(logits, float("-inf"))
+    else:
+        values, order = logits.sort(dim=-1, descending=True)
+        out = torch.empty_like(logits)
+    return out.scatter_(-1, order, _drop_sorted(values, top_k, top_p))
+
+
+def filter_width(chunks: list[SeqChunk], rows: list[int], vocab: int) -> int:
+    """0 when no row filters (the sampled rows need no ranking at all); the largest top-k
+    when every row keeps at most CANDIDATES tokens by its top-k; else the vocabulary."""
+    params = [(chunks[i].top_k, chunks[i].top_p) for i in rows]
+    if all((k <= 0 or k >= vocab) and p >= 1 for k, p in params):
+        return 0
+    if all(0 < k <= CANDIDATES for k, _ in params):
+        return max(k for k, _ in params)
+    return vocab
 
 
 class SamplingRows:
@@ -91,7 +119,11 @@ def chunk_probs(logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
     n, dev = logits.shape[0], logits.device
     top_k = torch.full((n,), chunk.top_k, dtype=torch.long, device=dev)
     top_p = torch.full((n,), chunk.top_p, dtype=torch.float32, device=dev)
-    return _filter_top_k_top_p(logits.float() / chunk.temperature, top_k, top_p).softmax(-1)
+    scaled = logits.float() / chunk.temperature
+    width = filter_width([chunk], [0], logits.shape[-1])
+    if width:
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p, width)
+    return scaled.softmax(-1)
 
 
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
@@ -125,11 +157,19 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
             top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
             top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
         # float32 temperatures: the model's-dtype rows divide into float32
-        scaled = _filter_top_k_top_p(logits[sel] / temp.unsqueeze(1), top_k, top_p)
+        scaled = logits[sel] / temp.unsqueeze(1)
+        width = filter_width(chunks, rows, logits.shape[-1])
+        if width:
+            scaled = _filter_top_k_top_p(scaled, top_k, top_p, width)
         probs = scaled.softmax(-1)
+        # unseeded rows draw from the worker's generator in one call; a seeded row redraws
+        # its own from its (seed, output index) stream
         noise = torch.empty_like(probs)
+        if any(chunks[i].seed is None for i in rows):
+            noise.exponential_(generator=generator)
         for j, i in enumerate(rows):
-            noise[j].exponential_(generator=chunk_generator(chunks[i], generator, dev))
+            if chunks[i].seed is not None:
+                noise[j].exponential_(generator=chunk_generator(chunks[i], generator, dev))
         out[sel] = (probs / noise).argmax(dim=-1)  # exponential race == multinomial draw
     return out
 

@@ -191,3 +191,24 @@ def test_decode_kernel_sliding_window():
     torch.testing.assert_close(got.float(), ref.float(), **tolerance(torch.bfloat16))
     full = paged_attention_ref(q, kc, vc, md, d**-0.5)
     assert not torch.allclose(full[-1].float(), ref[-1].float(), atol=0.05)  # it matters
+
+
+@pytest.mark.parametrize("d", [80, 96, 100, 128])
+def test_rotary_kernel_at_heads_whose_half_is_no_power_of_two(d: int) -> None:
+    """The rotary kernel pads half a head to a power of two and masks the rest."""
+    from raygraph.model import ops, triton_ops
+
+    torch.manual_seed(d)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float, device="cuda") / d)
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float, device="cuda"), inv)
+    cos, sin = freqs.cos(), freqs.sin()
+    q = torch.randn(37, 32, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(37, 8, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 4096, (37,), device="cuda")
+    # the torch path on CPU copies is the reference (on a GPU ops.rotary is the kernel)
+    want_q, want_k = ops.rotary(q.float().cpu(), k.float().cpu(), cos.cpu(), sin.cpu(),
+                                pos.cpu())
+    triton_ops.rotary_(q, k, cos, sin, pos)
+    tol = dict(atol=2e-2, rtol=2e-2)  # bf16 outputs of O(1): a few of its 2^-8 epsilons
+    torch.testing.assert_close(q.float().cpu(), want_q, **tol)
+    torch.testing.assert_close(k.float().cpu(), want_k, **tol)

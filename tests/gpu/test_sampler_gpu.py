@@ -1,0 +1,44 @@
+"""GPU: the sampler on the device as the served worker runs it (bf16 logits of a 128K
+vocabulary, staged row parameters): its ranking shortcuts keep what a full sort keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raygraph.protocol import SeqChunk
+from raygraph.worker.sampler import CANDIDATES, SamplingRows, _filter_top_k_top_p, sample_tokens
+
+pytestmark = pytest.mark.gpu
+VOCAB = 128_256
+
+
+def test_top_k_candidates_keep_what_the_whole_row_sort_keeps() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(64, VOCAB, device="cuda") * 3
+    top_k = torch.randint(1, CANDIDATES + 1, (64,), device="cuda")
+    top_p = torch.rand(64, device="cuda") * 0.5 + 0.5
+    whole = _filter_top_k_top_p(logits, top_k, top_p)
+    ranked = _filter_top_k_top_p(logits, top_k, top_p, width=CANDIDATES)
+    assert torch.equal(torch.isfinite(ranked), torch.isfinite(whole))
+    assert torch.equal(ranked[torch.isfinite(ranked)], whole[torch.isfinite(whole)])
+
+
+def test_staged_device_sampling_is_the_host_lists_sampling() -> None:
+    """Seeded rows of every filter kind, unseeded and greedy rows, one batch: the staged
+    (no host sync) call draws what the plain call draws from the same generator state."""
+    logits = (torch.randn(8, VOCAB, device="cuda") * 3).to(torch.bfloat16)
+    chunks = [SeqChunk(i, [0], 0, [0], True, temperature=t, top_k=k, top_p=p, seed=s,
+                       num_generated=3)
+              for i, (t, k, p, s) in enumerate([(0.0, 0, 1.0, None), (0.6, 0, 0.9, 1),
+                                                (0.7, 50, 1.0, 2), (0.7, 20, 0.8, 3),
+                                                (1.0, 0, 1.0, 4), (0.6, 0, 0.9, None),
+                                                (0.0, 0, 1.0, None), (0.8, 0, 1.0, 5)])]
+    staging = SamplingRows(8, logits.device)
+    for trial in range(3):
+        plain = sample_tokens(logits, chunks, torch.Generator("cuda").manual_seed(trial))
+        staged = sample_tokens(logits, chunks, torch.Generator("cuda").manual_seed(trial),
+                               staging=staging)
+        assert torch.equal(plain, staged)
+    greedy = logits.argmax(-1)
+    assert staged[0] == greedy[0] and staged[6] == greedy[6]
