@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import torch
 
@@ -31,20 +32,6 @@ CASES = {
     "top_k 50, top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
     "seeded, t 0.6, top_p 0.9": dict(temperature=0.6, top_p=0.9, seed=1),
 }
-
-
-def histogram_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """A top-p without a sort (a candidate, timed as a part): the mass of each of a 16-bit
-    dtype's 65,536 values a row, summed top down; the values whose mass before them reaches
-    top_p go (ties kept together)."""
-    bits = (logits + 0.0).view(torch.int16).long() & 0xFFFF  # + 0.0: -0 becomes +0
-    key = torch.where(bits >= 0x8000, bits ^ 0xFFFF, bits ^ 0x8000)  # ascending with value
-    scaled = logits.float() / temperature
-    probs = scaled.softmax(-1)
-    hist = torch.zeros(logits.shape[0], 65536, device=logits.device).scatter_add_(1, key, probs)
-    down = hist.flip(-1)
-    kept = ((down.cumsum(-1) - down) < top_p).sum(-1)
-    return scaled.masked_fill(key < (65536 - kept).unsqueeze(1), float("-inf"))
 
 
 def timed(fn, iters: int) -> tuple[float, float]:
@@ -78,22 +65,22 @@ def main() -> None:
         staging = SamplingRows(rows, dev)
         for name, kw in CASES.items():
             chunks = [SeqChunk(i, [0], 0, [0], True, num_generated=7, **kw) for i in range(rows)]
-            host, device = timed(lambda: sample_tokens(logits, chunks, gen, greedy, staging),
+            host, device = timed(partial(sample_tokens, logits, chunks, gen, greedy, staging),
                                  a.iters)
             results.append(dict(rows=rows, case=name, host_ms=round(host, 4),
                                 device_ms=round(device, 4)))
         wide = logits.float()
-        parts = {"sort": lambda: wide.sort(dim=-1, descending=True),
-                 "topk 50": lambda: wide.topk(50, dim=-1),
-                 "topk 1024": lambda: wide.topk(1024, dim=-1),
-                 "softmax": lambda: wide.softmax(-1),
-                 "histogram top-p": lambda: histogram_top_p(logits, 0.6, 0.9),
-                 "noise draw": lambda: torch.empty_like(wide).exponential_(generator=gen)}
+        parts = {"sort": partial(wide.sort, dim=-1, descending=True),
+                 "sort, bf16": partial(logits.sort, dim=-1, descending=True),
+                 "topk 50": partial(wide.topk, 50, dim=-1),
+                 "topk 1024": partial(wide.topk, 1024, dim=-1),
+                 "softmax": partial(wide.softmax, -1),
+                 "noise draw": partial(torch.empty_like(wide).exponential_, generator=gen)}
         for name, fn in parts.items():
             host, device = timed(fn, a.iters)
             results.append(dict(rows=rows, case=f"part: {name}", host_ms=round(host, 4),
                                 device_ms=round(device, 4)))
-    print(f"| rows | case | host ms | device ms |\n|---|---|---|---|")
+    print("| rows | case | host ms | device ms |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['rows']} | {r['case']} | {r['host_ms']:.3f} | {r['device_ms']:.3f} |")
     for r in results:

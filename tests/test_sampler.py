@@ -178,22 +178,25 @@ def test_top_p_1_keeps_every_token_of_a_large_vocabulary() -> None:
 
     logits = torch.zeros(2, 152_064)
     logits[:, 7] = 30.0  # the rest: e^-30 each, ~1e-8 of the mass together
-    kept = _filter_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([1.0, 0.5]))
+    kept = _filter_top_k_top_p(logits, torch.ones(2), torch.tensor([0, 0]),
+                               torch.tensor([1.0, 0.5]))
     assert torch.isfinite(kept[0]).all()
     assert torch.isfinite(kept[1]).sum() == 1  # a nucleus of 0.5: the top token alone
 
 
 def test_a_top_k_filter_ranks_only_its_candidates_and_keeps_what_a_full_sort_keeps() -> None:
     """Rows that all keep at most CANDIDATES tokens by top-k are ranked by `topk`; the kept
-    logits are those of the whole-row sort, top-p applied within the top-k alike."""
+    logits are those of the whole-row sort, top-p applied within the top-k alike; tied
+    logits at a cut stay together."""
     from raygraph.worker.sampler import CANDIDATES, _filter_top_k_top_p
 
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(5, 3000, generator=g) * 2  # distinct values: one ranking
     top_k = torch.tensor([1, 7, 50, CANDIDATES, 300])
     top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1.0])
-    whole = _filter_top_k_top_p(logits, top_k, top_p)
-    ranked = _filter_top_k_top_p(logits, top_k, top_p, width=CANDIDATES)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0])
+    whole = _filter_top_k_top_p(logits, temperature, top_k, top_p)
+    ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, width=CANDIDATES)
     assert torch.equal(ranked, whole)
     assert torch.isfinite(whole).sum(-1).tolist()[0] == 1
     assert torch.isfinite(whole[2]).sum() < 50 and torch.isfinite(whole[4]).sum() == 300
@@ -219,3 +222,23 @@ def test_rows_without_a_filter_sample_from_the_whole_distribution() -> None:
     logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(7)) * 0.1
     got = draws(logits[0], 600, temperature=1.0, top_k=0, top_p=1.0)
     assert len(set(got)) > 35
+
+
+def test_tokens_tied_at_a_cut_stay_together_and_bf16_rows_rank_as_their_float32_copy() -> None:
+    """A cut is a threshold on the logits: every token tied with the last one kept stays
+    (top-k 2 of [3, 2, 2, 2, 1] keeps four). bf16 rows, ranked in bf16, keep what their
+    float32 copy keeps, and their kept logits are the float32 copy's over the temperature."""
+    from raygraph.worker.sampler import _filter_top_k_top_p
+
+    tied = torch.tensor([[2.0, 3.0, 2.0, 1.0, 2.0]])
+    kept = _filter_top_k_top_p(tied, torch.ones(1), torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(kept).tolist() == [[True, True, True, False, True]]
+    # top-p 0.5: the top token holds < 0.5, so the tied group after it stays whole
+    kept = _filter_top_k_top_p(tied, torch.ones(1), torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isfinite(kept).tolist() == [[True, True, True, False, True]]
+    g = torch.Generator().manual_seed(8)
+    rows = (torch.randn(6, 4000, generator=g) * 3).to(torch.bfloat16)  # many ties
+    t = torch.tensor([0.6, 1.0, 1.7, 0.3, 0.9, 1.2])
+    k, p = torch.tensor([0, 10, 0, 200, 0, 3]), torch.tensor([0.9, 1.0, 0.5, 0.8, 0.99, 0.7])
+    assert torch.equal(_filter_top_k_top_p(rows, t, k, p),
+                       _filter_top_k_top_p(rows.float(), t, k, p))

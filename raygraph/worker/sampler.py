@@ -11,39 +11,42 @@ import torch
 from raygraph.model import ops
 from raygraph.protocol import SeqChunk, TokenLogprobs
 
-
 # a top-k of at most this many tokens is found by `topk`; past it, or with top-p alone,
 # the whole vocabulary is sorted
 CANDIDATES = 1024
 
 
-def _drop_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                 ) -> torch.Tensor:
-    """Descending logits [R, W] with the tokens past each row's top-k and top-p at -inf."""
-    width = sorted_logits.shape[-1]
+def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R] the smallest logit each row keeps, from its largest logits in descending order
+    [R, W]: its top-k, then the nucleus of top-p renormalised within the top-k."""
+    width = ranked.shape[-1]
     k = torch.where(top_k > 0, top_k, width).clamp(max=width)
-    rank = torch.arange(width, device=sorted_logits.device).expand_as(sorted_logits)
-    drop = rank >= k.unsqueeze(1)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    drop = ranked < ranked.gather(1, (k - 1).unsqueeze(1))
+    probs = ranked.masked_fill(drop, float("-inf")).softmax(-1)
     # drop a token when the mass before it already reaches top_p (the top token always
     # stays); top_p 1 keeps every token, though a float32 sum reaches 1 before the tail
     drop |= ((probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    return sorted_logits.masked_fill(drop, float("-inf"))
+    return ranked.masked_fill(drop, float("inf")).amin(-1)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        width: int | None = None) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf. `width` (from
+def _filter_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
+                        top_k: torch.Tensor, top_p: torch.Tensor, width: int | None = None
+                        ) -> torch.Tensor:
+    """The rows' float32 logits over their temperatures [R], with the tokens outside each
+    row's top-k and top-p nucleus at -inf. Every token at or above a row's cut stays
+    (tokens tied at a cut stay together, as a threshold on the logits keeps them). The rows
+    are ranked in their own dtype (a bf16 sort is half a float32's work) and only the ranked
+    values scaled: dividing by a temperature keeps their order. `width` (from
     `filter_width`): how many of each row's largest logits the filters can keep; below the
     vocabulary only those are ranked (`topk`), not the whole row sorted."""
-    vocab = logits.shape[-1]
-    if width is not None and width < vocab:
-        values, order = logits.topk(width, dim=-1)
-        out = torch.full_like(logits, float("-inf"))
+    t = temperature.unsqueeze(1)
+    if width is not None and width < logits.shape[-1]:
+        ranked = logits.topk(width, dim=-1).values
     else:
-        values, order = logits.sort(dim=-1, descending=True)
-        out = torch.empty_like(logits)
-    return out.scatter_(-1, order, _drop_sorted(values, top_k, top_p))
+        ranked = logits.sort(dim=-1, descending=True).values
+    cut = _cut(ranked / t, top_k, top_p)  # float32: the rows / t as `scaled` below has them
+    scaled = logits / t
+    return scaled.masked_fill(scaled < cut.unsqueeze(1), float("-inf"))
 
 
 def filter_width(chunks: list[SeqChunk], rows: list[int], vocab: int) -> int:
@@ -119,11 +122,11 @@ def chunk_probs(logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
     n, dev = logits.shape[0], logits.device
     top_k = torch.full((n,), chunk.top_k, dtype=torch.long, device=dev)
     top_p = torch.full((n,), chunk.top_p, dtype=torch.float32, device=dev)
-    scaled = logits.float() / chunk.temperature
+    temperature = torch.full((n,), chunk.temperature, dtype=torch.float32, device=dev)
     width = filter_width([chunk], [0], logits.shape[-1])
     if width:
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p, width)
-    return scaled.softmax(-1)
+        return _filter_top_k_top_p(logits, temperature, top_k, top_p, width).softmax(-1)
+    return (logits / temperature.unsqueeze(1)).softmax(-1)
 
 
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
@@ -157,10 +160,11 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
             top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
             top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
         # float32 temperatures: the model's-dtype rows divide into float32
-        scaled = logits[sel] / temp.unsqueeze(1)
         width = filter_width(chunks, rows, logits.shape[-1])
         if width:
-            scaled = _filter_top_k_top_p(scaled, top_k, top_p, width)
+            scaled = _filter_top_k_top_p(logits[sel], temp, top_k, top_p, width)
+        else:
+            scaled = logits[sel] / temp.unsqueeze(1)
         probs = scaled.softmax(-1)
         # unseeded rows draw from the worker's generator in one call; a seeded row redraws
         # its own from its (seed, output index) stream

@@ -1,5 +1,6 @@
 """GPU: the sampler on the device as the served worker runs it (bf16 logits of a 128K
-vocabulary, staged row parameters): its ranking shortcuts keep what a full sort keeps."""
+vocabulary, staged row parameters): its ranking shortcuts keep what a float32 sort of the
+whole row keeps."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ def test_top_k_candidates_keep_what_the_whole_row_sort_keeps() -> None:
     logits = torch.randn(64, VOCAB, device="cuda") * 3
     top_k = torch.randint(1, CANDIDATES + 1, (64,), device="cuda")
     top_p = torch.rand(64, device="cuda") * 0.5 + 0.5
-    whole = _filter_top_k_top_p(logits, top_k, top_p)
-    ranked = _filter_top_k_top_p(logits, top_k, top_p, width=CANDIDATES)
-    assert torch.equal(torch.isfinite(ranked), torch.isfinite(whole))
-    assert torch.equal(ranked[torch.isfinite(ranked)], whole[torch.isfinite(whole)])
+    temperature = torch.rand(64, device="cuda") + 0.4
+    whole = _filter_top_k_top_p(logits, temperature, top_k, top_p)
+    ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, width=CANDIDATES)
+    assert torch.equal(ranked, whole)
+    # bf16 rows (as the graphs hand them back), ranked in bf16, keep their float32 copy's
+    rows = logits.to(torch.bfloat16)
+    assert torch.equal(_filter_top_k_top_p(rows, temperature, top_k, top_p),
+                       _filter_top_k_top_p(rows.float(), temperature, top_k, top_p))
 
 
 def test_staged_device_sampling_is_the_host_lists_sampling() -> None:
@@ -42,3 +47,4 @@ def test_staged_device_sampling_is_the_host_lists_sampling() -> None:
         assert torch.equal(plain, staged)
     greedy = logits.argmax(-1)
     assert staged[0] == greedy[0] and staged[6] == greedy[6]
+
