@@ -369,7 +369,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load-processes", type=int, default=1,
                    help="http: processes generating the timed load, each a share of it")
     p.add_argument("--routing", choices=["cache", "load", "round-robin"], default="cache")
-    p.set_defaults(seed=0, range_ratio=0.0, temperature=0.0, top_k=0, shared_prefix_len=0,
+    p.set_defaults(seed=0, range_ratio=0.0, temperature=0.0, top_k=0, top_p=1.0, unseeded=False,
+                   shared_prefix_len=0,
                    num_prefixes=1)  # load.make_requests' other fields
     return p
 

@@ -52,8 +52,8 @@ def test_lengths_exact_and_at_least_one() -> None:
 
 def test_requests_follow_the_drawn_lengths() -> None:
     a = argparse.Namespace(seed=3, num_prompts=40, input_len=20, output_len=10,
-                           range_ratio=0.5, temperature=0.7, top_k=5, shared_prefix_len=0,
-                           num_prefixes=1)
+                           range_ratio=0.5, temperature=0.7, top_k=5, top_p=0.9,
+                           unseeded=False, shared_prefix_len=0, num_prefixes=1)
     reqs = make_requests(a, vocab=50)
     assert reqs == make_requests(a, vocab=50)
     rng = random.Random(3)
@@ -61,7 +61,10 @@ def test_requests_follow_the_drawn_lengths() -> None:
     assert [r.params.max_tokens for r in reqs] == sample_lengths(40, 10, 0.5, rng)
     assert all(3 <= t < 50 for r in reqs for t in r.prompt)
     assert all(r.params.ignore_eos and r.params.temperature == 0.7 for r in reqs)
+    assert all(r.params.top_k == 5 and r.params.top_p == 0.9 for r in reqs)
     assert len({r.params.seed for r in reqs}) == 40
+    a.unseeded = True  # as most clients send them
+    assert all(r.params.seed is None for r in make_requests(a, vocab=50))
 
 
 def test_arrivals() -> None:
@@ -228,8 +231,8 @@ def test_served_steps_backs_the_window_out_of_the_coordinators_means() -> None:
 
 def test_shared_prefix_prompts() -> None:
     a = argparse.Namespace(seed=3, num_prompts=10, input_len=6, output_len=4, range_ratio=0.5,
-                           temperature=0.0, top_k=0, shared_prefix_len=0,
-                           num_prefixes=1)
+                           temperature=0.0, top_k=0, top_p=1.0, unseeded=False,
+                           shared_prefix_len=0, num_prefixes=1)
     plain = make_requests(a, vocab=50)
     a.shared_prefix_len = 12
     shared = make_requests(a, vocab=50)

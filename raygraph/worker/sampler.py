@@ -21,12 +21,14 @@ def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
     [R, W]: its top-k, then the nucleus of top-p renormalised within the top-k."""
     width = ranked.shape[-1]
     k = torch.where(top_k > 0, top_k, width).clamp(max=width)
-    drop = ranked < ranked.gather(1, (k - 1).unsqueeze(1))
-    probs = ranked.masked_fill(drop, float("-inf")).softmax(-1)
-    # drop a token when the mass before it already reaches top_p (the top token always
-    # stays); top_p 1 keeps every token, though a float32 sum reaches 1 before the tail
-    drop |= ((probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    return ranked.masked_fill(drop, float("inf")).amin(-1)
+    kth = ranked.gather(1, (k - 1).unsqueeze(1))
+    probs = ranked.masked_fill(ranked < kth, float("-inf")).softmax(-1)
+    # the tokens kept by top-p, in rank order: those whose mass before them is below top_p
+    # (the top token always; past the top-k the mass before is all of it)
+    kept = ((probs.cumsum(-1) - probs) < top_p.unsqueeze(1)).sum(-1)
+    nucleus = ranked.gather(1, (kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    # top_p 1 keeps every token, though a float32 sum reaches 1 before a long tail
+    return torch.where(top_p < 1, torch.maximum(nucleus, kth.squeeze(1)), kth.squeeze(1))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
@@ -165,16 +167,16 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
             scaled = _filter_top_k_top_p(logits[sel], temp, top_k, top_p, width)
         else:
             scaled = logits[sel] / temp.unsqueeze(1)
-        probs = scaled.softmax(-1)
         # unseeded rows draw from the worker's generator in one call; a seeded row redraws
         # its own from its (seed, output index) stream
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(scaled)
         if any(chunks[i].seed is None for i in rows):
             noise.exponential_(generator=generator)
         for j, i in enumerate(rows):
             if chunks[i].seed is not None:
                 noise[j].exponential_(generator=chunk_generator(chunks[i], generator, dev))
-        out[sel] = (probs / noise).argmax(dim=-1)  # exponential race == multinomial draw
+        # exponential race == multinomial draw: argmax p / E = argmax logit / t - log E
+        out[sel] = torch.sub(scaled, noise.log_(), out=noise).argmax(dim=-1)
     return out
 
 
