@@ -83,6 +83,38 @@ def test_a_completion_asks_for_at_most_max_choices():
             CompletionRequest(**body)
 
 
+def test_lists_of_millions_of_items_are_refused_before_they_are_read():
+    """Token ids (one prompt or many), messages, Responses input items and tools past their
+    caps are 400s counted before any item is validated (validating millions of them took
+    pydantic seconds on the HTTP actor's event loop): a list whose items are also bad gets
+    the count as its only error. A bad token id is still named."""
+    import pydantic
+
+    from raygraph.api.responses import ResponsesRequest
+    from raygraph.api.schemas import (
+        MAX_MESSAGES,
+        MAX_PROMPT_TOKENS,
+        ChatRequest,
+        CompletionRequest,
+    )
+
+    CompletionRequest(prompt=[7] * MAX_PROMPT_TOKENS)
+    message, bad = {"role": "user", "content": ""}, {"role": 5}
+    ChatRequest(messages=[message] * MAX_MESSAGES)
+    tool = {"type": "function", "function": {"name": "f"}}
+    for make, body in (
+            (CompletionRequest, {"prompt": [-1] * (MAX_PROMPT_TOKENS + 1)}),
+            (CompletionRequest, {"prompt": [[-1] * (MAX_PROMPT_TOKENS // 2 + 1)] * 2}),
+            (ChatRequest, {"messages": [bad] * (MAX_MESSAGES + 1)}),
+            (ChatRequest, {"messages": [message], "tools": [bad] * (MAX_MESSAGES + 1)}),
+            (ResponsesRequest, {"input": [5] * (MAX_MESSAGES + 1)})):
+        with pytest.raises(pydantic.ValidationError) as e:
+            make(**body)
+        assert len(e.value.errors()) == 1 and "at most" in str(e.value), e.value
+    with pytest.raises(pydantic.ValidationError, match="token id -3 is not in"):
+        CompletionRequest(prompt=[1, 2, -3, 4])
+
+
 def test_echoed_responses_fields_and_text_parts_are_checked_before_running():
     """A Responses field echoed back (metadata, text, tools, tool_choice) with NaN, and a
     text part that is not text, are 400s, not failures after the answer is computed."""

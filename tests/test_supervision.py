@@ -128,3 +128,24 @@ def test_a_detached_coordinator_whose_process_died_starts_itself_again(ray_sessi
         ray_session.kill(handle)
 
 
+
+
+def test_an_api_server_whose_thread_ends_unasked_takes_its_process_down(monkeypatch):
+    """uvicorn's thread ending in a live actor would leave a port that no longer serves
+    and an actor Ray never replaces: the watch exits the process (Ray restarts it on its
+    port, as above), but not when shutdown() asked the thread to end."""
+    import threading
+
+    from raygraph.api import server
+
+    exits: list[int] = []
+    monkeypatch.setattr(server.os, "_exit", exits.append)
+    srv = object.__new__(server.HttpServer)
+    srv._url = "http://127.0.0.1:1"
+    for stopping, want in ((False, [1]), (True, [])):
+        exits.clear()
+        srv.thread = threading.Thread(target=lambda: None)
+        srv.thread.start()
+        srv.stopping = stopping
+        srv.watch()
+        assert exits == want

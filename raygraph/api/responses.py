@@ -17,11 +17,13 @@ from pydantic import (
     StrictBool,
     StrictStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
 from raygraph.api.errors import first_problem
-from raygraph.api.schemas import ChatRequest, Count, Temperature, TopP
+from raygraph.api.schemas import ChatRequest, Count, Temperature, TopP, few_items
 
 
 class ResponsesRequest(BaseModel):
@@ -43,6 +45,11 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: StrictStr | None = None
     chat: Any = None  # the ChatRequest it means, built by the validator
+
+    @field_validator("input", "tools", mode="before")
+    @classmethod
+    def _few_items(cls, items: Any, info: ValidationInfo) -> Any:
+        return few_items(items, info)
 
     @model_validator(mode="after")
     def _as_chat(self) -> ResponsesRequest:

@@ -46,6 +46,11 @@ StopString = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
 # choices (prompts x n) one completion request may ask for: each is a sequence held until it
 # ends, so more is a 400 before any prompt is read (a batch job sends several requests)
 MAX_SEQUENCES = 1024
+# a request's token ids (all its prompts) and messages: a body of millions of tiny items
+# takes seconds to validate on the HTTP actor's event loop, stalling its other streams, so
+# longer lists are 400s counted before their items are read (a 1M-token context fits)
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_MESSAGES = 1 << 14
 
 
 class StreamOptions(BaseModel):
@@ -221,14 +226,24 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
-        """At most MAX_SEQUENCES prompts, counted before their items are validated, and a
-        token id out of range named (the union's own error would name its first branch)."""
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            bad = [t for t in prompt if not 0 <= t <= INT32_MAX]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is not in [0, {INT32_MAX}]")
-        elif isinstance(prompt, list) and len(prompt) > MAX_SEQUENCES:
+        """At most MAX_SEQUENCES prompts and MAX_PROMPT_TOKENS token ids, counted before
+        their items are validated, and a token id out of range named (the union's own error
+        would name its first branch)."""
+        if not isinstance(prompt, list):
+            return prompt
+        if len(prompt) > MAX_PROMPT_TOKENS:
+            raise ValueError(f"at most {MAX_PROMPT_TOKENS} token ids a request, got "
+                             f"{len(prompt)}")
+        if all(type(t) is int for t in prompt):
+            if prompt and not 0 <= min(prompt) <= max(prompt) <= INT32_MAX:
+                bad = next(t for t in prompt if not 0 <= t <= INT32_MAX)
+                raise ValueError(f"token id {bad} is not in [0, {INT32_MAX}]")
+            return prompt
+        if len(prompt) > MAX_SEQUENCES:
             raise ValueError(f"at most {MAX_SEQUENCES} prompts a request, got {len(prompt)}")
+        total = sum(len(p) for p in prompt if isinstance(p, list))
+        if total > MAX_PROMPT_TOKENS:
+            raise ValueError(f"at most {MAX_PROMPT_TOKENS} token ids a request, got {total}")
         return prompt
 
     @model_validator(mode="after")
@@ -324,6 +339,14 @@ class Tool(BaseModel):
     function: ToolFunction
 
 
+def few_items(items: Any, info: ValidationInfo) -> Any:
+    """A list field of at most MAX_MESSAGES items, counted before they are validated (a
+    before-validator's body)."""
+    if isinstance(items, list) and len(items) > MAX_MESSAGES:
+        raise ValueError(f"at most {MAX_MESSAGES} items a request, got {len(items)}")
+    return items
+
+
 class NamedFunction(BaseModel):
     name: StrictStr
 
@@ -344,6 +367,11 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
     refused: ClassVar[tuple[str, ...]] = tuple(k for k in UNSUPPORTED
                                                if k not in ("tools", "tool_choice"))
+
+    @field_validator("messages", "tools", mode="before")
+    @classmethod
+    def _few_items(cls, items: Any, info: ValidationInfo) -> Any:
+        return few_items(items, info)
 
     @property
     def tools_active(self) -> bool:

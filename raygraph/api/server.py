@@ -3,6 +3,8 @@ the cluster beside the coordinator (and outlives `raygraph serve --detach`)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 import time
@@ -12,6 +14,8 @@ import ray
 
 from raygraph.api.app import HttpConfig, build_app
 from raygraph.process import freeze_heap, setup_logging
+
+log = logging.getLogger(__name__)
 
 
 class HttpServer:
@@ -45,7 +49,9 @@ class HttpServer:
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        name="raygraph-http", daemon=True)
+        self.stopping = False
         self.thread.start()
+        threading.Thread(target=self.watch, name="raygraph-http-watch", daemon=True).start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
@@ -59,7 +65,18 @@ class HttpServer:
         self.app.state.front.text_ready()
         return self._url
 
+    def watch(self) -> None:
+        """A server thread that ends unasked takes its process with it: Ray then starts this
+        actor again (max_restarts) on the same port. A live actor whose port no longer
+        serves would otherwise never be replaced."""
+        self.thread.join()
+        if not self.stopping:
+            log.error("the HTTP server on %s stopped: exiting so that Ray starts it again",
+                      self._url)
+            os._exit(1)
+
     def shutdown(self) -> None:
+        self.stopping = True
         self.server.should_exit = True
         self.thread.join(timeout=10)
 
