@@ -195,25 +195,37 @@ def test_a_top_k_filter_ranks_only_its_candidates_and_keeps_what_a_full_sort_kee
     top_k = torch.tensor([1, 7, 50, CANDIDATES, 300])
     top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1.0])
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0])
-    whole = _filter_top_k_top_p(logits, temperature, top_k, top_p)
-    ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, width=CANDIDATES)
+    whole = _filter_top_k_top_p(logits, temperature, top_k, top_p, (False, True))
+    ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, (True, False))
     assert torch.equal(ranked, whole)
     assert torch.isfinite(whole).sum(-1).tolist()[0] == 1
     assert torch.isfinite(whole[2]).sum() < 50 and torch.isfinite(whole[4]).sum() == 300
 
 
-def test_filter_width_ranks_the_least_the_rows_need() -> None:
-    from raygraph.worker.sampler import CANDIDATES, filter_width
+def test_filter_paths_rank_the_least_the_rows_need() -> None:
+    from raygraph.worker.sampler import CANDIDATES, filter_paths
 
-    def width(*params: tuple[int, float]) -> int:
+    def paths(*params: tuple[int, float]) -> tuple[bool, bool]:
         chunks = [chunk(top_k=k, top_p=p) for k, p in params]
-        return filter_width(chunks, list(range(len(chunks))), 5000)
+        return filter_paths(chunks, list(range(len(chunks))), 5000)
 
-    assert width((0, 1.0), (5000, 1.0), (9000, 1.0)) == 0  # nothing filters: no ranking
-    assert width((40, 1.0), (7, 0.9)) == 40
-    assert width((40, 1.0), (0, 1.0)) == 5000  # a row keeping every token needs them all
-    assert width((40, 1.0), (0, 0.9)) == 5000  # top-p alone: the whole row
-    assert width((CANDIDATES + 1, 1.0)) == 5000
+    assert paths((0, 1.0), (5000, 1.0), (9000, 1.0)) == (False, False)  # no ranking
+    assert paths((40, 1.0), (7, 0.9), (0, 1.0)) == (True, False)
+    assert paths((40, 1.0), (0, 0.9)) == (True, True)  # top-p alone: the whole row
+    assert paths((CANDIDATES + 1, 1.0)) == (False, True)
+
+
+def test_a_seeded_row_draws_the_same_beside_rows_of_any_filter() -> None:
+    """Each row's filter takes a path by its own parameters: a seeded top-k + top-p row
+    draws the same token whether its batch ranks candidates, sorts, or both."""
+    g = torch.Generator().manual_seed(12)
+    mine_row = torch.randn(1, 3000, generator=g) * 2
+    mine = chunk(seed=77, temperature=1.1, top_k=300, top_p=0.97, num_generated=3)
+    alone = sample(mine_row.clone(), [mine], torch.Generator())
+    for others in ([chunk(temperature=0.0)], [chunk(top_p=0.5)], [chunk(top_k=2000)],
+                   [chunk(top_k=5), chunk(top_p=0.8, seed=1)]):
+        batch = torch.cat([torch.randn(len(others), 3000, generator=g), mine_row])
+        assert sample(batch, others + [mine], torch.Generator())[-1] == alone[0]
 
 
 def test_rows_without_a_filter_sample_from_the_whole_distribution() -> None:

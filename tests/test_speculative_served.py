@@ -106,6 +106,19 @@ def test_ngram_speculation_keeps_greedy_tokens(mode, blocks, ignore_eos):
         assert sum(s.num_preemptions for s in spec) > 0
 
 
+@pytest.mark.parametrize("blocks", [128, 12])
+def test_seeded_sampled_speculation_emits_the_tokens_of_decoding_without_drafts(blocks):
+    """A seeded sampled request draws each output from its (seed, output index) stream
+    with or without drafts: n-gram drafts kept or refused, steps cut anywhere, sequences
+    preempted (12 blocks) and recomputed, its tokens are those of plain decoding."""
+    plain, _ = served(False, "eager", blocks, temperature=0.3)
+    spec, sched = served(True, "eager", blocks, temperature=0.3)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
+    if blocks == 12:
+        assert sum(s.num_preemptions for s in spec) > 0
+
+
 @pytest.mark.parametrize("mode,blocks,ignore_eos", [("eager", 128, False), ("graph", 12, True)])
 def test_draft_model_speculation_keeps_greedy_tokens(random_draft, mode, blocks, ignore_eos):
     """A random draft model's proposals verified: greedy tokens and finish reasons equal

@@ -6,13 +6,16 @@ request gives the same tokens whatever it is batched with and after preemption.
 
 from __future__ import annotations
 
+from functools import partial
+
+import msgspec
 import torch
 
 from raygraph.model import ops
 from raygraph.protocol import SeqChunk, TokenLogprobs
 
-# a top-k of at most this many tokens is found by `topk`; past it, or with top-p alone,
-# the whole vocabulary is sorted
+# a row whose top-k keeps at most this many tokens ranks its `topk` candidates; any other
+# row that filters (top-p alone, or a larger top-k) sorts its whole vocabulary
 CANDIDATES = 1024
 
 
@@ -31,35 +34,42 @@ def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
     return torch.where(top_p < 1, torch.maximum(nucleus, kth.squeeze(1)), kth.squeeze(1))
 
 
+def filter_paths(chunks: list[SeqChunk], rows: list[int], vocab: int) -> tuple[bool, bool]:
+    """(whether a row ranks its top-k's candidates, whether a row sorts its vocabulary):
+    the work a step's sampled rows need; (False, False) when none filters."""
+    ks = [(chunks[i].top_k, chunks[i].top_p) for i in rows]
+    by_top_k = any(0 < k <= CANDIDATES and k < vocab for k, _ in ks)
+    by_sort = any((0 < k < vocab or p < 1) and not 0 < k <= CANDIDATES for k, p in ks)
+    return by_top_k, by_sort
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
-                        top_k: torch.Tensor, top_p: torch.Tensor, width: int | None = None
-                        ) -> torch.Tensor:
+                        top_k: torch.Tensor, top_p: torch.Tensor,
+                        paths: tuple[bool, bool] = (True, True)) -> torch.Tensor:
     """The rows' float32 logits over their temperatures [R], with the tokens outside each
     row's top-k and top-p nucleus at -inf. Every token at or above a row's cut stays
-    (tokens tied at a cut stay together, as a threshold on the logits keeps them). The rows
-    are ranked in their own dtype (a bf16 sort is half a float32's work) and only the ranked
-    values scaled: dividing by a temperature keeps their order. `width` (from
-    `filter_width`): how many of each row's largest logits the filters can keep; below the
-    vocabulary only those are ranked (`topk`), not the whole row sorted."""
+    (tokens tied at a cut stay together, as a threshold on the logits keeps them). Each row
+    takes one path by its own parameters (`filter_paths`), so its cut does not depend on
+    the rows beside it: a top-k of at most CANDIDATES ranks that many candidates, any other
+    filter sorts the row. Rows are ranked in their own dtype (a bf16 sort is half a
+    float32's work) and only the ranked values scaled: dividing by a temperature keeps
+    their order."""
     t = temperature.unsqueeze(1)
-    if width is not None and width < logits.shape[-1]:
-        ranked = logits.topk(width, dim=-1).values
-    else:
-        ranked = logits.sort(dim=-1, descending=True).values
-    cut = _cut(ranked / t, top_k, top_p)  # float32: the rows / t as `scaled` below has them
     scaled = logits / t
+    vocab = logits.shape[-1]
+    by_top_k, by_sort = paths
+    small = (top_k > 0) & (top_k <= CANDIDATES) & (top_k < vocab)
+    cut = None
+    if by_top_k:  # float32: the ranked rows / t as `scaled` has them
+        cut = _cut(logits.topk(min(CANDIDATES, vocab), dim=-1).values / t, top_k, top_p)
+    if by_sort:
+        whole = _cut(logits.sort(dim=-1, descending=True).values / t, top_k, top_p)
+        cut = whole if cut is None else torch.where(small, cut, whole)
+    if cut is None:
+        return scaled
+    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    cut = torch.where(filters, cut, float("-inf"))
     return scaled.masked_fill(scaled < cut.unsqueeze(1), float("-inf"))
-
-
-def filter_width(chunks: list[SeqChunk], rows: list[int], vocab: int) -> int:
-    """0 when no row filters (the sampled rows need no ranking at all); the largest top-k
-    when every row keeps at most CANDIDATES tokens by its top-k; else the vocabulary."""
-    params = [(chunks[i].top_k, chunks[i].top_p) for i in rows]
-    if all((k <= 0 or k >= vocab) and p >= 1 for k, p in params):
-        return 0
-    if all(0 < k <= CANDIDATES for k, _ in params):
-        return max(k for k, _ in params)
-    return vocab
 
 
 class SamplingRows:
@@ -121,14 +131,43 @@ def chunk_generator(chunk: SeqChunk, generator: torch.Generator, device: torch.d
 def chunk_probs(logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
     """The distribution [R, vocab] a chunk's request samples from at each of its logits rows
     [R, vocab]: temperature, then top-k and top-p. Built on the device (no host copy)."""
+    return _chunk_scaled(logits, chunk).softmax(-1)
+
+
+def _chunk_scaled(logits: torch.Tensor, chunk: SeqChunk) -> torch.Tensor:
+    """`_filter_top_k_top_p` of rows that all take one chunk's parameters."""
     n, dev = logits.shape[0], logits.device
-    top_k = torch.full((n,), chunk.top_k, dtype=torch.long, device=dev)
-    top_p = torch.full((n,), chunk.top_p, dtype=torch.float32, device=dev)
-    temperature = torch.full((n,), chunk.temperature, dtype=torch.float32, device=dev)
-    width = filter_width([chunk], [0], logits.shape[-1])
-    if width:
-        return _filter_top_k_top_p(logits, temperature, top_k, top_p, width).softmax(-1)
-    return (logits / temperature.unsqueeze(1)).softmax(-1)
+    full = partial(torch.full, (n,), device=dev)
+    paths = filter_paths([chunk], [0], logits.shape[-1])
+    return _filter_top_k_top_p(logits, full(chunk.temperature, dtype=torch.float32),
+                               full(chunk.top_k, dtype=torch.long),
+                               full(chunk.top_p, dtype=torch.float32), paths)
+
+
+def sample_keyed(logits: torch.Tensor, chunk: SeqChunk, generator: torch.Generator
+                 ) -> torch.Tensor:
+    """Tokens [n] for a seeded chunk's n logits rows, each drawn as plain sampling draws
+    its output index num_generated + i (same filter, same keyed noise): a verify step then
+    keeps a draft where the request, decoding without drafts, would have drawn it, and
+    emits the tokens it would have emitted, however its steps were cut or preempted."""
+    keyed = [msgspec.structs.replace(chunk, num_generated=chunk.num_generated + i)
+             for i in range(logits.shape[0])]
+    return _race(_chunk_scaled(logits, chunk), keyed, list(range(len(keyed))), generator)
+
+
+def _race(scaled: torch.Tensor, chunks: list[SeqChunk], rows: list[int],
+          generator: torch.Generator) -> torch.Tensor:
+    """A token from each row of `scaled` [len(rows), vocab] (filtered logits over their
+    temperatures). Unseeded rows draw from the worker's generator in one call; a seeded row
+    redraws its own from its (seed, output index) stream."""
+    noise = torch.empty_like(scaled)
+    if any(chunks[i].seed is None for i in rows):
+        noise.exponential_(generator=generator)
+    for j, i in enumerate(rows):
+        if chunks[i].seed is not None:
+            noise[j].exponential_(generator=chunk_generator(chunks[i], generator, scaled.device))
+    # exponential race == multinomial draw: argmax p / E = argmax logit / t - log E
+    return torch.sub(scaled, noise.log_(), out=noise).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch.Generator,
@@ -162,21 +201,9 @@ def sample_tokens(logits: torch.Tensor, chunks: list[SeqChunk], generator: torch
             top_k = torch.tensor([chunks[i].top_k for i in rows], device=dev)
             top_p = torch.tensor([chunks[i].top_p for i in rows], device=dev)
         # float32 temperatures: the model's-dtype rows divide into float32
-        width = filter_width(chunks, rows, logits.shape[-1])
-        if width:
-            scaled = _filter_top_k_top_p(logits[sel], temp, top_k, top_p, width)
-        else:
-            scaled = logits[sel] / temp.unsqueeze(1)
-        # unseeded rows draw from the worker's generator in one call; a seeded row redraws
-        # its own from its (seed, output index) stream
-        noise = torch.empty_like(scaled)
-        if any(chunks[i].seed is None for i in rows):
-            noise.exponential_(generator=generator)
-        for j, i in enumerate(rows):
-            if chunks[i].seed is not None:
-                noise[j].exponential_(generator=chunk_generator(chunks[i], generator, dev))
-        # exponential race == multinomial draw: argmax p / E = argmax logit / t - log E
-        out[sel] = torch.sub(scaled, noise.log_(), out=noise).argmax(dim=-1)
+        paths = filter_paths(chunks, rows, logits.shape[-1])
+        scaled = _filter_top_k_top_p(logits[sel], temp, top_k, top_p, paths)
+        out[sel] = _race(scaled, chunks, rows, generator)
     return out
 
 

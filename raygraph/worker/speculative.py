@@ -20,7 +20,7 @@ import torch
 
 from raygraph.model import ops
 from raygraph.protocol import SeqChunk
-from raygraph.worker.sampler import chunk_generator, chunk_probs
+from raygraph.worker.sampler import chunk_generator, chunk_probs, sample_keyed
 
 
 def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
@@ -100,7 +100,10 @@ def sampled_targets(chunks: list[SeqChunk], logits: torch.Tensor, targets: torch
     """`targets` [rows] (the greedy token at every logits row) with the rows of each sampled
     verifying chunk replaced by its rejection sampling (`accept_sampled`, the drafts
     proposed with certainty): its kept drafts, then the token drawn where the first one was
-    refused or after the last. `emitted` then reads them as it reads a greedy chunk's.
+    refused or after the last. A seeded chunk's rows are drawn as its plain sampling would
+    draw them (`sample_keyed`): sampling p and keeping a draft while they agree is that
+    rejection sampling for a draft proposed with certainty, and its tokens are then those
+    of the request without drafts. `emitted` then reads them as it reads a greedy chunk's.
     logits: [rows, vocab] in float32 or the model's dtype. `staging`: int64 host room for
     the drafts, pinned on a GPU (a copy from pageable memory would wait for the step's
     forward)."""
@@ -118,6 +121,10 @@ def sampled_targets(chunks: list[SeqChunk], logits: torch.Tensor, targets: torch
     on_device, at = host.to(logits.device, non_blocking=True), 0
     for c, row in picked:
         n = 1 + c.verify
+        if c.seed is not None:  # each position drawn as decoding without drafts draws it
+            targets[row: row + n] = sample_keyed(logits[row: row + n], c, generator)
+            at += c.verify
+            continue
         count = torch.full((1,), c.verify, dtype=torch.long, device=logits.device)
         _, tokens = accept_sampled(chunk_probs(logits[row: row + n], c).unsqueeze(0),
                                    on_device[at: at + c.verify].unsqueeze(0), count, None,

@@ -17,7 +17,8 @@ class _Seq:
     params: NewSeq
     blocks: list[int]
     num_computed: int
-    num_generated: int
+    num_generated: int  # outputs before its next chunk's: its seed stream's index
+    drafts: int = 0  # drafts its last chunk verified; the next one says how many were kept
 
 
 class SeqTable:
@@ -44,8 +45,10 @@ class SeqTable:
             rows = self.sampled_rows
             chunks = [self._chunk(seq_id, [0], True, rows[seq_id]) for seq_id in d.feed]
             for c in d.chunks:
-                if c.forget:
-                    seqs[c.seq_id].num_computed -= c.forget
+                s = seqs[c.seq_id]
+                s.num_computed -= c.forget
+                s.num_generated += s.drafts - c.forget  # its kept drafts were outputs too
+                s.drafts = 0
             chunks += [self._chunk(c.seq_id, c.token_ids, c.sample, -1, c.verify, c.propose,
                                    c.next_token) for c in d.chunks]
         except KeyError as e:
@@ -60,6 +63,7 @@ class SeqTable:
         start, gen = s.num_computed, s.num_generated
         s.num_computed += len(tokens)
         s.num_generated += sample
+        s.drafts = verify if sample else 0
         p = s.params
         # NOTE: the chunk shares the table's live block list; a plan is consumed before the
         # next delta can append to it

@@ -20,8 +20,8 @@ def test_top_k_candidates_keep_what_the_whole_row_sort_keeps() -> None:
     top_k = torch.randint(1, CANDIDATES + 1, (64,), device="cuda")
     top_p = torch.rand(64, device="cuda") * 0.5 + 0.5
     temperature = torch.rand(64, device="cuda") + 0.4
-    whole = _filter_top_k_top_p(logits, temperature, top_k, top_p)
-    ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, width=CANDIDATES)
+    whole = _filter_top_k_top_p(logits, temperature, top_k, top_p, (False, True))
+    ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, (True, False))
     assert torch.equal(ranked, whole)
     # bf16 rows (as the graphs hand them back), ranked in bf16, keep their float32 copy's
     rows = logits.to(torch.bfloat16)
