@@ -101,7 +101,6 @@ def test_lists_of_millions_of_items_are_refused_before_they_are_read():
     CompletionRequest(prompt=[7] * MAX_PROMPT_TOKENS)
     message, bad = {"role": "user", "content": ""}, {"role": 5}
     ChatRequest(messages=[message] * MAX_MESSAGES)
-    tool = {"type": "function", "function": {"name": "f"}}
     for make, body in (
             (CompletionRequest, {"prompt": [-1] * (MAX_PROMPT_TOKENS + 1)}),
             (CompletionRequest, {"prompt": [[-1] * (MAX_PROMPT_TOKENS // 2 + 1)] * 2}),
@@ -113,6 +112,17 @@ def test_lists_of_millions_of_items_are_refused_before_they_are_read():
         assert len(e.value.errors()) == 1 and "at most" in str(e.value), e.value
     with pytest.raises(pydantic.ValidationError, match="token id -3 is not in"):
         CompletionRequest(prompt=[1, 2, -3, 4])
+    # content parts and tool calls count with their messages: one message of many parts
+    parts = {"role": "user", "content": [{"type": "text", "text": ""}] * MAX_MESSAGES}
+    with pytest.raises(pydantic.ValidationError, match=f"at most {MAX_MESSAGES} items"):
+        ChatRequest(messages=[parts])
+    with pytest.raises(pydantic.ValidationError, match=f"at most {MAX_MESSAGES} items"):
+        ResponsesRequest(input=[parts])
+    # instructions make one more message: the 400 names what the client sent
+    with pytest.raises(pydantic.ValidationError, match="input: at most"):
+        ResponsesRequest(input=[message] * MAX_MESSAGES, instructions="be brief")
+    with pytest.raises(pydantic.ValidationError, match="at most 1024 prompts"):
+        CompletionRequest(prompt=["a"] * (MAX_PROMPT_TOKENS + 1))
 
 
 def test_echoed_responses_fields_and_text_parts_are_checked_before_running():

@@ -185,47 +185,66 @@ def test_top_p_1_keeps_every_token_of_a_large_vocabulary() -> None:
 
 
 def test_a_top_k_filter_ranks_only_its_candidates_and_keeps_what_a_full_sort_keeps() -> None:
-    """Rows that all keep at most CANDIDATES tokens by top-k are ranked by `topk`; the kept
+    """Rows that all keep at most RANKED_TOP_K tokens by top-k are ranked by `topk`; the kept
     logits are those of the whole-row sort, top-p applied within the top-k alike; tied
     logits at a cut stay together."""
-    from raygraph.worker.sampler import CANDIDATES, _filter_top_k_top_p
+    from raygraph.worker.sampler import RANKED_TOP_K, _filter_top_k_top_p
 
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(5, 3000, generator=g) * 2  # distinct values: one ranking
-    top_k = torch.tensor([1, 7, 50, CANDIDATES, 300])
+    top_k = torch.tensor([1, 7, 50, RANKED_TOP_K, 200])
     top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1.0])
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0])
     whole = _filter_top_k_top_p(logits, temperature, top_k, top_p, (False, True))
     ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, (True, False))
     assert torch.equal(ranked, whole)
     assert torch.isfinite(whole).sum(-1).tolist()[0] == 1
-    assert torch.isfinite(whole[2]).sum() < 50 and torch.isfinite(whole[4]).sum() == 300
+    assert torch.isfinite(whole[2]).sum() < 50 and torch.isfinite(whole[4]).sum() == 200
 
 
 def test_filter_paths_rank_the_least_the_rows_need() -> None:
-    from raygraph.worker.sampler import CANDIDATES, filter_paths
+    from raygraph.worker.sampler import RANKED_TOP_K, filter_paths
 
-    def paths(*params: tuple[int, float]) -> tuple[bool, bool]:
+    def paths(*params: tuple[int, float], vocab: int = 5000) -> tuple[bool, bool]:
         chunks = [chunk(top_k=k, top_p=p) for k, p in params]
-        return filter_paths(chunks, list(range(len(chunks))), 5000)
+        return filter_paths(chunks, list(range(len(chunks))), vocab)
 
     assert paths((0, 1.0), (5000, 1.0), (9000, 1.0)) == (False, False)  # no ranking
     assert paths((40, 1.0), (7, 0.9), (0, 1.0)) == (True, False)
     assert paths((40, 1.0), (0, 0.9)) == (True, True)  # top-p alone: the whole row
-    assert paths((CANDIDATES + 1, 1.0)) == (False, True)
+    assert paths((RANKED_TOP_K + 1, 1.0)) == (False, True)
+    assert paths((100, 0.5), vocab=50) == (False, True)  # a top-k past a small vocabulary
 
 
-def test_a_seeded_row_draws_the_same_beside_rows_of_any_filter() -> None:
-    """Each row's filter takes a path by its own parameters: a seeded top-k + top-p row
-    draws the same token whether its batch ranks candidates, sorts, or both."""
+def test_each_row_keeps_in_a_batch_what_it_keeps_alone() -> None:
+    """Each row takes the path its own parameters pick, whatever the batch computes for the
+    others: a row without a filter keeps every token beside rows that rank candidates; a
+    top-k row ranked by candidates, with tokens tied at its k-th past them, keeps what the
+    sort of its whole row keeps (their mass counts in the nucleus' bound)."""
+    from raygraph.worker.sampler import _filter_top_k_top_p, filter_paths
+
     g = torch.Generator().manual_seed(12)
-    mine_row = torch.randn(1, 3000, generator=g) * 2
-    mine = chunk(seed=77, temperature=1.1, top_k=300, top_p=0.97, num_generated=3)
-    alone = sample(mine_row.clone(), [mine], torch.Generator())
-    for others in ([chunk(temperature=0.0)], [chunk(top_p=0.5)], [chunk(top_k=2000)],
-                   [chunk(top_k=5), chunk(top_p=0.8, seed=1)]):
-        batch = torch.cat([torch.randn(len(others), 3000, generator=g), mine_row])
-        assert sample(batch, others + [mine], torch.Generator())[-1] == alone[0]
+    tied = torch.zeros(4096)
+    tied[0] = 7.0  # the top token (a fifth of the mass), then 4,095 tied logits
+    rows = torch.stack([torch.randn(4096, generator=g), tied, torch.randn(4096, generator=g),
+                        torch.randn(4096, generator=g) * 3])
+    params = [(0, 1.0), (2, 0.5), (5, 1.0), (0, 0.8)]  # none, ties, top-k, top-p alone
+    chunks = [chunk(top_k=k, top_p=p) for k, p in params]
+    t = torch.ones(4)
+    k, p = torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params])
+
+    def kept(r: torch.Tensor, i: list[int]) -> list[int]:
+        out = _filter_top_k_top_p(r, t[i], k[i], p[i], filter_paths(chunks, i, 4096))
+        return torch.isfinite(out).sum(-1).tolist()
+
+    alone = [kept(rows[[i]], [i])[0] for i in range(4)]
+    assert alone[0] == 4096 and alone[1] == 4096 and alone[2] == 5 and alone[3] < 4096
+    assert kept(rows[:3], [0, 1, 2]) == alone[:3]  # candidates ranked, no sort
+    assert kept(rows, [0, 1, 2, 3]) == alone  # both paths
+    # the tie row ranked by candidates alone against its whole-row sort
+    one = [1]
+    assert torch.equal(_filter_top_k_top_p(rows[one], t[one], k[one], p[one], (True, False)),
+                       _filter_top_k_top_p(rows[one], t[one], k[one], p[one], (False, True)))
 
 
 def test_rows_without_a_filter_sample_from_the_whole_distribution() -> None:

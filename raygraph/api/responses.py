@@ -84,7 +84,10 @@ class ResponsesRequest(BaseModel):
         try:
             self.chat = ChatRequest.model_validate(body)
         except ValidationError as e:  # one line naming the field, as a 400
-            raise ValueError(first_problem(e.errors())[0]) from None
+            problem = first_problem(e.errors())[0]
+            if problem.startswith("messages"):  # built from input (and instructions)
+                problem = "input" + problem[len("messages"):]
+            raise ValueError(problem) from None
         return self
 
     def messages(self) -> list[dict[str, Any]]:

@@ -231,19 +231,19 @@ class CompletionRequest(_Sampling):
         would name its first branch)."""
         if not isinstance(prompt, list):
             return prompt
-        if len(prompt) > MAX_PROMPT_TOKENS:
-            raise ValueError(f"at most {MAX_PROMPT_TOKENS} token ids a request, got "
-                             f"{len(prompt)}")
+        if prompt and type(prompt[0]) is not int:  # prompts: strings or lists of ids
+            if len(prompt) > MAX_SEQUENCES:
+                raise ValueError(f"at most {MAX_SEQUENCES} prompts a request, got "
+                                 f"{len(prompt)}")
+            total = sum(len(p) for p in prompt if isinstance(p, list))
+        else:
+            total = len(prompt)
+        if total > MAX_PROMPT_TOKENS:
+            raise ValueError(f"at most {MAX_PROMPT_TOKENS} token ids a request, got {total}")
         if all(type(t) is int for t in prompt):
             if prompt and not 0 <= min(prompt) <= max(prompt) <= INT32_MAX:
                 bad = next(t for t in prompt if not 0 <= t <= INT32_MAX)
                 raise ValueError(f"token id {bad} is not in [0, {INT32_MAX}]")
-            return prompt
-        if len(prompt) > MAX_SEQUENCES:
-            raise ValueError(f"at most {MAX_SEQUENCES} prompts a request, got {len(prompt)}")
-        total = sum(len(p) for p in prompt if isinstance(p, list))
-        if total > MAX_PROMPT_TOKENS:
-            raise ValueError(f"at most {MAX_PROMPT_TOKENS} token ids a request, got {total}")
         return prompt
 
     @model_validator(mode="after")
@@ -340,10 +340,17 @@ class Tool(BaseModel):
 
 
 def few_items(items: Any, info: ValidationInfo) -> Any:
-    """A list field of at most MAX_MESSAGES items, counted before they are validated (a
-    before-validator's body)."""
-    if isinstance(items, list) and len(items) > MAX_MESSAGES:
-        raise ValueError(f"at most {MAX_MESSAGES} items a request, got {len(items)}")
+    """A list field of at most MAX_MESSAGES items, each message's content parts and tool
+    calls counted too, before any is validated (a before-validator's body)."""
+    if not isinstance(items, list):
+        return items
+    n = len(items)
+    if n <= MAX_MESSAGES:
+        n += sum(len(v) for m in items if isinstance(m, dict)
+                 for v in (m.get("content"), m.get("tool_calls")) if isinstance(v, list))
+    if n > MAX_MESSAGES:
+        raise ValueError(f"at most {MAX_MESSAGES} items a request (messages, their content "
+                         f"parts and tool calls), got {n}")
     return items
 
 

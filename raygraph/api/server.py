@@ -51,12 +51,14 @@ class HttpServer:
                                        name="raygraph-http", daemon=True)
         self.stopping = False
         self.thread.start()
-        threading.Thread(target=self.watch, name="raygraph-http-watch", daemon=True).start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP server on {self._url} did not start")
             time.sleep(0.01)
+        # once serving: a server that never started is this constructor's error (above),
+        # which Ray reports, not a process exit it would restart without end
+        threading.Thread(target=self.watch, name="raygraph-http-watch", daemon=True).start()
         freeze_heap()  # SSE streams must not wait on a full collection of the app's start-up
 
     def url(self) -> str:

@@ -14,21 +14,31 @@ import torch
 from raygraph.model import ops
 from raygraph.protocol import SeqChunk, TokenLogprobs
 
-# a row whose top-k keeps at most this many tokens ranks its `topk` candidates; any other
-# row that filters (top-p alone, or a larger top-k) sorts its whole vocabulary
+# a row whose top-k keeps at most RANKED_TOP_K tokens ranks its CANDIDATES largest logits
+# (`topk`); any other row that filters (top-p alone, or a larger top-k) sorts its whole
+# vocabulary. The room past the top-k keeps the tokens tied with its last one (a run of
+# 16-bit logits can be long) in the mass top-p renormalises over.
+RANKED_TOP_K = 256
 CANDIDATES = 1024
 
 
-def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         beyond: torch.Tensor | None = None) -> torch.Tensor:
     """[R] the smallest logit each row keeps, from its largest logits in descending order
-    [R, W]: its top-k, then the nucleus of top-p renormalised within the top-k."""
+    [R, W]: its top-k, then the nucleus of top-p renormalised within the top-k (every token
+    tied with its k-th counted in). `beyond` [R]: tokens tied with the k-th past the W
+    ranked (candidates only), whose mass the nucleus' bound counts too."""
     width = ranked.shape[-1]
     k = torch.where(top_k > 0, top_k, width).clamp(max=width)
     kth = ranked.gather(1, (k - 1).unsqueeze(1))
-    probs = ranked.masked_fill(ranked < kth, float("-inf")).softmax(-1)
+    top = ranked[:, :1]
+    mass = (ranked - top).exp().masked_fill(ranked < kth, 0.0)
+    total = mass.sum(-1)
+    if beyond is not None:
+        total = total + beyond * (kth - top).squeeze(1).exp()
     # the tokens kept by top-p, in rank order: those whose mass before them is below top_p
     # (the top token always; past the top-k the mass before is all of it)
-    kept = ((probs.cumsum(-1) - probs) < top_p.unsqueeze(1)).sum(-1)
+    kept = ((mass.cumsum(-1) - mass) < (top_p * total).unsqueeze(1)).sum(-1)
     nucleus = ranked.gather(1, (kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     # top_p 1 keeps every token, though a float32 sum reaches 1 before a long tail
     return torch.where(top_p < 1, torch.maximum(nucleus, kth.squeeze(1)), kth.squeeze(1))
@@ -37,9 +47,12 @@ def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
 def filter_paths(chunks: list[SeqChunk], rows: list[int], vocab: int) -> tuple[bool, bool]:
     """(whether a row ranks its top-k's candidates, whether a row sorts its vocabulary):
     the work a step's sampled rows need; (False, False) when none filters."""
-    ks = [(chunks[i].top_k, chunks[i].top_p) for i in rows]
-    by_top_k = any(0 < k <= CANDIDATES and k < vocab for k, _ in ks)
-    by_sort = any((0 < k < vocab or p < 1) and not 0 < k <= CANDIDATES for k, p in ks)
+    by_top_k = by_sort = False
+    for i in rows:
+        k, p = chunks[i].top_k, chunks[i].top_p
+        small = 0 < k <= RANKED_TOP_K and k < vocab
+        by_top_k |= small
+        by_sort |= (0 < k < vocab or p < 1) and not small
     return by_top_k, by_sort
 
 
@@ -50,18 +63,22 @@ def _filter_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
     row's top-k and top-p nucleus at -inf. Every token at or above a row's cut stays
     (tokens tied at a cut stay together, as a threshold on the logits keeps them). Each row
     takes one path by its own parameters (`filter_paths`), so its cut does not depend on
-    the rows beside it: a top-k of at most CANDIDATES ranks that many candidates, any other
-    filter sorts the row. Rows are ranked in their own dtype (a bf16 sort is half a
+    the rows beside it: a top-k of at most RANKED_TOP_K ranks CANDIDATES candidates, any
+    other filter sorts the row. Rows are ranked in their own dtype (a bf16 sort is half a
     float32's work) and only the ranked values scaled: dividing by a temperature keeps
     their order."""
     t = temperature.unsqueeze(1)
     scaled = logits / t
     vocab = logits.shape[-1]
     by_top_k, by_sort = paths
-    small = (top_k > 0) & (top_k <= CANDIDATES) & (top_k < vocab)
+    small = (top_k > 0) & (top_k <= RANKED_TOP_K) & (top_k < vocab)
     cut = None
     if by_top_k:  # float32: the ranked rows / t as `scaled` has them
-        cut = _cut(logits.topk(min(CANDIDATES, vocab), dim=-1).values / t, top_k, top_p)
+        ranked = logits.topk(min(CANDIDATES, vocab), dim=-1).values
+        k = top_k.clamp(1, ranked.shape[-1]).unsqueeze(1)
+        kth = ranked.gather(1, k - 1)
+        beyond = (logits == kth).sum(-1) - (ranked == kth).sum(-1)
+        cut = _cut(ranked / t, top_k, top_p, beyond)
     if by_sort:
         whole = _cut(logits.sort(dim=-1, descending=True).values / t, top_k, top_p)
         cut = whole if cut is None else torch.where(small, cut, whole)

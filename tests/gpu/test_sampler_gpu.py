@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from raygraph.protocol import SeqChunk
-from raygraph.worker.sampler import CANDIDATES, SamplingRows, _filter_top_k_top_p, sample_tokens
+from raygraph.worker.sampler import (
+    RANKED_TOP_K,
+    SamplingRows,
+    _filter_top_k_top_p,
+    sample_tokens,
+)
 
 pytestmark = pytest.mark.gpu
 VOCAB = 128_256
@@ -17,7 +22,7 @@ VOCAB = 128_256
 def test_top_k_candidates_keep_what_the_whole_row_sort_keeps() -> None:
     torch.manual_seed(0)
     logits = torch.randn(64, VOCAB, device="cuda") * 3
-    top_k = torch.randint(1, CANDIDATES + 1, (64,), device="cuda")
+    top_k = torch.randint(1, RANKED_TOP_K + 1, (64,), device="cuda")
     top_p = torch.rand(64, device="cuda") * 0.5 + 0.5
     temperature = torch.rand(64, device="cuda") + 0.4
     whole = _filter_top_k_top_p(logits, temperature, top_k, top_p, (False, True))
