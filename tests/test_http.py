@@ -1074,6 +1074,35 @@ def test_a_stream_that_fails_before_reading_its_deltas_still_stops_them():
     assert stopped == [1] and b"surrogates" in out[0] and out[-1].strip() == b"data: [DONE]"
 
 
+def test_a_stream_ends_as_its_api_ends_one_even_at_its_first_event():
+    """The Responses API ends a failed stream with its own events, not chat's error and
+    [DONE]: `_guard` hands the error to the stream's ending wherever it failed, its first
+    event included, and stops its engine streams."""
+    from raygraph.api.app import _guard
+    from raygraph.api.front import Merged
+
+    stopped, seen = [], []
+
+    async def deltas():
+        yield 0, None
+
+    async def events():
+        raise RuntimeError("the response object could not be built")
+        yield b""
+
+    def failed(err: ApiError) -> list[bytes]:
+        seen.append(err)
+        return [b"event: error\n", b"event: response.failed\n"]
+
+    async def run():
+        return [e async for e in _guard(events(), Merged(deltas(), lambda: stopped.append(1)),
+                                        failed)]
+
+    out = asyncio.run(run())
+    assert out == [b"event: error\n", b"event: response.failed\n"] and stopped == [1]
+    assert seen[0].status == 500 and "could not be built" in seen[0].message
+
+
 def test_what_a_chat_template_writes_counts_toward_the_bulk_lane():
     """A chat request tokenizes in the bulk lane when its template has much to write: long
     tools or kwargs, or many messages (each costs the template its markers), not only

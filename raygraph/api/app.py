@@ -225,33 +225,38 @@ def build_app(coord: Any, cfg: HttpConfig | None = None, info: dict | None = Non
             return JSONResponse(response(output_items(message), len(r.token_ids),
                                          r.finish_reason))
         deltas = await front.open_streams(choices)
+        out, sent = ResponseEvents(), [0]  # the events so far, the tokens they carried
 
         async def events() -> AsyncIterator[bytes]:
-            out, parts, n = ResponseEvents(), AnswerStream(reasoning, tools), 0
+            parts, finish = AnswerStream(reasoning, tools), None
             for kind in ("response.created", "response.in_progress"):
                 yield event(out.event(kind, response=response([], 0, None)))
-            finish = None
-            try:
-                async for _, d in deltas:
-                    n += len(d.token_ids)
-                    pieces = parts.feed(d.text or "")
-                    if d.finish_reason is not None:
-                        pieces += parts.finish()
-                        finish = d.finish_reason
-                    for e in out.feed(pieces):
-                        yield event(e)
-            except Exception as e:  # after the 200: Responses' own error events
-                err = translate(e)
-                for ev in out.failed(response(out.items, n, None), err.code or err.type,
-                                     err.message, err.param):
-                    yield event(ev)
-                return
+            async for _, d in deltas:
+                sent[0] += len(d.token_ids)
+                pieces = parts.feed(d.text or "")
+                if d.finish_reason is not None:
+                    pieces += parts.finish()
+                    finish = d.finish_reason
+                for e in out.feed(pieces):
+                    yield event(e)
             for e in out.close():
                 yield event(e)
             done = "response.incomplete" if finish == "length" else "response.completed"
-            yield event(out.event(done, response=response(out.items, n, finish)))
+            yield event(out.event(done, response=response(out.items, sent[0], finish)))
 
-        return StreamingResponse(_guard(events(), deltas), media_type="text/event-stream")
+        def failed(err: ApiError) -> list[bytes]:
+            """Responses' own ending: `error`, then `response.failed` (only the `error`
+            event when the response object itself is what failed to build)."""
+            code = err.code or err.type
+            try:
+                evs = out.failed(response(out.items, sent[0], None), code, err.message,
+                                 err.param)
+            except Exception:
+                evs = [out.event("error", code=code, message=err.message, param=err.param)]
+            return [event(e) for e in evs]
+
+        return StreamingResponse(_guard(events(), deltas, failed),
+                                 media_type="text/event-stream")
 
     @get("/is_sleeping")
     async def is_sleeping() -> dict:
@@ -318,14 +323,23 @@ def template_size(tools: list | None, kwargs: dict | None) -> int:
         return BULK_CHARS
 
 
-async def _guard(events: AsyncIterator[bytes], deltas: Merged) -> AsyncIterator[bytes]:
-    """A stream that fails after its 200 ends with one OpenAI error event, then [DONE];
-    however it ends, its engine streams stop (one that failed before it read them too)."""
+def _chat_failed(err: ApiError) -> list[bytes]:
+    """How a completions or chat stream ends after its 200: an error event, then [DONE]."""
+    return [sse(err.body()), sse("[DONE]")]
+
+
+async def _guard(events: AsyncIterator[bytes], deltas: Merged,
+                 failed: Callable[[ApiError], list[bytes]] = _chat_failed
+                 ) -> AsyncIterator[bytes]:
+    """A stream that fails after its 200 ends as its API ends one (`failed`: OpenAI's error
+    event and [DONE], or the Responses API's own events), wherever it failed, its first
+    event included; however it ends, its engine streams stop (one that failed before it
+    read them too)."""
     try:
         async for e in events:
             yield e
     except Exception as e:
-        yield sse(translate(e).body())
-        yield sse("[DONE]")
+        for b in failed(translate(e)):
+            yield b
     finally:
         await deltas.aclose()
