@@ -184,6 +184,21 @@ def test_top_p_1_keeps_every_token_of_a_large_vocabulary() -> None:
     assert torch.isfinite(kept[1]).sum() == 1  # a nucleus of 0.5: the top token alone
 
 
+def nucleus_margin(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """[R] how far each row's top_p is from every mass before a token of its top-k (float64;
+    inf with top_p 1): past float32's rounding of the sums, ranking the candidates or the
+    whole row must agree on the nucleus exactly, though their sums run over other widths."""
+    ranked = (logits.double() / temperature.double().unsqueeze(1)).sort(-1, descending=True)
+    ranked = ranked.values
+    k = torch.where(top_k > 0, top_k, ranked.shape[-1]).unsqueeze(1)
+    kth = ranked.gather(1, k - 1)
+    mass = (ranked - ranked[:, :1]).exp().masked_fill(ranked < kth, 0.0)
+    before = (mass.cumsum(-1) - mass) / mass.sum(-1, keepdim=True)
+    gap = (before - top_p.double().unsqueeze(1)).abs().masked_fill(ranked < kth, float("inf"))
+    return torch.where(top_p < 1, gap.amin(-1), float("inf"))
+
+
 def test_a_top_k_filter_ranks_only_its_candidates_and_keeps_what_a_full_sort_keeps() -> None:
     """Rows that all keep at most RANKED_TOP_K tokens by top-k are ranked by `topk`; the kept
     logits are those of the whole-row sort, top-p applied within the top-k alike; tied
@@ -193,8 +208,9 @@ def test_a_top_k_filter_ranks_only_its_candidates_and_keeps_what_a_full_sort_kee
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(5, 3000, generator=g) * 2  # distinct values: one ranking
     top_k = torch.tensor([1, 7, 50, RANKED_TOP_K, 200])
-    top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1.0])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.93, 1.0])
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0])
+    assert (nucleus_margin(logits, temperature, top_k, top_p) > 1e-4).all()
     whole = _filter_top_k_top_p(logits, temperature, top_k, top_p, (False, True))
     ranked = _filter_top_k_top_p(logits, temperature, top_k, top_p, (True, False))
     assert torch.equal(ranked, whole)

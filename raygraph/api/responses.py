@@ -17,7 +17,6 @@ from pydantic import (
     StrictBool,
     StrictStr,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -48,8 +47,8 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("input", "tools", mode="before")
     @classmethod
-    def _few_items(cls, items: Any, info: ValidationInfo) -> Any:
-        return few_items(items, info)
+    def _few_items(cls, items: Any) -> Any:
+        return few_items(items)
 
     @model_validator(mode="after")
     def _as_chat(self) -> ResponsesRequest:

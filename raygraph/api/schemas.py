@@ -339,7 +339,7 @@ class Tool(BaseModel):
     function: ToolFunction
 
 
-def few_items(items: Any, info: ValidationInfo) -> Any:
+def few_items(items: Any) -> Any:
     """A list field of at most MAX_MESSAGES items, each message's content parts and tool
     calls counted too, before any is validated (a before-validator's body)."""
     if not isinstance(items, list):
@@ -377,8 +377,8 @@ class ChatRequest(_Sampling):
 
     @field_validator("messages", "tools", mode="before")
     @classmethod
-    def _few_items(cls, items: Any, info: ValidationInfo) -> Any:
-        return few_items(items, info)
+    def _few_items(cls, items: Any) -> Any:
+        return few_items(items)
 
     @property
     def tools_active(self) -> bool:

@@ -23,18 +23,19 @@ CANDIDATES = 1024
 
 
 def _cut(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         beyond: torch.Tensor | None = None) -> torch.Tensor:
+         rows: torch.Tensor | None = None) -> torch.Tensor:
     """[R] the smallest logit each row keeps, from its largest logits in descending order
     [R, W]: its top-k, then the nucleus of top-p renormalised within the top-k (every token
-    tied with its k-th counted in). `beyond` [R]: tokens tied with the k-th past the W
-    ranked (candidates only), whose mass the nucleus' bound counts too."""
+    tied with its k-th counted in). `rows`: the whole rows, when `ranked` holds only their
+    candidates: tokens tied with the k-th past them count in the nucleus' bound too."""
     width = ranked.shape[-1]
     k = torch.where(top_k > 0, top_k, width).clamp(max=width)
     kth = ranked.gather(1, (k - 1).unsqueeze(1))
     top = ranked[:, :1]
     mass = (ranked - top).exp().masked_fill(ranked < kth, 0.0)
     total = mass.sum(-1)
-    if beyond is not None:
+    if rows is not None:
+        beyond = (rows == kth).sum(-1) - (ranked == kth).sum(-1)
         total = total + beyond * (kth - top).squeeze(1).exp()
     # the tokens kept by top-p, in rank order: those whose mass before them is below top_p
     # (the top token always; past the top-k the mass before is all of it)
@@ -74,11 +75,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
     small = (top_k > 0) & (top_k <= RANKED_TOP_K) & (top_k < vocab)
     cut = None
     if by_top_k:  # float32: the ranked rows / t as `scaled` has them
-        ranked = logits.topk(min(CANDIDATES, vocab), dim=-1).values
-        k = top_k.clamp(1, ranked.shape[-1]).unsqueeze(1)
-        kth = ranked.gather(1, k - 1)
-        beyond = (logits == kth).sum(-1) - (ranked == kth).sum(-1)
-        cut = _cut(ranked / t, top_k, top_p, beyond)
+        cut = _cut(logits.topk(min(CANDIDATES, vocab), dim=-1).values / t, top_k, top_p,
+                   scaled)
     if by_sort:
         whole = _cut(logits.sort(dim=-1, descending=True).values / t, top_k, top_p)
         cut = whole if cut is None else torch.where(small, cut, whole)
